@@ -1,0 +1,12 @@
+-- sweep: re-notify effective keys whose lease expired without a release (holder died).
+-- KEYS[1] leases registry  KEYS[2] ready stream
+-- ARGV[1] max keys  ARGV[2] ready MAXLEN
+-- returns the re-notified keys
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+for _, k in ipairs(due) do
+  redis.call('ZREM', KEYS[1], k)
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'session', k, 'effective', '1')
+end
+return due
