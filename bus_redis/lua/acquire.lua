@@ -5,14 +5,16 @@
 -- KEYS[4] owner        P:{K}:owner      transient owner record (hash: worker, ...)
 -- KEYS[5] session      P:{K}:session    durable session hash (for its version)
 -- KEYS[6] leases       P:leases         lease registry (K -> expiry ms)
--- KEYS[7..]            stream triples: inbound stream, attempts hash, control flag
+-- KEYS[7] memory       P:memory         durable memory hash (for its version)
+-- KEYS[8..]            stream triples: inbound stream, attempts hash, control flag
 -- ARGV[1] worker id    ARGV[2] lease ttl ms    ARGV[3] K
 -- ARGV[4] notified member S ('' when none)
 -- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
 -- ARGV[6] owner ttl ms
--- ARGV[7..] members (session keys) of the stream triples
+-- ARGV[7] '1' to select the first entry (or release at once), '0' to only take the lease
+-- ARGV[8..] members (session keys) of the stream triples
 -- returns {'forward', owner} | {'busy', holder}
---       | {'acquired', token, version, <next_or_release result...>}
+--       | {'acquired', token, session version, memory version, <next_or_release result...>}
 local owner = redis.call('HGET', KEYS[4], 'worker')
 if owner and owner ~= ARGV[1] then return {'forward', owner} end
 if ARGV[4] ~= '' then redis.call('SADD', KEYS[3], ARGV[4]) end
@@ -28,5 +30,7 @@ local ttl = tonumber(ARGV[2])
 redis.call('SET', KEYS[1], token, 'PX', ttl)
 redis.call('ZADD', KEYS[6], now_ms() + ttl, ARGV[3])
 local version = redis.call('HGET', KEYS[5], 'version') or '0'
-local nxt = next_or_release(KEYS[1], KEYS[3], KEYS[6], triples(7, 7), ARGV[3])
-return {'acquired', token, version, unpack(nxt)}
+local memory = redis.call('HGET', KEYS[7], 'version') or '0'
+if ARGV[7] ~= '1' then return {'acquired', token, version, memory} end
+local nxt = next_or_release(KEYS[1], KEYS[3], KEYS[6], triples(8, 8), ARGV[3])
+return {'acquired', token, version, memory, unpack(nxt)}

@@ -1,0 +1,26 @@
+"""session_store: durable Redis-hash sessions, transient in-memory sessions, durable memory.
+
+models       Session, SessionPolicy, UNIFIED_SESSION_KEY
+protocol     the SessionStore protocol
+redis_store  RedisSessionStore (one hash per session, index sorted set)
+codec        hash field encoding
+manager      SessionManager (LRU for durable, pinned table for transient)
+memory       MemoryStore (long-term memory shared by all workers)
+"""
+
+from session_store.manager import SessionManager
+from session_store.memory import MemoryStore
+from session_store.models import UNIFIED_SESSION_KEY, Session, SessionPolicy
+from session_store.protocol import SessionInfo, SessionStore
+from session_store.redis_store import RedisSessionStore
+
+__all__ = [
+    "UNIFIED_SESSION_KEY",
+    "MemoryStore",
+    "RedisSessionStore",
+    "Session",
+    "SessionInfo",
+    "SessionManager",
+    "SessionPolicy",
+    "SessionStore",
+]

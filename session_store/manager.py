@@ -1,0 +1,110 @@
+"""SessionManager: the worker's session cache in front of a SessionStore.
+
+Durable sessions sit in a bounded LRU and are valid only while their version equals the
+version in Redis (checked by the lease script). Transient sessions are pinned in a
+separate table: never evicted while open, never written anywhere.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from session_store.models import Session, SessionPolicy
+from session_store.protocol import SessionInfo, SessionStore
+
+SESSION_CACHE_MAX_SIZE = 128
+
+
+class SessionManager:
+    def __init__(self, store: SessionStore, *, cache_size: int = SESSION_CACHE_MAX_SIZE) -> None:
+        self.store = store
+        self._cache: OrderedDict[str, Session] = OrderedDict()
+        self._transient: dict[str, Session] = {}
+        self._cache_size = cache_size
+
+    # --- cache (plain methods: no I/O) -------------------------------------------------
+    def get_cached(self, key: str) -> Session | None:
+        session = self._transient.get(key)
+        if session is not None:
+            return session
+        session = self._cache.get(key)
+        if session is not None:
+            self._cache.move_to_end(key)
+        return session
+
+    def is_transient(self, key: str) -> bool:
+        return key in self._transient
+
+    def transient_keys(self) -> list[str]:
+        return list(self._transient)
+
+    def get_or_create_transient(self, key: str, *, disabled_tools: Iterable[str] = ()) -> Session:
+        """A private session held only here; a cached session with another policy is replaced
+        by a fresh empty one (stored history is never loaded into it)."""
+        policy = SessionPolicy(persist=False, log_content=False, disabled_tools=frozenset(disabled_tools))
+        current = self._transient.get(key)
+        if current is not None and current.policy == policy:
+            return current
+        session = Session(key=key, policy=policy)
+        self._cache.pop(key, None)
+        self._transient[key] = session
+        return session
+
+    def invalidate(self, key: str) -> None:
+        self._cache.pop(key, None)
+        self._transient.pop(key, None)
+
+    def _remember(self, session: Session) -> Session:
+        self._cache[session.key] = session
+        self._cache.move_to_end(session.key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return session
+
+    # --- storage -------------------------------------------------------------------------
+    async def get_or_create(self, key: str) -> Session:
+        cached = self.get_cached(key)
+        if cached is not None:
+            return cached
+        return self._remember(await self.store.load(key) or Session(key=key))
+
+    async def load_for_turn(self, key: str, version: int) -> Session:
+        """The durable session at ``version`` (from the lease script): the cached object
+        when it is current, else a fresh load."""
+        cached = self._cache.get(key)
+        if cached is not None and cached.version == version:
+            self._cache.move_to_end(key)
+            return cached
+        loaded = await self.store.load(key) if version else None
+        return self._remember(loaded or Session(key=key))
+
+    async def save(self, session: Session) -> None:
+        """Write a whole durable session; a no-op for non-persistent (transient) sessions."""
+        if not session.policy.persist:
+            return
+        await self.store.save(session)
+        self._remember(session)
+
+    async def read_session(self, key: str) -> dict[str, Any] | None:
+        """The stored payload, or None; never touches the cache."""
+        return await self.store.read(key)
+
+    async def read_metadata(self, key: str) -> dict[str, Any] | None:
+        return await self.store.read_metadata(key)
+
+    async def update_metadata(self, key: str, updates: dict[str, Any]) -> bool:
+        ok = await self.store.update_metadata(key, updates)
+        cached = self._cache.get(key)
+        if ok and cached is not None:
+            cached.metadata.update(updates)
+            cached.version = await self.store.version(key)
+        return ok
+
+    async def delete_session(self, key: str) -> bool:
+        self.invalidate(key)
+        return await self.store.delete(key)
+
+    async def list_sessions(self) -> list[SessionInfo]:
+        return await self.store.list_sessions()

@@ -1,0 +1,113 @@
+"""Session and SessionPolicy: the in-memory shape of a conversation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+UNIFIED_SESSION_KEY = "unified:default"
+_REPLAY_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+DEFAULT_HISTORY_TOKENS = 16_000
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def estimate_tokens(row: dict[str, Any]) -> int:
+    """Cheap token estimate of one message row (~4 characters a token)."""
+    content = row.get("content")
+    size = len(content) if isinstance(content, str) else len(str(content or ""))
+    if row.get("tool_calls"):
+        size += len(str(row["tool_calls"]))
+    return size // 4 + 4
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPolicy:
+    """Runtime rules that are not session data: a transient session does not persist."""
+
+    persist: bool = True
+    log_content: bool = True
+    disabled_tools: frozenset[str] = frozenset()
+
+
+TRANSIENT = SessionPolicy(persist=False, log_content=False)
+
+
+@dataclass(eq=False)
+class Session:
+    """One conversation. ``version``/``persisted_count`` tie it to its Redis hash."""
+
+    key: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    created_at: str = field(default_factory=now_iso)
+    updated_at: str = field(default_factory=now_iso)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    last_consolidated: int = 0
+    policy: SessionPolicy = field(default_factory=SessionPolicy)
+    version: int = 0
+    persisted_count: int = 0
+    _tokens: list[int] = field(default_factory=list, repr=False)
+    _seen_ids: set[str] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metadata, dict):
+            self.metadata = {}
+        lc = self.last_consolidated
+        if isinstance(lc, bool) or not isinstance(lc, int) or not 0 <= lc <= len(self.messages):
+            self.last_consolidated = 0
+        self._tokens = [estimate_tokens(m) for m in self.messages]
+        self._seen_ids = {m["message_id"] for m in self.messages if m.get("message_id")}
+
+    # --- mutation ---------------------------------------------------------------
+    def add_message(self, role: str, content: Any, **extra: Any) -> dict[str, Any]:
+        row: dict[str, Any] = {"role": role, "content": content, "timestamp": now_iso(), **extra}
+        self.append_rows([row])
+        return row
+
+    def append_rows(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.messages.append(row)
+            self._tokens.append(estimate_tokens(row))
+            if row.get("message_id"):
+                self._seen_ids.add(row["message_id"])
+        if rows:
+            self.updated_at = now_iso()
+
+    def unpersisted(self) -> list[dict[str, Any]]:
+        return self.messages[self.persisted_count :]
+
+    def mark_persisted(self, version: int) -> None:
+        self.persisted_count = len(self.messages)
+        self.version = version
+
+    def has_seen(self, message_id: str | None) -> bool:
+        return bool(message_id) and message_id in self._seen_ids
+
+    @property
+    def token_count(self) -> int:
+        return sum(self._tokens[self.last_consolidated :])
+
+    # --- replay -----------------------------------------------------------------
+    def get_history(self, *, max_tokens: int = DEFAULT_HISTORY_TOKENS) -> list[dict[str, Any]]:
+        """The LLM replay view: unconsolidated rows within a token budget.
+
+        Walks back from the newest row, so the cost is bounded by the budget, not by
+        the length of the whole history. Starts on a user row; never starts with an
+        orphan tool result.
+        """
+        start = len(self.messages)
+        budget = max_tokens
+        while start > self.last_consolidated and budget - self._tokens[start - 1] >= 0:
+            start -= 1
+            budget -= self._tokens[start]
+        while start < len(self.messages) and self.messages[start].get("role") != "user":
+            start += 1
+        out = []
+        for row in self.messages[start:]:
+            if row.get("role") == "assistant" and not row.get("content") and not row.get("tool_calls"):
+                continue
+            out.append({k: row[k] for k in _REPLAY_FIELDS if k in row and row[k] is not None})
+        return out

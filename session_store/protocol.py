@@ -1,0 +1,33 @@
+"""The storage protocol behind SessionManager (the reference loop's SessionStore)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypedDict
+
+from session_store.models import Session
+
+
+class SessionInfo(TypedDict):
+    key: str
+    created_at: str
+    updated_at: str
+    title: str
+    messages: int
+
+
+class SessionStore(Protocol):
+    async def load(self, key: str) -> Session | None: ...
+
+    async def save(self, session: Session) -> None: ...
+
+    async def delete(self, key: str) -> bool: ...
+
+    async def read(self, key: str) -> dict[str, Any] | None: ...
+
+    async def read_metadata(self, key: str) -> dict[str, Any] | None: ...
+
+    async def update_metadata(self, key: str, updates: dict[str, Any]) -> bool: ...
+
+    async def list_sessions(self) -> list[SessionInfo]: ...
+
+    async def version(self, key: str) -> int: ...
