@@ -276,6 +276,12 @@ class RedisBus:
         keys = [self.keys.owner(key), self.keys.owners]
         await self._scripts.call("owner", keys, ["drop", worker_id, member, 0])
 
+    async def abandon_owner(self, key: str, worker_id: str) -> None:
+        """Delete our owner record but keep its registry entry, so that
+        :meth:`report_owner_lost` tells the frontend."""
+        keys = [self.keys.owner(key), self.keys.owners]
+        await self._scripts.call("owner", keys, ["abandon", worker_id, "", 0])
+
     async def due_owners(self, *, limit: int = 100) -> list[str]:
         now_ms = int(time.time() * 1000)
         return texts(await self.redis.zrangebyscore(self.keys.owners, "-inf", now_ms, 0, limit))

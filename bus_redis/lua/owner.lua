@@ -1,8 +1,12 @@
 -- owner: renew or drop the owner record of a transient session.
 -- KEYS[1] owner  KEYS[2] owners registry
--- ARGV[1] op ('renew' | 'drop')  ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
+-- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry)  ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
 -- returns 1 done, 0 the record is not ours (renew: it expired or moved)
 local cur = redis.call('HGET', KEYS[1], 'worker')
+if ARGV[1] == 'abandon' then
+  if cur == ARGV[2] then redis.call('DEL', KEYS[1]) end
+  return 1
+end
 if ARGV[1] == 'drop' then
   if cur == ARGV[2] then redis.call('DEL', KEYS[1]) end
   redis.call('ZREM', KEYS[2], ARGV[3])

@@ -1,0 +1,57 @@
+"""Small test doubles: a scripted provider (canned responses) and Redis scans."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from worker.providers import GenerationSettings, LLMResponse
+
+Handler = Callable[..., Awaitable[LLMResponse]]
+
+
+class ScriptedProvider:
+    """Answers with canned responses in order, or through ``handler``; records every call."""
+
+    def __init__(self, responses: list[str] | None = None, *, handler: Handler | None = None) -> None:
+        self.responses = list(responses or [])
+        self.handler = handler
+        self.calls: list[dict[str, Any]] = []
+        self.generation = GenerationSettings()
+        self.started = asyncio.Event()
+
+    def get_default_model(self) -> str:
+        return "test-model"
+
+    async def chat_with_retry(self, **kwargs: Any) -> LLMResponse:
+        self.calls.append(kwargs)
+        self.started.set()
+        if self.handler is not None:
+            return await self.handler(**kwargs)
+        if not self.responses:
+            raise AssertionError("provider called more often than scripted")
+        return LLMResponse(content=self.responses.pop(0), usage={})
+
+
+async def dump_all(redis: aioredis.Redis) -> str:
+    """Every key and value in the database, as one string (to search for leaked content)."""
+    parts: list[str] = []
+    async for key in redis.scan_iter(count=1000):
+        kind = await redis.type(key)
+        parts.append(key)
+        if kind == "string":
+            parts.append(str(await redis.get(key)))
+        elif kind == "hash":
+            parts.append(str(await redis.hgetall(key)))
+        elif kind == "list":
+            parts.append(str(await redis.lrange(key, 0, -1)))
+        elif kind == "set":
+            parts.append(str(await redis.smembers(key)))
+        elif kind == "zset":
+            parts.append(str(await redis.zrange(key, 0, -1)))
+        elif kind == "stream":
+            parts.append(str(await redis.xrange(key)))
+    return "\n".join(parts)

@@ -1,0 +1,82 @@
+"""A redis-server process started by the tests themselves, on a free port."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+class RedisServer:
+    def __init__(self, *, aof: bool = False, port: int | None = None, extra: list[str] | None = None) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError("redis-server is not installed")
+        self.binary = binary
+        self.port = port or free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="raw-redis-"))
+        self.aof = aof
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            "--save", "", "--appendonly", "yes" if self.aof else "no", "--appendfsync", "always",
+            "--logfile", str(self.dir / "redis.log"), *self.extra,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {(self.dir / 'redis.log').read_text()[-500:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")

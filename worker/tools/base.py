@@ -1,0 +1,78 @@
+"""Tool protocol, per-turn context and the registry that filters disabled tools."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from session_store import Session, SessionManager
+
+log = logging.getLogger(__name__)
+Emit = Callable[[str], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class ToolContext:
+    """What a tool may touch during one turn."""
+
+    session: Session
+    sessions: SessionManager
+    emit: Emit  # send a non-terminal message to the session's frontend
+
+
+class Tool(Protocol):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    async def execute(self, ctx: ToolContext, **kwargs: Any) -> str: ...
+
+
+def schema(properties: dict[str, Any], required: Iterable[str] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(required)}
+
+
+class ToolRegistry:
+    def __init__(self, tools: Iterable[Tool] = ()) -> None:
+        self._tools: dict[str, Tool] = {}
+        for tool in tools:
+            self.register(tool)
+
+    def register(self, tool: Tool) -> None:
+        self._tools[tool.name] = tool
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tools)
+
+    def definitions(self, disabled: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+        """OpenAI ``tools`` entries of the tools this session may use."""
+        return [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+            }
+            for t in self._tools.values()
+            if t.name not in disabled
+        ]
+
+    async def execute(self, name: str, arguments: dict[str, Any], ctx: ToolContext) -> str:
+        """Run one call; a disabled, unknown or failing tool becomes an error string the
+        model can read, never an exception out of the turn."""
+        tool = self._tools.get(name)
+        if tool is None or name in ctx.session.policy.disabled_tools:
+            return f"Error: tool {name!r} is not available in this session"
+        try:
+            return await tool.execute(ctx, **arguments)
+        except TypeError as exc:
+            return f"Error: bad arguments for {name}: {exc}"
+        except Exception as exc:
+            log.exception("tool %s failed", name)
+            return f"Error: {name} failed: {type(exc).__name__}"
+
+
+def as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)

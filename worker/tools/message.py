@@ -1,0 +1,15 @@
+"""message: send a message to the user before the turn's final answer."""
+
+from __future__ import annotations
+
+from worker.tools.base import ToolContext, schema
+
+
+class MessageTool:
+    name = "message"
+    description = "Send a message to the user now, while the turn goes on."
+    parameters = schema({"content": {"type": "string"}}, ["content"])
+
+    async def execute(self, ctx: ToolContext, content: str) -> str:
+        await ctx.emit(content)
+        return "sent"

@@ -1,0 +1,84 @@
+"""One agent turn: the LLM / tool loop. Pure of Redis: it reads a Session and returns
+the rows to append; the caller commits them under the session lease."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus_redis import InboundMessage
+from session_store import Session
+from session_store.models import now_iso
+from worker.context import ContextBuilder
+from worker.providers import LLMProvider, ToolCallRequest
+from worker.tools import ToolContext, ToolRegistry
+
+MAX_ITERATIONS_TEXT = "I stopped after reaching the tool-iteration limit for this turn."
+
+
+@dataclass(slots=True)
+class TurnState:
+    """Rows produced so far; read by the caller when the turn is stopped midway."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    final: str | None = None
+
+
+def user_row(msg: InboundMessage, reply_to: str) -> dict[str, Any]:
+    content = msg.content if msg.is_user_input else f"[system message from {msg.sender_id}] {msg.content}"
+    row: dict[str, Any] = {"role": "user", "content": content, "timestamp": now_iso(), "message_id": reply_to}
+    if msg.media:
+        row["media"] = list(msg.media)
+    if msg.sender_id:
+        row["sender_id"] = msg.sender_id
+    return row
+
+
+def _call_row(content: str | None, calls: list[ToolCallRequest]) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": content or "",
+        "timestamp": now_iso(),
+        "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for c in calls
+        ],
+    }
+
+
+@dataclass(slots=True)
+class TurnRunner:
+    provider: LLMProvider
+    tools: ToolRegistry
+    context: ContextBuilder
+    model: str
+    max_iterations: int = 20
+
+    async def run(
+        self, session: Session, first_row: dict[str, Any], memory: str | None, ctx: ToolContext, state: TurnState
+    ) -> str:
+        state.rows.append(first_row)
+        messages = self.context.build(session, first_row, memory)
+        offered = self.tools.definitions(session.policy.disabled_tools)
+        for _ in range(self.max_iterations):
+            response = await self.provider.chat_with_retry(
+                messages=messages, tools=offered or None, model=self.model
+            )
+            if not response.tool_calls:
+                return self._finish(state, response.content or "")
+            call_row = _call_row(response.content, response.tool_calls)
+            messages.append({k: v for k, v in call_row.items() if k != "timestamp"})
+            state.rows.append(call_row)
+            for call in response.tool_calls:
+                result = await self.tools.execute(call.name, call.arguments, ctx)
+                tool_row = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result}
+                messages.append(tool_row)
+                state.rows.append({**tool_row, "timestamp": now_iso()})
+        return self._finish(state, MAX_ITERATIONS_TEXT)
+
+    @staticmethod
+    def _finish(state: TurnState, text: str) -> str:
+        state.rows.append({"role": "assistant", "content": text, "timestamp": now_iso()})
+        state.final = text
+        return text
