@@ -249,7 +249,8 @@ class SessionHolder:
         if exc is not None:
             raise exc
         session.append_rows(state.rows)
-        return Outcome(reply(msg, key, reply_to, task.result()), session)
+        out = reply(msg, key, reply_to, task.result(), metadata={"worker": self.loop.worker_id})
+        return Outcome(out, session)
 
     async def _emit(self, msg: InboundMessage, reply_to: str, text: str) -> None:
         out = OutboundMessage(type="progress", channel=msg.channel, chat_id=msg.chat_id, session_key=self.key,

@@ -40,7 +40,8 @@ class EchoProvider:
             call = self._tool_call(text, tools or [])
             if call is not None:
                 return LLMResponse(content="", tool_calls=[call], finish_reason="tool_calls")
-            text = f"echo: {text}"
+            earlier = sum(1 for m in messages[1:-1] if m.get("role") in ("user", "assistant"))
+            text = f"echo: {text}" + (f" (I remember {earlier} earlier messages)" if earlier else "")
         if on_delta is not None:
             await on_delta(text)
         return LLMResponse(content=text, usage={"prompt_tokens": 0, "completion_tokens": 0})

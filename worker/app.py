@@ -1,0 +1,54 @@
+"""Building a worker from Settings: Redis client, provider, AgentLoop."""
+
+from __future__ import annotations
+
+import os
+
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from bus_redis import RedisBus
+from worker.loop import AgentLoop
+from worker.providers import EchoProvider, LLMProvider, OpenAIProvider
+from worker.settings import Settings
+
+DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
+
+
+def make_redis(url: str) -> aioredis.Redis:
+    """A client that retries commands across short outages (reconnect with backoff)."""
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8)
+    return aioredis.from_url(
+        url,
+        decode_responses=True,
+        retry=retry,
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
+        health_check_interval=10,
+        socket_connect_timeout=2,
+    )
+
+
+def make_provider(settings: Settings) -> LLMProvider:
+    if settings.provider == "echo":
+        return EchoProvider(settings.model or "echo-1")
+    return OpenAIProvider(
+        settings.model or DEFAULT_OPENAI_MODEL,
+        base_url=os.environ.get("OPENAI_BASE_URL") or None,
+        api_key=os.environ.get("OPENAI_API_KEY") or None,
+    )
+
+
+def make_loop(settings: Settings, redis: aioredis.Redis, provider: LLMProvider | None = None) -> AgentLoop:
+    bus = RedisBus(
+        redis, settings.key_prefix, lock_ttl_ms=settings.lock_ttl_ms, owner_ttl_ms=settings.owner_ttl_ms
+    )
+    return AgentLoop(
+        bus,
+        provider or make_provider(settings),
+        model=settings.model or None,
+        unified_session=settings.unified_session,
+        config=settings.loop_config(),
+    )

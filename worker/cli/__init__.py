@@ -1,0 +1,1 @@
+"""The ``agent-worker`` command line: runner, frontend, admin and demo subcommands."""

@@ -1,0 +1,78 @@
+"""``agent-worker``: run workers, talk to them, inspect and administer the bus."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from pydantic import ValidationError
+from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from worker.settings import Settings
+
+Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", help="Redis URL (env AGENT_REDIS_URL; default redis://localhost:6379/0)")
+    p.add_argument("--prefix", dest="key_prefix", help="key prefix (env AGENT_KEY_PREFIX; default agent)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from worker.cli import admin, demo, frontend, runner
+
+    parser = argparse.ArgumentParser(
+        prog="agent-worker",
+        description="Redis-backed, horizontally scalable worker for chat-agent turns.",
+        epilog="Configuration comes from AGENT_* environment variables; options override them.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (runner, frontend, admin, demo):
+        module.register(sub, _common)
+    return parser
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    overrides = {
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    return Settings(**overrides)
+
+
+def _config_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    name = "AGENT_" + "_".join(str(p) for p in first["loc"]).upper()
+    return f"agent-worker: bad configuration: {name}: {first['msg']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(args)
+    except ValidationError as exc:
+        print(_config_error(exc), file=sys.stderr)
+        return 2
+    command: Command = args.handler
+    try:
+        return asyncio.run(command(args, settings))
+    except KeyboardInterrupt:
+        return 130
+    except AuthenticationError as exc:
+        print(f"agent-worker: Redis refused the credentials at {settings.redis_url}: {exc}", file=sys.stderr)
+        return 1
+    except (RedisConnectionError, ConnectionRefusedError, OSError) as exc:
+        print(f"agent-worker: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
+        return 1
+    except RedisError as exc:
+        print(f"agent-worker: Redis error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

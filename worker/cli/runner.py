@@ -1,0 +1,48 @@
+"""``agent-worker run``: one worker process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from worker.app import make_loop, make_redis
+from worker.logs import setup_logging
+from worker.settings import Settings
+
+log = logging.getLogger("worker")
+
+
+def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser("run", help="run a worker (SIGTERM drains and exits 0)")
+    common(p)
+    p.add_argument("--provider", choices=["openai", "echo"], help="env AGENT_PROVIDER (default echo)")
+    p.add_argument("--model", help="env AGENT_MODEL")
+    p.add_argument("--worker-id", help="env AGENT_WORKER_ID (default host-pid-random)")
+    p.add_argument("--concurrency", type=int, help="max concurrent turns (env AGENT_CONCURRENCY)")
+    p.add_argument("--unified-session", action="store_true", default=None, help="env AGENT_UNIFIED_SESSION")
+    p.set_defaults(handler=run)
+
+
+async def run(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+
+    setup_logging(settings.log_level)
+    redis = make_redis(settings.redis_url)
+    await redis.ping()
+    loop = make_loop(settings, redis)
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, loop.stop)
+    log.info(
+        "worker %s started: redis=%s prefix=%s provider=%s concurrency=%d unified=%s",
+        loop.worker_id, settings.redis_url.split("@")[-1], settings.key_prefix, settings.provider,
+        settings.concurrency, settings.unified_session,
+    )
+    try:
+        await loop.run()
+    finally:
+        await redis.aclose()
+    return 0
