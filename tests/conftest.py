@@ -57,3 +57,44 @@ async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[RedisFa
 @pytest.fixture
 async def redis(redis_factory: RedisFactory) -> aioredis.Redis:
     return redis_factory()
+
+
+@pytest.fixture
+async def real_redis(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_server.url, decode_responses=True)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def fake_llm() -> Iterator[object]:
+    from fake_llm import FakeLLM
+
+    llm = FakeLLM().start()
+    yield llm
+    llm.stop()
+
+
+@pytest.fixture
+def spawn_workers(redis_server: RedisServer, fake_llm: object) -> Iterator[Callable[..., list[object]]]:
+    """Start ``n`` real worker processes against the session's redis-server and fake LLM."""
+    from workers import WorkerProcess
+
+    started: list[WorkerProcess] = []
+
+    def spawn(n: int = 1, *, env: dict[str, str] | None = None, url: str | None = None) -> list[object]:
+        base = {
+            "AGENT_PROVIDER": "openai", "AGENT_MODEL": "fake-model",
+            "OPENAI_BASE_URL": fake_llm.base_url, "OPENAI_API_KEY": "test",  # type: ignore[attr-defined]
+        }
+        procs = [
+            WorkerProcess(url or redis_server.url, worker_id=f"w{len(started) + i}", env={**base, **(env or {})})
+            for i in range(n)
+        ]
+        started.extend(procs)
+        return list(procs)
+
+    yield spawn
+    for proc in started:
+        proc.close()

@@ -1,0 +1,101 @@
+"""A local OpenAI-compatible chat server for tests (stdlib HTTP, one thread per request).
+
+It answers ``re: <last user text>``. A user text ``[tag] ...`` marks the session ``tag``:
+two requests of one tag in flight at once are counted as an overlap. ``block`` in the
+text holds the request until ``release()``; ``fail`` answers HTTP 500.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+_TAG = re.compile(r"^\[([^\]]+)\]")
+
+
+class FakeLLM:
+    def __init__(self, *, latency_s: tuple[float, float] = (0.0, 0.0)) -> None:
+        self.latency_s = latency_s
+        self.requests: list[dict[str, Any]] = []
+        self.inflight: dict[str, int] = {}
+        self.overlaps = 0
+        self.started = threading.Event()
+        self._release = threading.Event()
+        self._lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def start(self) -> FakeLLM:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def release(self) -> None:
+        self._release.set()
+
+    def _answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        user = next((m for m in reversed(body.get("messages", [])) if m.get("role") == "user"), {})
+        text = str(user.get("content", ""))
+        match = _TAG.match(text)
+        tag = match.group(1) if match else ""
+        with self._lock:
+            self.requests.append(body)
+            self.inflight[tag] = self.inflight.get(tag, 0) + 1
+            if tag and self.inflight[tag] > 1:
+                self.overlaps += 1
+        try:
+            if "block" in text:
+                self.started.set()
+                self._release.wait(30)
+            low, high = self.latency_s
+            if high > 0:
+                time.sleep(random.uniform(low, high))
+            if "fail" in text:
+                return 500, {"error": {"message": "scripted failure", "type": "server_error"}}
+            message = {"role": "assistant", "content": f"re: {text}"}
+            return 200, {
+                "id": "chatcmpl-test", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model", "fake"),
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        finally:
+            with self._lock:
+                self.inflight[tag] -= 1
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                status, doc = fake._answer(body)
+                data = json.dumps(doc).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass  # the worker cancelled the request
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                return
+
+        return Handler

@@ -1,0 +1,30 @@
+"""Reading replies in tests: wait for terminal events by ``reply_to``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bus_redis import FrontendClient, OutboundMessage
+
+
+async def collect(
+    client: FrontendClient, channel: str, want: set[str], *, timeout_s: float = 30
+) -> dict[str, list[OutboundMessage]]:
+    """All events of ``channel`` until every id in ``want`` got a terminal event."""
+    got: dict[str, list[OutboundMessage]] = {}
+    missing = set(want)
+
+    async def read() -> None:
+        async for ev in client.replies(channel, group="tests", block_ms=200):
+            for rid in [ev.reply_to or "", *(ev.covers or [])]:
+                got.setdefault(rid, []).append(ev)
+                if ev.is_terminal:
+                    missing.discard(rid)
+            if not missing:
+                return
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"no terminal reply for {sorted(missing)[:5]} within {timeout_s}s") from None
+    return got

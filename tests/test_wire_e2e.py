@@ -1,0 +1,86 @@
+"""Over the wire: real ``agent-worker run`` processes, a real redis-server, and a local
+OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import dump_all
+from replies import collect
+
+from bus_redis import FrontendClient, InboundMessage, Keys
+
+pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
+
+
+def _msg(chat: str, text: str, **kw: object) -> InboundMessage:
+    return InboundMessage(id=f"{chat}-{text}"[:60], channel="web", sender_id="u", chat_id=chat, content=text, **kw)  # type: ignore[arg-type]
+
+
+async def test_durable_two_turn_history_lands_in_the_session_hash(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    spawn_workers(2)
+    client = FrontendClient(real_redis)
+    first = await client.send(_msg("alice", "my name is Ada"))
+    got = await collect(client, "web", {first})
+    second = await client.send(_msg("alice", "what is my name"))
+    got.update(await collect(client, "web", {second}))
+
+    assert got[first][-1].content == "re: my name is Ada"
+    assert got[second][-1].content == "re: what is my name"
+    assert "re: my name is Ada" in str(fake_llm.requests[-1]["messages"])  # history replayed
+    h = await real_redis.hgetall(Keys().session("web:alice"))
+    assert h["count"] == "4"
+    assert "what is my name" in h["m:2"]
+    assert await real_redis.zscore(Keys().sessions_index, "web:alice") is not None
+
+
+async def test_transient_content_never_reaches_redis_or_logs(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    workers = spawn_workers(2)
+    client = FrontendClient(real_redis)
+    await real_redis.hset(Keys().memory, mapping={"content": "durable memory text", "version": 1})
+    key, opened = await client.open_transient("web", "bob", session_key="web:bob-private", disabled_tools={"create_goal"})
+    await collect(client, "web", {opened})
+    ids = [await client.send(_msg("bob", t, session_key_override=key, require_existing_session=True))
+           for t in ("private alpha", "private beta")]
+    got = await collect(client, "web", set(ids))
+
+    assert [got[i][-1].content for i in ids] == ["re: private alpha", "re: private beta"]
+    prompts = [str(r["messages"]) for r in fake_llm.requests]
+    assert "re: private alpha" in prompts[-1]  # in-memory history
+    assert all("durable memory text" not in p for p in prompts)
+    assert all("create_goal" not in str(r.get("tools")) for r in fake_llm.requests)
+    everything = await dump_all(real_redis)
+    for text in ("private alpha", "private beta"):
+        assert text not in everything
+        for w in workers:
+            assert text not in w.log()
+
+
+async def test_unified_mode_folds_chats_but_not_transient_sessions(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    spawn_workers(2, env={"AGENT_UNIFIED_SESSION": "1"})
+    client = FrontendClient(real_redis)
+    a = await client.send(_msg("chat-a", "from a"))
+    await collect(client, "web", {a})
+    b = await client.send(_msg("chat-b", "from b"))
+    key, opened = await client.open_transient("web", "chat-c", session_key="web:private-c")
+    await collect(client, "web", {b, opened})
+    c = await client.send(_msg("chat-c", "private c", session_key_override=key, require_existing_session=True))
+    await collect(client, "web", {c})
+
+    h = await real_redis.hgetall(Keys().session("unified:default"))
+    contents = [h[f"m:{i}"] for i in range(int(h["count"]))]
+    assert any("from a" in row for row in contents) and any("from b" in row for row in contents)
+    assert not any("private c" in row for row in contents)
+    assert "re: from a" in str(fake_llm.requests[1]["messages"])  # chat-b saw chat-a's turn
+    assert not await real_redis.exists(Keys().session("web:chat-a"), Keys().session("web:private-c"))
+
+
+async def test_required_session_on_another_worker_is_not_active(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    spawn_workers(2)
+    client = FrontendClient(real_redis)
+    mid = await client.send(_msg("ghost", "hello?", session_key_override="web:ghost", require_existing_session=True))
+    got = await collect(client, "web", {mid})
+    assert got[mid][-1].type == "error"
+    assert got[mid][-1].code == "session_not_active"
+    assert fake_llm.requests == []
+    assert not await real_redis.exists(Keys().session("web:ghost"))
