@@ -1,0 +1,10 @@
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY bus_redis ./bus_redis
+COPY session_store ./session_store
+COPY worker ./worker
+RUN pip install --no-cache-dir .
+USER nobody
+ENTRYPOINT []
+CMD ["agent-worker", "run"]
