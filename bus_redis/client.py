@@ -75,7 +75,7 @@ class FrontendClient:
     async def control(self, op: str, session_key: str) -> int:
         """Publish a control and leave a short-lived flag for workers that miss it."""
         msg = ControlMessage(op=op, session_key=session_key)  # type: ignore[arg-type]
-        keys = [self.keys.control_flag(session_key)]
+        keys = [self.keys.control_flag(session_key), self.keys.inbound(session_key)]
         args = [self.keys.control, op, msg.model_dump_json(), CONTROL_FLAG_TTL_MS]
         return int(await self._scripts.call("control", keys, args))
 

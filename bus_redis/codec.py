@@ -28,3 +28,19 @@ def stream_id_ms(entry_id: str) -> int:
     """Milliseconds part of a stream entry id ``<ms>-<seq>``."""
     head, _, _ = entry_id.partition("-")
     return int(head) if head.isdigit() else 0
+
+
+def parse_stream_id(entry_id: str) -> tuple[int, int]:
+    """``<ms>-<seq>`` as a sortable pair; malformed ids sort first."""
+    head, _, tail = entry_id.partition("-")
+    if not head.isdigit():
+        return (0, 0)
+    return (int(head), int(tail) if tail.isdigit() else 0)
+
+
+def parse_flag(flag: str) -> tuple[str, tuple[int, int], int] | None:
+    """A control flag ``"<op> <boundary entry id> <server ms>"``, or None."""
+    parts = flag.split()
+    if len(parts) != 3 or parts[0] not in ("stop", "discard") or not parts[2].isdigit():
+        return None
+    return parts[0], parse_stream_id(parts[1]), int(parts[2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from bus_redis import FrontendClient, OutboundMessage
 
@@ -28,3 +29,14 @@ async def collect(
     except TimeoutError:
         raise AssertionError(f"no terminal reply for {sorted(missing)[:5]} within {timeout_s}s") from None
     return got
+
+
+async def wait_until(predicate: Callable[[], bool], *, timeout_s: float) -> bool:
+    """Poll a condition that lives outside this process (a worker's log file)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

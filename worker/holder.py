@@ -176,7 +176,7 @@ class SessionHolder:
         self.loop.sessions.get_or_create_transient(key, disabled_tools=op.disabled_tools)
         member = owner_member(key, op.channel, op.chat_id)
         self.loop.owned[key] = member
-        self.loop.since_ms[key] = time.time() * 1000
+        self.loop.since_ms[key] = int(time.time() * 1000)
         spec.owner_op, spec.owner_member = "set", member
         out = OutboundMessage(type="message", channel=op.channel, chat_id=op.chat_id, session_key=key,
                               reply_to=reply_to, metadata={"event": "transient_opened"})
@@ -214,7 +214,7 @@ class SessionHolder:
         loop = self.loop
         loop.active_tasks.setdefault(self.key, set()).add(task)
         loop.active_members[self.key] = member
-        loop.since_ms[self.key] = time.time() * 1000
+        loop.since_ms[self.key] = int(time.time() * 1000)
         try:
             await asyncio.wait({task})
         except asyncio.CancelledError:

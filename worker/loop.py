@@ -68,7 +68,7 @@ class AgentLoop:
         self.cancel_reasons: dict[asyncio.Task[Any], str] = {}
         self.active_members: dict[str, str] = {}  # effective key -> inbound stream being served
         self.owned: dict[str, str] = {}  # transient key -> owners-registry member
-        self.since_ms: dict[str, float] = {}  # key -> when its turn / ownership began
+        self.since_ms: dict[str, int] = {}  # key -> when its turn / ownership began
         self.holders: dict[str, SessionHolder] = {}
         self._serving: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.config.concurrency)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 
 from bus_redis import OutboundMessage
-from bus_redis.codec import text
+from bus_redis.codec import parse_flag, text
 
 if TYPE_CHECKING:
     from worker.loop import AgentLoop
@@ -89,9 +89,9 @@ class Maintenance:
         raw = await self.bus.redis.mget([self.bus.keys.control_flag(k) for k in keys])
         found: dict[str, str] = {}
         for key, value in zip(keys, raw, strict=True):
-            op, _, at = text(value).partition(" ")
-            if op in ("stop", "discard") and at.isdigit() and int(at) >= self.loop.since_ms.get(key, 0):
-                found[key] = op
+            flag = parse_flag(text(value))
+            if flag is not None and flag[2] >= self.loop.since_ms.get(key, 0):
+                found[key] = flag[0]
         return found
 
     async def leave(self) -> None:

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from bus_redis import InboundMessage, MessageRejectedError, OutboundMessage
-from bus_redis.codec import stream_id_ms
+from bus_redis.codec import parse_flag, parse_stream_id
 from bus_redis.streams import Entry
 
 
@@ -59,14 +59,13 @@ def dead_letter(entry: Entry, reason: str, worker_id: str) -> str:
 
 
 def cancelled_by_flag(entry: Entry) -> str | None:
-    """The control op (``stop`` / ``discard``) that covers this entry, if any.
-
-    The flag is ``"<op> <server ms>"``; entries published before it are cancelled.
-    """
-    op, _, at = entry.flag.partition(" ")
-    if op not in ("stop", "discard") or not at.isdigit():
+    """The control op (``stop`` / ``discard``) that covers this entry, if any: entries up
+    to the flag's boundary id were queued when the control was published."""
+    flag = parse_flag(entry.flag)
+    if flag is None:
         return None
-    return op if stream_id_ms(entry.entry_id) <= int(at) else None
+    op, boundary, _ = flag
+    return op if parse_stream_id(entry.entry_id) <= boundary else None
 
 
 def legal_prefix(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

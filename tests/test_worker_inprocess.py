@@ -1,0 +1,175 @@
+"""The worker in-process (AgentLoop.run) on fakeredis and a real redis-server: poison
+messages, duplicates, bad input, controls for queued turns, stop keeping partial output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from replies import collect
+
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from worker import AgentLoop, LoopConfig
+from worker.providers import LLMResponse, ToolCallRequest
+
+
+def _m(chat: str, text: str, **kw: object) -> InboundMessage:
+    return InboundMessage(id=f"{chat}:{text}", channel="web", sender_id="u", chat_id=chat, content=text, **kw)  # type: ignore[arg-type]
+
+
+async def _echo(**kw: object) -> LLMResponse:
+    messages = kw["messages"]
+    assert isinstance(messages, list)
+    text = str(messages[-1]["content"])
+    if "poison" in text:
+        raise RuntimeError("this message breaks the turn")
+    return LLMResponse(content=f"re: {text}")
+
+
+@pytest.fixture
+async def running(redis_factory) -> AsyncIterator[tuple[AgentLoop, FrontendClient, ScriptedProvider]]:  # type: ignore[no-untyped-def]
+    provider = ScriptedProvider(handler=_echo)
+    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(max_deliveries=3, read_block_ms=100))
+    task = asyncio.create_task(loop.run())
+    yield loop, FrontendClient(redis_factory()), provider
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_poison_message_is_dead_lettered_and_the_session_moves_on(running) -> None:  # type: ignore[no-untyped-def]
+    loop, client, _ = running
+    bad = await client.send(_m("p", "poison pill"))
+    good = await client.send(_m("p", "fine"))
+    got = await collect(client, "web", {bad, good})
+
+    assert got[bad][-1].code == "dead_lettered"
+    assert got[good][-1].content == "re: fine"
+    dead = await client.redis.xrange(Keys().dead)
+    doc = json.loads(dead[0][1]["entry"])
+    assert doc["reason"] == "max deliveries exceeded"
+    assert doc["deliveries"] == 4
+    assert "poison pill" in doc["payload"]
+
+
+async def test_resent_id_is_processed_once(running) -> None:  # type: ignore[no-untyped-def]
+    loop, client, provider = running
+    first = await client.send(_m("d", "once"))
+    await collect(client, "web", {first})
+    again = await client.send(_m("d", "once"))
+    later = await client.send(_m("d", "next"))
+    await collect(client, "web", {later})
+
+    assert again == first
+    assert [c["messages"][-1]["content"] for c in provider.calls] == ["once", "next"]
+    stored = await loop.sessions.read_session("web:d")
+    assert [m["content"] for m in stored["messages"] if m["role"] == "user"] == ["once", "next"]
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        ("not json at all", None),
+        ('{"v":1,"channel":"web","chat_id":"b","sender_id":"u","content":5}', "invalid_message"),
+        ('{"v":9,"channel":"web","chat_id":"b","sender_id":"u"}', "invalid_message"),
+        ('{"v":1,"channel":"web","chat_id":"b","sender_id":"u","content":"' + "x" * 300_000 + '"}', "too_large"),
+        ('{"v":1,"op":"discard","session_key":"web:b","channel":"web","chat_id":"b"}', "invalid_message"),
+    ],
+)
+async def test_bad_input_gets_an_error_and_a_dead_letter(running, payload: str, code: str | None) -> None:  # type: ignore[no-untyped-def]
+    loop, client, _ = running
+    await client.send_raw("web:b", payload)
+    ok = await client.send(_m("b", "still alive"))
+    got = await collect(client, "web", {ok})
+
+    errors = [ev for evs in got.values() for ev in evs if ev.type == "error"]
+    assert [e.code for e in errors] == ([code] if code else [])
+    assert got[ok][-1].content == "re: still alive"
+    assert await client.redis.xlen(Keys().dead) == 1
+    assert await client.redis.xlen(Keys().inbound("web:b")) == 0
+
+
+async def test_stop_cancels_queued_turns_of_the_session_too(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    gate = asyncio.Event()
+
+    async def slow(**kw: object) -> LLMResponse:
+        await gate.wait()
+        return await _echo(**kw)
+
+    provider = ScriptedProvider(handler=slow)
+    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=100))
+    client = FrontendClient(redis_factory())
+    task = asyncio.create_task(loop.run())
+    ids = [await client.send(_m("q", f"m{i}")) for i in range(3)]
+    await asyncio.wait_for(provider.started.wait(), 5)
+    await client.stop("web:q")
+    after = await client.send(_m("q", "after stop"))
+    gate.set()
+    got = await collect(client, "web", {*ids, after})
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+    assert [got[i][-1].code for i in ids] == ["cancelled"] * 3
+    assert got[after][-1].content == "re: after stop"
+    assert len(provider.calls) == 2  # the running turn and the one after the stop
+
+
+async def test_stop_keeps_partial_output_up_to_the_last_complete_tool_step(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    step = 0
+    blocked = asyncio.Event()
+
+    async def tool_then_block(**_kw: object) -> LLMResponse:
+        nonlocal step
+        step += 1
+        if step == 1:
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "create_goal", {"title": "ship"})])
+        blocked.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    provider = ScriptedProvider(handler=tool_then_block)
+    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=100))
+    client = FrontendClient(redis_factory())
+    task = asyncio.create_task(loop.run())
+    mid = await client.send(_m("s", "plan it"))
+    await asyncio.wait_for(blocked.wait(), 5)
+    await client.stop("web:s")
+    got = await collect(client, "web", {mid})
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+    assert got[mid][-1].code == "cancelled"
+    stored = await loop.sessions.read_session("web:s")
+    assert [m["role"] for m in stored["messages"]] == ["user", "assistant", "tool"]
+    assert stored["metadata"]["goals"][0]["title"] == "ship"
+
+
+@pytest.mark.real_redis
+async def test_control_missed_while_pubsub_was_down_still_cancels(redis_server) -> None:  # type: ignore[no-untyped-def]
+    redis = aioredis.from_url(redis_server.url, decode_responses=True)
+    await redis.flushall()
+
+    async def block(**_kw: object) -> LLMResponse:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    provider = ScriptedProvider(handler=block)
+    loop = AgentLoop(RedisBus(redis), provider, config=LoopConfig(read_block_ms=100))
+    client = FrontendClient(aioredis.from_url(redis_server.url, decode_responses=True))
+    task = asyncio.create_task(loop.run())
+    mid = await client.send(_m("x", "long turn"))
+    await asyncio.wait_for(provider.started.wait(), 5)
+    # The control's publish is lost: only its flag is written; then the subscription drops.
+    flag = f"stop 99999999999999-0 {int(time.time() * 1000)}"
+    await client.redis.set(Keys().control_flag("web:x"), flag, px=60_000)
+    await client.redis.client_kill_filter(_type="pubsub")
+    got = await collect(client, "web", {mid}, timeout_s=10)
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+    assert got[mid][-1].code == "cancelled"
+    await client.redis.aclose()
+    await redis.aclose()
