@@ -1,0 +1,103 @@
+"""Hypothesis-generated hostile payloads through the wire: the worker survives and every
+one is accounted for (answered, error event, or dead letter)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import fakeredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bus_redis import FrontendClient, Keys, RedisBus
+from worker import AgentLoop, LoopConfig
+from worker.providers import EchoProvider
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "v": st.sampled_from([1, 1, 2, "1", None]),
+        "id": st.text(max_size=10) | st.integers(),
+        "channel": st.sampled_from(["web", "", "we{b}", 3]),
+        "sender_id": st.sampled_from(["u", "", None]),
+        "chat_id": st.sampled_from(["h", "h\x00", "%7B", ""]),
+        "content": st.text(max_size=50) | JSONISH,
+        "metadata": st.dictionaries(st.sampled_from(["_runtime_control", "_user_shell", "lang"]), JSONISH),
+        "session_key_override": st.sampled_from([None, "web:h", "", "x{y}"]),
+        "require_existing_session": st.booleans() | st.just("yes"),
+        "input_role": st.sampled_from(["user", "system", "admin", None]),
+        "op": st.sampled_from(["discard", "stop", "open_transient"]),
+        "media": JSONISH,
+    },
+)
+PAYLOADS = st.one_of(
+    FIELDS.map(json.dumps),
+    st.text(max_size=60),
+    st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
+)
+
+
+async def _run(payloads: list[str]) -> None:
+    server = fakeredis.FakeServer()
+    loop = AgentLoop(
+        RedisBus(fakeredis.FakeAsyncRedis(server=server, decode_responses=True)),
+        EchoProvider(),
+        config=LoopConfig(read_block_ms=50, max_payload_bytes=2048),
+    )
+    client = FrontendClient(fakeredis.FakeAsyncRedis(server=server, decode_responses=True))
+    task = asyncio.create_task(loop.run())
+    for raw in payloads:
+        await client.send_raw("web:h", raw)
+    canary = await client.send_raw("web:h", json.dumps({"v": 1, "channel": "web", "sender_id": "u",
+                                                         "chat_id": "h", "content": "canary"}))
+    answered: set[str] = set()
+
+    async def wait_canary() -> None:
+        async for ev in client.replies("web", group="t", block_ms=50):
+            if ev.is_terminal:
+                answered.add(ev.reply_to or "")
+            if ev.reply_to == canary:
+                return
+
+    await asyncio.wait_for(wait_canary(), 20)
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+    redis = client.redis
+    async for stream in redis.scan_iter(match="agent:out:*"):
+        if stream != Keys().out("web"):  # events for other channels named in the payloads
+            for _id, fields in await redis.xrange(stream):
+                doc = json.loads(fields["payload"])
+                if doc["type"] in ("message", "error"):
+                    answered.add(doc.get("reply_to") or _id)
+    assert await redis.xlen(Keys().inbound("web:h")) == 0  # nothing left behind
+    dead = await redis.xlen(Keys().dead)
+    assert len(answered) + dead >= len(payloads) + 1 - _silent(payloads)
+    assert loop.active_tasks == {}
+
+
+def _silent(payloads: list[str]) -> int:
+    """Payloads that legitimately get no event: duplicates of an id already answered, and
+    open_transient ops whose key is another stream (answered there)."""
+    seen: set[str] = set()
+    silent = 0
+    for raw in payloads:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("id"), str) and doc["id"]:
+            silent += doc["id"] in seen
+            seen.add(doc["id"])
+    return silent
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(PAYLOADS, min_size=1, max_size=6))
+def test_hostile_payloads_never_stop_the_worker(payloads: list[str]) -> None:
+    asyncio.run(_run(payloads))
