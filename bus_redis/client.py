@@ -39,7 +39,9 @@ class FrontendClient:
     async def send(self, msg: InboundMessage) -> str:
         """Publish one message; returns its ``reply_to`` (the ``id``, else the entry id)."""
         entry_id = await self._publish(
-            msg.session_key, msg.model_dump_json(exclude_none=True), direct=msg.session_key_override is None
+            msg.session_key,
+            msg.model_dump_json(exclude_none=True),
+            direct=msg.session_key_override is None,
         )
         return msg.id or entry_id
 
@@ -107,7 +109,9 @@ class FrontendClient:
             if "BUSYGROUP" not in str(exc):
                 raise
         while True:
-            reply = await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+            reply = await self.redis.xreadgroup(
+                group, consumer, {stream: ">"}, count=count, block=block_ms
+            )
             for _stream, entries in reply or []:
                 for entry_id, raw in entries:
                     doc = fields(raw).get("payload", "")

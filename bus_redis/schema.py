@@ -31,7 +31,7 @@ SESSION_NOT_ACTIVE = "required session is not active"
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=False, strict=True)
 
-    v: Literal[1] = WIRE_VERSION
+    v: Literal[1] = 1
 
 
 class InboundMessage(_Wire):
@@ -127,12 +127,16 @@ def _origin(doc: object) -> dict[str, str | None]:
     }
 
 
-def decode_inbound(raw: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> InboundPayload:
+def decode_inbound(
+    raw: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> InboundPayload:
     """Parse and validate one inbound payload; raise :class:`MessageRejectedError`."""
     size = len(raw.encode() if isinstance(raw, str) else raw)
     if size > max_bytes:
         origin = _origin(_try_json(raw)) if size <= 16 * max_bytes else {}
-        raise MessageRejectedError("too_large", f"payload is {size} bytes, limit {max_bytes}", **origin)
+        raise MessageRejectedError(
+            "too_large", f"payload is {size} bytes, limit {max_bytes}", **origin
+        )
     doc = _try_json(raw)
     if doc is _INVALID:
         raise MessageRejectedError("invalid_message", "payload is not valid JSON")
@@ -154,7 +158,9 @@ def decode_inbound(raw: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYT
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "payload"
-        raise MessageRejectedError("invalid_message", f"{where}: {first['msg']}", **origin) from None
+        raise MessageRejectedError(
+            "invalid_message", f"{where}: {first['msg']}", **origin
+        ) from None
 
 
 _INVALID = object()

@@ -147,9 +147,13 @@ class RedisBus:
     async def read_notifications(
         self, worker_id: str, *, count: int, block_ms: int
     ) -> list[Notification]:
-        streams = {self.keys.inbox(worker_id): ">", self.keys.ready: ">"}
+        streams: dict[Any, Any] = {self.keys.inbox(worker_id): ">", self.keys.ready: ">"}
         reply = await self.redis.xreadgroup(
-            WORKER_GROUP, worker_id, streams, count=count, block=block_ms  # type: ignore[arg-type]
+            WORKER_GROUP,
+            worker_id,
+            streams,
+            count=count,
+            block=block_ms,
         )
         return [n for stream, entries in reply or [] for n in self._notes(text(stream), entries)]
 
@@ -169,7 +173,9 @@ class RedisBus:
                 )
         return out
 
-    async def claim_stale(self, worker_id: str, *, min_idle_ms: int, count: int = 100) -> list[Notification]:
+    async def claim_stale(
+        self, worker_id: str, *, min_idle_ms: int, count: int = 100
+    ) -> list[Notification]:
         """Take over ready entries a dead consumer read but never acknowledged."""
         reply = await self.redis.xautoclaim(
             self.keys.ready, WORKER_GROUP, worker_id, min_idle_ms, "0-0", count=count
@@ -190,7 +196,7 @@ class RedisBus:
         await self.redis.xadd(self.keys.inbox(owner), {"session": note.session_key})
 
     async def notify(self, session_key: str, *, effective: bool = True) -> None:
-        fields_ = {"session": session_key, "effective": "1" if effective else "0"}
+        fields_: dict[Any, Any] = {"session": session_key, "effective": "1" if effective else "0"}
         await self.redis.xadd(self.keys.ready, fields_, maxlen=READY_MAXLEN, approximate=True)
 
     # --- leases ---------------------------------------------------------------------
@@ -241,7 +247,13 @@ class RedisBus:
         return bool(await self._scripts.call("release", keys, [token, key, READY_MAXLEN]))
 
     async def commit(
-        self, key: str, token: str, worker_id: str, spec: CommitSpec, *, select: Iterable[str] | None
+        self,
+        key: str,
+        token: str,
+        worker_id: str,
+        spec: CommitSpec,
+        *,
+        select: Iterable[str] | None,
     ) -> tuple[int, Step | None]:
         """Fenced commit; with ``select`` members, also picks the next entry or releases."""
         k = self.keys
@@ -290,7 +302,9 @@ class RedisBus:
         key, channel, _chat = json.loads(member)
         k = self.keys
         keys = [k.owner(key), k.owners, k.out(channel), k.ready]
-        return bool(await self._scripts.call("owner_lost", keys, [member, event_json, key, OUT_MAXLEN]))
+        return bool(
+            await self._scripts.call("owner_lost", keys, [member, event_json, key, OUT_MAXLEN])
+        )
 
     # --- workers ----------------------------------------------------------------------
     async def heartbeat(self, worker_id: str, info: dict[str, str], ttl_ms: int) -> None:

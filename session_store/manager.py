@@ -43,7 +43,9 @@ class SessionManager:
     def get_or_create_transient(self, key: str, *, disabled_tools: Iterable[str] = ()) -> Session:
         """A private session held only here; a cached session with another policy is replaced
         by a fresh empty one (stored history is never loaded into it)."""
-        policy = SessionPolicy(persist=False, log_content=False, disabled_tools=frozenset(disabled_tools))
+        policy = SessionPolicy(
+            persist=False, log_content=False, disabled_tools=frozenset(disabled_tools)
+        )
         current = self._transient.get(key)
         if current is not None and current.policy == policy:
             return current

@@ -107,7 +107,11 @@ class Session:
             start += 1
         out = []
         for row in self.messages[start:]:
-            if row.get("role") == "assistant" and not row.get("content") and not row.get("tool_calls"):
+            if (
+                row.get("role") == "assistant"
+                and not row.get("content")
+                and not row.get("tool_calls")
+            ):
                 continue
             out.append({k: row[k] for k in _REPLAY_FIELDS if k in row and row[k] is not None})
         return out

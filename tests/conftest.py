@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from servers import RedisServer, in_ci, redis_server_binary  # noqa: E402
+from servers import RedisServer, in_ci, redis_server_binary
 
 RedisFactory = Callable[[], aioredis.Redis]
 
@@ -22,7 +22,9 @@ RedisFactory = Callable[[], aioredis.Redis]
 def redis_server() -> Iterator[RedisServer]:
     if redis_server_binary() is None:
         if in_ci():
-            pytest.fail("redis-server is missing in CI: scripts/test.sh installs it (apt-get install redis-server)")
+            pytest.fail(
+                "redis-server is missing in CI: scripts/test.sh installs it (apt-get install redis-server)"
+            )
         pytest.skip("redis-server not installed (run scripts/test.sh to install it)")
     server = RedisServer().start()
     yield server
@@ -77,19 +79,29 @@ def fake_llm() -> Iterator[object]:
 
 
 @pytest.fixture
-def spawn_workers(redis_server: RedisServer, fake_llm: object) -> Iterator[Callable[..., list[object]]]:
+def spawn_workers(
+    redis_server: RedisServer, fake_llm: object
+) -> Iterator[Callable[..., list[object]]]:
     """Start ``n`` real worker processes against the session's redis-server and fake LLM."""
     from workers import WorkerProcess
 
     started: list[WorkerProcess] = []
 
-    def spawn(n: int = 1, *, env: dict[str, str] | None = None, url: str | None = None) -> list[object]:
+    def spawn(
+        n: int = 1, *, env: dict[str, str] | None = None, url: str | None = None
+    ) -> list[object]:
         base = {
-            "AGENT_PROVIDER": "openai", "AGENT_MODEL": "fake-model",
-            "OPENAI_BASE_URL": fake_llm.base_url, "OPENAI_API_KEY": "test",  # type: ignore[attr-defined]
+            "AGENT_PROVIDER": "openai",
+            "AGENT_MODEL": "fake-model",
+            "OPENAI_BASE_URL": fake_llm.base_url,
+            "OPENAI_API_KEY": "test",  # type: ignore[attr-defined]
         }
         procs = [
-            WorkerProcess(url or redis_server.url, worker_id=f"w{len(started) + i}", env={**base, **(env or {})})
+            WorkerProcess(
+                url or redis_server.url,
+                worker_id=f"w{len(started) + i}",
+                env={**base, **(env or {})},
+            )
             for i in range(n)
         ]
         started.extend(procs)
@@ -97,4 +109,7 @@ def spawn_workers(redis_server: RedisServer, fake_llm: object) -> Iterator[Calla
 
     yield spawn
     for proc in started:
+        print(
+            f"----- log of worker {proc.worker_id} -----\n{proc.log()[-4000:]}"
+        )  # shown on failure
         proc.close()

@@ -68,7 +68,9 @@ class FakeLLM:
                 return 500, {"error": {"message": "scripted failure", "type": "server_error"}}
             message = {"role": "assistant", "content": f"re: {text}"}
             return 200, {
-                "id": "chatcmpl-test", "object": "chat.completion", "created": int(time.time()),
+                "id": "chatcmpl-test",
+                "object": "chat.completion",
+                "created": int(time.time()),
                 "model": body.get("model", "fake"),
                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
@@ -81,7 +83,7 @@ class FakeLLM:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 status, doc = fake._answer(body)
@@ -95,7 +97,7 @@ class FakeLLM:
                 except OSError:
                     pass  # the worker cancelled the request
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 return
 
         return Handler

@@ -16,7 +16,9 @@ Handler = Callable[..., Awaitable[LLMResponse]]
 class ScriptedProvider:
     """Answers with canned responses in order, or through ``handler``; records every call."""
 
-    def __init__(self, responses: list[str] | None = None, *, handler: Handler | None = None) -> None:
+    def __init__(
+        self, responses: list[str] | None = None, *, handler: Handler | None = None
+    ) -> None:
         self.responses = list(responses or [])
         self.handler = handler
         self.calls: list[dict[str, Any]] = []

@@ -3,32 +3,45 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 
 from bus_redis import FrontendClient, OutboundMessage
+
+_SEEN: weakref.WeakKeyDictionary[FrontendClient, dict[str, dict[str, list[OutboundMessage]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def collect(
     client: FrontendClient, channel: str, want: set[str], *, timeout_s: float = 30
 ) -> dict[str, list[OutboundMessage]]:
-    """All events of ``channel`` until every id in ``want`` got a terminal event."""
-    got: dict[str, list[OutboundMessage]] = {}
-    missing = set(want)
+    """Events of ``channel`` until every id in ``want`` got a terminal event.
+
+    Events read by an earlier call with the same client are remembered (reading acks and
+    deletes them), so consecutive calls never lose one another's replies.
+    """
+    got = _SEEN.setdefault(client, {}).setdefault(channel, {})
+
+    def missing() -> set[str]:
+        return {rid for rid in want if not any(ev.is_terminal for ev in got.get(rid, []))}
 
     async def read() -> None:
+        if not missing():
+            return
         async for ev in client.replies(channel, group="tests", block_ms=200):
             for rid in [ev.reply_to or "", *(ev.covers or [])]:
                 got.setdefault(rid, []).append(ev)
-                if ev.is_terminal:
-                    missing.discard(rid)
-            if not missing:
+            if not missing():
                 return
 
     try:
         await asyncio.wait_for(read(), timeout_s)
     except TimeoutError:
-        raise AssertionError(f"no terminal reply for {sorted(missing)[:5]} within {timeout_s}s") from None
-    return got
+        raise AssertionError(
+            f"no terminal reply for {sorted(missing())[:5]} within {timeout_s}s"
+        ) from None
+    return {rid: list(evs) for rid, evs in got.items()}
 
 
 async def wait_until(predicate: Callable[[], bool], *, timeout_s: float) -> bool:

@@ -22,7 +22,9 @@ def redis_server_binary() -> str | None:
 
 
 class RedisServer:
-    def __init__(self, *, aof: bool = False, port: int | None = None, extra: list[str] | None = None) -> None:
+    def __init__(
+        self, *, aof: bool = False, port: int | None = None, extra: list[str] | None = None
+    ) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("redis-server is not installed")
@@ -39,9 +41,22 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--appendonly", "yes" if self.aof else "no", "--appendfsync", "always",
-            "--logfile", str(self.dir / "redis.log"), *self.extra,
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "always",
+            "--logfile",
+            str(self.dir / "redis.log"),
+            *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
@@ -52,7 +67,9 @@ class RedisServer:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {(self.dir / 'redis.log').read_text()[-500:]}")
+                raise RuntimeError(
+                    f"redis-server exited: {(self.dir / 'redis.log').read_text()[-500:]}"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from servers import free_port
 
 
@@ -14,7 +13,10 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     import os
 
     return subprocess.run(
-        [sys.executable, "-m", "worker.cli.main", *args], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "worker.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, **(env or {})},
     )
 
@@ -23,13 +25,15 @@ def test_bad_configuration_is_one_line() -> None:
     res = _run("status", env={"AGENT_CONCURRENCY": "many"})
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0
-    assert "AGENT_CONCURRENCY" in res.stderr and "Traceback" not in res.stderr
+    assert "AGENT_CONCURRENCY" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_unreachable_redis_is_one_line() -> None:
     res = _run("send", "hi", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--timeout", "1")
     assert res.returncode == 1
-    assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
+    assert "cannot reach Redis" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 @pytest.mark.real_redis
@@ -39,4 +43,7 @@ def test_status_and_sessions_against_a_real_server(redis_server) -> None:  # typ
     assert "redis: up" in res.stdout
     res = _run("memory", "set", "remember the milk", "--redis-url", redis_server.url)
     assert res.returncode == 0
-    assert _run("memory", "show", "--redis-url", redis_server.url).stdout.strip() == "remember the milk"
+    assert (
+        _run("memory", "show", "--redis-url", redis_server.url).stdout.strip()
+        == "remember the milk"
+    )

@@ -17,14 +17,18 @@ FAST = {"AGENT_LOCK_TTL_MS": "1000", "AGENT_OWNER_TTL_MS": "1000"}
 
 
 def _m(chat: str, text: str, **kw: object) -> InboundMessage:
-    return InboundMessage(id=f"{chat}:{text}", channel="web", sender_id="u", chat_id=chat, content=text, **kw)  # type: ignore[arg-type]
+    return InboundMessage(
+        id=f"{chat}:{text}", channel="web", sender_id="u", chat_id=chat, content=text, **kw
+    )  # type: ignore[arg-type]
 
 
 async def _holder(redis: aioredis.Redis, key: str) -> str:
     return str(await redis.get(Keys().lease(key))).split("|", 1)[1]
 
 
-async def test_paused_zombie_cannot_write_after_losing_its_lease(real_redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_paused_zombie_cannot_write_after_losing_its_lease(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     workers = {w.worker_id: w for w in spawn_workers(2, env=FAST)}
     client = FrontendClient(real_redis)
     mid = await client.send(_m("z", "block zombie"))
@@ -46,7 +50,9 @@ async def test_paused_zombie_cannot_write_after_losing_its_lease(real_redis, spa
     assert await wait_until(lambda: any(m in zombie.log() for m in marks), timeout_s=10)
 
 
-async def test_sigterm_finishes_running_turn_and_exits_zero(real_redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_sigterm_finishes_running_turn_and_exits_zero(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     (worker,) = spawn_workers(1, env={"AGENT_SHUTDOWN_GRACE_S": "20"})
     client = FrontendClient(real_redis)
     mid = await client.send(_m("t", "block drain"))
@@ -60,7 +66,9 @@ async def test_sigterm_finishes_running_turn_and_exits_zero(real_redis, spawn_wo
     assert await asyncio.to_thread(worker.proc.wait, 20) == 0
 
 
-async def test_sigterm_past_grace_releases_the_lease_at_once(real_redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_sigterm_past_grace_releases_the_lease_at_once(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     slow_ttl = {"AGENT_LOCK_TTL_MS": "60000", "AGENT_SHUTDOWN_GRACE_S": "0.2"}
     (first,) = spawn_workers(1, env=slow_ttl)
     client = FrontendClient(real_redis)
@@ -103,7 +111,9 @@ async def test_redis_restart_with_aof_loses_nothing(spawn_workers, fake_llm) -> 
         server.cleanup()
 
 
-async def test_dead_transient_owner_is_reported_and_fails_closed(real_redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_dead_transient_owner_is_reported_and_fails_closed(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     (owner,) = spawn_workers(1, env=FAST)
     client = FrontendClient(real_redis)
     key, opened = await client.open_transient("web", "p", session_key="web:p-private")
@@ -112,7 +122,9 @@ async def test_dead_transient_owner_is_reported_and_fails_closed(real_redis, spa
 
     owner.kill()
     lost = await _first_event(client, code="session_lost")
-    mid = await client.send(_m("p", "anyone?", session_key_override=key, require_existing_session=True))
+    mid = await client.send(
+        _m("p", "anyone?", session_key_override=key, require_existing_session=True)
+    )
     got = await collect(client, "web", {mid}, timeout_s=20)
 
     assert lost.session_key == key

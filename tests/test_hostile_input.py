@@ -16,7 +16,9 @@ from worker.providers import EchoProvider
 
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 FIELDS = st.fixed_dictionaries(
@@ -28,7 +30,9 @@ FIELDS = st.fixed_dictionaries(
         "sender_id": st.sampled_from(["u", "", None]),
         "chat_id": st.sampled_from(["h", "h\x00", "%7B", ""]),
         "content": st.text(max_size=50) | JSONISH,
-        "metadata": st.dictionaries(st.sampled_from(["_runtime_control", "_user_shell", "lang"]), JSONISH),
+        "metadata": st.dictionaries(
+            st.sampled_from(["_runtime_control", "_user_shell", "lang"]), JSONISH
+        ),
         "session_key_override": st.sampled_from([None, "web:h", "", "x{y}"]),
         "require_existing_session": st.booleans() | st.just("yes"),
         "input_role": st.sampled_from(["user", "system", "admin", None]),
@@ -54,8 +58,12 @@ async def _run(payloads: list[str]) -> None:
     task = asyncio.create_task(loop.run())
     for raw in payloads:
         await client.send_raw("web:h", raw)
-    canary = await client.send_raw("web:h", json.dumps({"v": 1, "channel": "web", "sender_id": "u",
-                                                         "chat_id": "h", "content": "canary"}))
+    canary = await client.send_raw(
+        "web:h",
+        json.dumps(
+            {"v": 1, "channel": "web", "sender_id": "u", "chat_id": "h", "content": "canary"}
+        ),
+    )
     answered: set[str] = set()
 
     async def wait_canary() -> None:

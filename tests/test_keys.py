@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from bus_redis.keys import Keys, decode_session, encode_session
 
-_PIECES = st.sampled_from(["{", "}", "%", ":", "a", "Z", "0", "é", "\x00", "\x1f", "\x7f", "%7B", "%25", " "])
+_PIECES = st.sampled_from(
+    ["{", "}", "%", ":", "a", "Z", "0", "é", "\x00", "\x1f", "\x7f", "%7B", "%25", " "]
+)
 HOSTILE = st.lists(_PIECES, max_size=12).map("".join) | st.text(max_size=30)
 
 
@@ -34,8 +36,16 @@ def test_encoded_key_has_no_braces_or_controls(key: str) -> None:
 @given(HOSTILE)
 def test_all_session_keys_share_one_hash_tag(key: str) -> None:
     k = Keys("p")
-    names = [k.inbound(key), k.session(key), k.lease(key), k.epoch(key), k.pending(key),
-             k.owner(key), k.control_flag(key), k.attempts(key)]
+    names = [
+        k.inbound(key),
+        k.session(key),
+        k.lease(key),
+        k.epoch(key),
+        k.pending(key),
+        k.owner(key),
+        k.control_flag(key),
+        k.attempts(key),
+    ]
     tags = {n[n.index("{") + 1 : n.index("}")] for n in names}
     assert tags == {encode_session(key)}
 

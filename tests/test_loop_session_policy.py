@@ -33,7 +33,9 @@ def _loop(redis: aioredis.Redis, provider: ScriptedProvider, **kwargs: object) -
     return AgentLoop(RedisBus(redis), provider, model="test-model", **kwargs)  # type: ignore[arg-type]
 
 
-async def test_transient_session_keeps_history_without_persisting_or_durable_tools(redis: aioredis.Redis) -> None:
+async def test_transient_session_keeps_history_without_persisting_or_durable_tools(
+    redis: aioredis.Redis,
+) -> None:
     provider = ScriptedProvider(["first answer", "second answer"])
     loop = _loop(redis, provider)
     await loop.memory.write_memory("private durable memory")
@@ -60,18 +62,24 @@ async def test_transient_session_keeps_history_without_persisting_or_durable_too
         assert text not in everything
 
 
-async def test_durable_session_gets_memory_tools_persistence_and_consolidation(redis: aioredis.Redis) -> None:
+async def test_durable_session_gets_memory_tools_persistence_and_consolidation(
+    redis: aioredis.Redis,
+) -> None:
     """The contrast case: the same turn on a durable session does all the transient one must not."""
     provider = ScriptedProvider(["durable answer"])
     loop = _loop(redis, provider)
     await loop.memory.write_memory("shared durable memory")
     loop.consolidator.maybe_consolidate_by_tokens = AsyncMock()  # type: ignore[method-assign]
-    msg = InboundMessage(channel="websocket", sender_id="user", chat_id="durable", content="durable question")
+    msg = InboundMessage(
+        channel="websocket", sender_id="user", chat_id="durable", content="durable question"
+    )
 
     await loop.process_message(msg)
 
     assert "shared durable memory" in str(provider.calls[0]["messages"])
-    assert DURABLE_TOOLS - {"spawn", "cron"} <= {t["function"]["name"] for t in provider.calls[0]["tools"]}
+    assert DURABLE_TOOLS - {"spawn", "cron"} <= {
+        t["function"]["name"] for t in provider.calls[0]["tools"]
+    }
     stored = await loop.sessions.read_session("websocket:durable")
     assert stored is not None
     assert [m["content"] for m in stored["messages"]] == ["durable question", "durable answer"]
@@ -117,7 +125,9 @@ async def test_missing_required_session_cannot_fall_back_to_storage(redis: aiore
     assert "stale private message" not in await dump_all(redis)
 
 
-async def test_session_discard_control_cancels_active_turn(redis: aioredis.Redis, redis_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_session_discard_control_cancels_active_turn(
+    redis: aioredis.Redis, redis_factory
+) -> None:  # type: ignore[no-untyped-def]
     async def block_provider(**_kwargs: object) -> LLMResponse:
         await asyncio.Event().wait()
         raise AssertionError("provider blocker unexpectedly released")

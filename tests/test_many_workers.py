@@ -17,8 +17,13 @@ FAST = {"AGENT_LOCK_TTL_MS": "1000", "AGENT_OWNER_TTL_MS": "1000"}
 
 
 def _m(session: int, n: int) -> InboundMessage:
-    return InboundMessage(id=f"s{session}-m{n}", channel="web", sender_id="u", chat_id=f"c{session}",
-                          content=f"[s{session}] m{n}")
+    return InboundMessage(
+        id=f"s{session}-m{n}",
+        channel="web",
+        sender_id="u",
+        chat_id=f"c{session}",
+        content=f"[s{session}] m{n}",
+    )
 
 
 async def _publish_all(client: FrontendClient, sessions: int, per: int) -> set[str]:
@@ -71,10 +76,14 @@ async def test_kill9_midway_loses_nothing(real_redis, spawn_workers, fake_llm) -
     await _assert_histories(real_redis, 10, 4)
 
 
-async def test_kill9_during_llm_call_fails_over_after_the_lease(real_redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_kill9_during_llm_call_fails_over_after_the_lease(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     workers = {w.worker_id: w for w in spawn_workers(2, env=FAST)}
     client = FrontendClient(real_redis)
-    mid = await client.send(InboundMessage(id="blk", channel="web", sender_id="u", chat_id="k", content="block me"))
+    mid = await client.send(
+        InboundMessage(id="blk", channel="web", sender_id="u", chat_id="k", content="block me")
+    )
     assert await asyncio.to_thread(fake_llm.started.wait, 20)
     holder = (await real_redis.get(Keys().lease("web:k"))).split("|", 1)[1]
 

@@ -10,7 +10,13 @@ from bus_redis import InboundMessage, MessageRejectedError, OpenTransient, decod
 
 
 def _doc(**kw: object) -> str:
-    base: dict[str, object] = {"v": 1, "channel": "web", "sender_id": "u", "chat_id": "c1", "content": "hi"}
+    base: dict[str, object] = {
+        "v": 1,
+        "channel": "web",
+        "sender_id": "u",
+        "chat_id": "c1",
+        "content": "hi",
+    }
     base.update(kw)
     return json.dumps(base)
 
@@ -36,7 +42,11 @@ def test_reserved_metadata_keys_are_stripped_before_the_turn() -> None:
         (_doc(v=2), "invalid_message", "web"),
         (_doc(chat_id=5), "invalid_message", "web"),
         (_doc(channel=""), "invalid_message", None),
-        (json.dumps({"v": 1, "op": "discard", "channel": "web", "chat_id": "c"}), "invalid_message", "web"),
+        (
+            json.dumps({"v": 1, "op": "discard", "channel": "web", "chat_id": "c"}),
+            "invalid_message",
+            "web",
+        ),
         (_doc(content="x" * 300_000), "too_large", "web"),
     ],
 )
@@ -48,7 +58,16 @@ def test_rejections_carry_code_and_origin(raw: str, code: str, channel: str | No
 
 
 def test_open_transient() -> None:
-    op = decode_inbound(json.dumps({"v": 1, "op": "open_transient", "channel": "web", "chat_id": "c",
-                                    "disabled_tools": ["spawn"]}))
+    op = decode_inbound(
+        json.dumps(
+            {
+                "v": 1,
+                "op": "open_transient",
+                "channel": "web",
+                "chat_id": "c",
+                "disabled_tools": ["spawn"],
+            }
+        )
+    )
     assert isinstance(op, OpenTransient)
     assert op.session_key == "web:c"

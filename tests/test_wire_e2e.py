@@ -14,10 +14,14 @@ pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 
 
 def _msg(chat: str, text: str, **kw: object) -> InboundMessage:
-    return InboundMessage(id=f"{chat}-{text}"[:60], channel="web", sender_id="u", chat_id=chat, content=text, **kw)  # type: ignore[arg-type]
+    return InboundMessage(
+        id=f"{chat}-{text}"[:60], channel="web", sender_id="u", chat_id=chat, content=text, **kw
+    )  # type: ignore[arg-type]
 
 
-async def test_durable_two_turn_history_lands_in_the_session_hash(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_durable_two_turn_history_lands_in_the_session_hash(
+    real_redis: aioredis.Redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     spawn_workers(2)
     client = FrontendClient(real_redis)
     first = await client.send(_msg("alice", "my name is Ada"))
@@ -34,14 +38,20 @@ async def test_durable_two_turn_history_lands_in_the_session_hash(real_redis: ai
     assert await real_redis.zscore(Keys().sessions_index, "web:alice") is not None
 
 
-async def test_transient_content_never_reaches_redis_or_logs(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_transient_content_never_reaches_redis_or_logs(
+    real_redis: aioredis.Redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     workers = spawn_workers(2)
     client = FrontendClient(real_redis)
     await real_redis.hset(Keys().memory, mapping={"content": "durable memory text", "version": 1})
-    key, opened = await client.open_transient("web", "bob", session_key="web:bob-private", disabled_tools={"create_goal"})
+    key, opened = await client.open_transient(
+        "web", "bob", session_key="web:bob-private", disabled_tools={"create_goal"}
+    )
     await collect(client, "web", {opened})
-    ids = [await client.send(_msg("bob", t, session_key_override=key, require_existing_session=True))
-           for t in ("private alpha", "private beta")]
+    ids = [
+        await client.send(_msg("bob", t, session_key_override=key, require_existing_session=True))
+        for t in ("private alpha", "private beta")
+    ]
     got = await collect(client, "web", set(ids))
 
     assert [got[i][-1].content for i in ids] == ["re: private alpha", "re: private beta"]
@@ -56,7 +66,9 @@ async def test_transient_content_never_reaches_redis_or_logs(real_redis: aioredi
             assert text not in w.log()
 
 
-async def test_unified_mode_folds_chats_but_not_transient_sessions(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_unified_mode_folds_chats_but_not_transient_sessions(
+    real_redis: aioredis.Redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     spawn_workers(2, env={"AGENT_UNIFIED_SESSION": "1"})
     client = FrontendClient(real_redis)
     a = await client.send(_msg("chat-a", "from a"))
@@ -64,21 +76,30 @@ async def test_unified_mode_folds_chats_but_not_transient_sessions(real_redis: a
     b = await client.send(_msg("chat-b", "from b"))
     key, opened = await client.open_transient("web", "chat-c", session_key="web:private-c")
     await collect(client, "web", {b, opened})
-    c = await client.send(_msg("chat-c", "private c", session_key_override=key, require_existing_session=True))
+    c = await client.send(
+        _msg("chat-c", "private c", session_key_override=key, require_existing_session=True)
+    )
     await collect(client, "web", {c})
 
     h = await real_redis.hgetall(Keys().session("unified:default"))
     contents = [h[f"m:{i}"] for i in range(int(h["count"]))]
-    assert any("from a" in row for row in contents) and any("from b" in row for row in contents)
+    assert any("from a" in row for row in contents)
+    assert any("from b" in row for row in contents)
     assert not any("private c" in row for row in contents)
     assert "re: from a" in str(fake_llm.requests[1]["messages"])  # chat-b saw chat-a's turn
-    assert not await real_redis.exists(Keys().session("web:chat-a"), Keys().session("web:private-c"))
+    assert not await real_redis.exists(
+        Keys().session("web:chat-a"), Keys().session("web:private-c")
+    )
 
 
-async def test_required_session_on_another_worker_is_not_active(real_redis: aioredis.Redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+async def test_required_session_on_another_worker_is_not_active(
+    real_redis: aioredis.Redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
     spawn_workers(2)
     client = FrontendClient(real_redis)
-    mid = await client.send(_msg("ghost", "hello?", session_key_override="web:ghost", require_existing_session=True))
+    mid = await client.send(
+        _msg("ghost", "hello?", session_key_override="web:ghost", require_existing_session=True)
+    )
     got = await collect(client, "web", {mid})
     assert got[mid][-1].type == "error"
     assert got[mid][-1].code == "session_not_active"

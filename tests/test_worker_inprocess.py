@@ -19,7 +19,9 @@ from worker.providers import LLMResponse, ToolCallRequest
 
 
 def _m(chat: str, text: str, **kw: object) -> InboundMessage:
-    return InboundMessage(id=f"{chat}:{text}", channel="web", sender_id="u", chat_id=chat, content=text, **kw)  # type: ignore[arg-type]
+    return InboundMessage(
+        id=f"{chat}:{text}", channel="web", sender_id="u", chat_id=chat, content=text, **kw
+    )  # type: ignore[arg-type]
 
 
 async def _echo(**kw: object) -> LLMResponse:
@@ -32,9 +34,13 @@ async def _echo(**kw: object) -> LLMResponse:
 
 
 @pytest.fixture
-async def running(redis_factory) -> AsyncIterator[tuple[AgentLoop, FrontendClient, ScriptedProvider]]:  # type: ignore[no-untyped-def]
+async def running(
+    redis_factory,
+) -> AsyncIterator[tuple[AgentLoop, FrontendClient, ScriptedProvider]]:  # type: ignore[no-untyped-def]
     provider = ScriptedProvider(handler=_echo)
-    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(max_deliveries=3, read_block_ms=100))
+    loop = AgentLoop(
+        RedisBus(redis_factory()), provider, config=LoopConfig(max_deliveries=3, read_block_ms=100)
+    )
     task = asyncio.create_task(loop.run())
     yield loop, FrontendClient(redis_factory()), provider
     loop.stop()
@@ -42,7 +48,7 @@ async def running(redis_factory) -> AsyncIterator[tuple[AgentLoop, FrontendClien
 
 
 async def test_poison_message_is_dead_lettered_and_the_session_moves_on(running) -> None:  # type: ignore[no-untyped-def]
-    loop, client, _ = running
+    _loop, client, _ = running
     bad = await client.send(_m("p", "poison pill"))
     good = await client.send(_m("p", "fine"))
     got = await collect(client, "web", {bad, good})
@@ -76,12 +82,22 @@ async def test_resent_id_is_processed_once(running) -> None:  # type: ignore[no-
         ("not json at all", None),
         ('{"v":1,"channel":"web","chat_id":"b","sender_id":"u","content":5}', "invalid_message"),
         ('{"v":9,"channel":"web","chat_id":"b","sender_id":"u"}', "invalid_message"),
-        ('{"v":1,"channel":"web","chat_id":"b","sender_id":"u","content":"' + "x" * 300_000 + '"}', "too_large"),
-        ('{"v":1,"op":"discard","session_key":"web:b","channel":"web","chat_id":"b"}', "invalid_message"),
+        (
+            '{"v":1,"channel":"web","chat_id":"b","sender_id":"u","content":"'
+            + "x" * 300_000
+            + '"}',
+            "too_large",
+        ),
+        (
+            '{"v":1,"op":"discard","session_key":"web:b","channel":"web","chat_id":"b"}',
+            "invalid_message",
+        ),
     ],
 )
-async def test_bad_input_gets_an_error_and_a_dead_letter(running, payload: str, code: str | None) -> None:  # type: ignore[no-untyped-def]
-    loop, client, _ = running
+async def test_bad_input_gets_an_error_and_a_dead_letter(
+    running, payload: str, code: str | None
+) -> None:  # type: ignore[no-untyped-def]
+    _loop, client, _ = running
     await client.send_raw("web:b", payload)
     ok = await client.send(_m("b", "still alive"))
     got = await collect(client, "web", {ok})

@@ -11,7 +11,9 @@ from pathlib import Path
 
 
 class WorkerProcess:
-    def __init__(self, redis_url: str, *, worker_id: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, redis_url: str, *, worker_id: str, env: dict[str, str] | None = None
+    ) -> None:
         self.worker_id = worker_id
         self.log_path = Path(tempfile.mkstemp(prefix=f"{worker_id}-", suffix=".log")[1])
         full_env = {
@@ -23,7 +25,10 @@ class WorkerProcess:
         }
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli.main", "run"], env=full_env, stdout=self._log, stderr=self._log
+            [sys.executable, "-m", "worker.cli.main", "run"],
+            env=full_env,
+            stdout=self._log,
+            stderr=self._log,
         )
 
     def signal(self, sig: int) -> None:

@@ -41,9 +41,14 @@ def make_provider(settings: Settings) -> LLMProvider:
     )
 
 
-def make_loop(settings: Settings, redis: aioredis.Redis, provider: LLMProvider | None = None) -> AgentLoop:
+def make_loop(
+    settings: Settings, redis: aioredis.Redis, provider: LLMProvider | None = None
+) -> AgentLoop:
     bus = RedisBus(
-        redis, settings.key_prefix, lock_ttl_ms=settings.lock_ttl_ms, owner_ttl_ms=settings.owner_ttl_ms
+        redis,
+        settings.key_prefix,
+        lock_ttl_ms=settings.lock_ttl_ms,
+        owner_ttl_ms=settings.owner_ttl_ms,
     )
     return AgentLoop(
         bus,

@@ -47,7 +47,9 @@ class Consolidator:
             snapshot = await self.loop.sessions.store.load(key)
             if snapshot is None or snapshot.last_consolidated != start:
                 return
-            text = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in snapshot.messages[start:end])
+            text = "\n".join(
+                f"{m.get('role')}: {m.get('content')}" for m in snapshot.messages[start:end]
+            )
             summary = await self.loop.provider.chat_with_retry(
                 messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
                 model=self.loop.model,
@@ -66,7 +68,9 @@ class Consolidator:
             await self.loop.memory.write_memory(f"{memory}\n{summary}".strip())
             session.last_consolidated = end
             spec = CommitSpec(member=key, meta=encode_meta(session))
-            version, _ = await self.loop.bus.commit(key, acquired.token, self.loop.worker_id, spec, select=None)
+            version, _ = await self.loop.bus.commit(
+                key, acquired.token, self.loop.worker_id, spec, select=None
+            )
             if version >= 0:
                 session.version = version
         finally:

@@ -14,9 +14,13 @@ IDENTITY = (
 
 
 class ContextBuilder:
-    def __init__(self, tool_names: list[str], *, identity: str = IDENTITY, history_tokens: int = 16_000) -> None:
+    def __init__(
+        self, tool_names: list[str], *, identity: str = IDENTITY, history_tokens: int = 16_000
+    ) -> None:
         tools = ", ".join(tool_names) or "none"
-        self._static = f"{identity}\n\n# Tools\nAvailable tool names: {tools}. Call them with JSON arguments."
+        self._static = (
+            f"{identity}\n\n# Tools\nAvailable tool names: {tools}. Call them with JSON arguments."
+        )
         self._with_memory: tuple[str, str] = ("", self._static)
         self.history_tokens = history_tokens
 
@@ -27,7 +31,9 @@ class ContextBuilder:
             self._with_memory = (memory, f"{self._static}\n\n# Long-term memory\n{memory}")
         return self._with_memory[1]
 
-    def build(self, session: Session, user_row: dict[str, Any], memory: str | None) -> list[dict[str, Any]]:
+    def build(
+        self, session: Session, user_row: dict[str, Any], memory: str | None
+    ) -> list[dict[str, Any]]:
         """``[system, *history, user]``; ``memory`` is None for transient sessions."""
         history = session.get_history(max_tokens=self.history_tokens)
         current = {"role": "user", "content": user_row["content"]}

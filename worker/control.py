@@ -47,7 +47,11 @@ class ControlListener:
                 await self._listen(pubsub)
             except (RedisError, OSError) as exc:
                 self.subscribed.clear()
-                log.warning("control subscription lost (%s); retrying in %.2fs", type(exc).__name__, backoff_s)
+                log.warning(
+                    "control subscription lost (%s); retrying in %.2fs",
+                    type(exc).__name__,
+                    backoff_s,
+                )
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
             finally:

@@ -1,9 +1,9 @@
 """SessionHolder: what a worker does while it holds one session's lease.
 
-    drain():  step = acquire's first entry
-              loop: Entry -> handle() -> fenced commit (+ select next / release)
-                    More  -> next() over the grown stream set
-                    Released / Lost -> done
+drain():  step = acquire's first entry
+          loop: Entry -> handle() -> fenced commit (+ select next / release)
+                More  -> next() over the grown stream set
+                Released / Lost -> done
 """
 
 from __future__ import annotations
@@ -101,8 +101,12 @@ class SessionHolder:
         _, step = await self.commit(spec, select=sorted(self.members))
         return step or Released()
 
-    async def commit(self, spec: CommitSpec, *, select: list[str] | None) -> tuple[int, Step | None]:
-        version, step = await self.loop.bus.commit(self.key, self.token, self.loop.worker_id, spec, select=select)
+    async def commit(
+        self, spec: CommitSpec, *, select: list[str] | None
+    ) -> tuple[int, Step | None]:
+        version, step = await self.loop.bus.commit(
+            self.key, self.token, self.loop.worker_id, spec, select=select
+        )
         if version < 0:
             self.rejected_writes += 1
             if not self.loop.sessions.is_transient(self.key):
@@ -127,29 +131,60 @@ class SessionHolder:
         except MessageRejectedError as exc:
             log.warning("rejected entry %s of %s: %s", entry.entry_id, entry.member, exc.code)
             bad = rejection(exc, entry)
-            spec.reply, spec.reply_channel = (bad.model_dump_json(exclude_none=True), bad.channel) if bad else ("", "")
+            spec.reply, spec.reply_channel = (
+                (bad.model_dump_json(exclude_none=True), bad.channel) if bad else ("", "")
+            )
             spec.dead = dead_letter(entry, f"{exc.code}: {exc.detail}", self.loop.worker_id)
             return spec
         reply_to = payload.id or entry.entry_id
         if entry.attempts > cfg.max_deliveries:
-            self._set_reply(spec, error(payload.channel, payload.chat_id, self.key, reply_to, "dead_lettered",
-                                        f"gave up after {entry.attempts - 1} failed attempts"))
+            self._set_reply(
+                spec,
+                error(
+                    payload.channel,
+                    payload.chat_id,
+                    self.key,
+                    reply_to,
+                    "dead_lettered",
+                    f"gave up after {entry.attempts - 1} failed attempts",
+                ),
+            )
             spec.dead = dead_letter(entry, "max deliveries exceeded", self.loop.worker_id)
             return spec
         op = cancelled_by_flag(entry)
         if op is not None:
             if op == "discard":
                 self.loop.forget(self.key)
-            self._set_reply(spec, error(payload.channel, payload.chat_id, self.key, reply_to, "cancelled",
-                                        f"cancelled by {op}"))
+            self._set_reply(
+                spec,
+                error(
+                    payload.channel,
+                    payload.chat_id,
+                    self.key,
+                    reply_to,
+                    "cancelled",
+                    f"cancelled by {op}",
+                ),
+            )
             return spec
         if isinstance(payload, OpenTransient):
             return self._open_transient(spec, payload, reply_to)
         try:
-            outcome = await self.run_message(payload, reply_to=reply_to, member=entry.member, entry_id=entry.entry_id)
+            outcome = await self.run_message(
+                payload, reply_to=reply_to, member=entry.member, entry_id=entry.entry_id
+            )
         except SessionNotActiveError as exc:
-            self._set_reply(spec, error(payload.channel, payload.chat_id, self.key, reply_to,
-                                        "session_not_active", str(exc)))
+            self._set_reply(
+                spec,
+                error(
+                    payload.channel,
+                    payload.chat_id,
+                    self.key,
+                    reply_to,
+                    "session_not_active",
+                    str(exc),
+                ),
+            )
             return spec
         except TurnAbortedError:
             raise
@@ -178,8 +213,14 @@ class SessionHolder:
         self.loop.owned[key] = member
         self.loop.since_ms[key] = int(time.time() * 1000)
         spec.owner_op, spec.owner_member = "set", member
-        out = OutboundMessage(type="message", channel=op.channel, chat_id=op.chat_id, session_key=key,
-                              reply_to=reply_to, metadata={"event": "transient_opened"})
+        out = OutboundMessage(
+            type="message",
+            channel=op.channel,
+            chat_id=op.chat_id,
+            session_key=key,
+            reply_to=reply_to,
+            metadata={"event": "transient_opened"},
+        )
         self._set_reply(spec, out)
         return spec
 
@@ -204,7 +245,9 @@ class SessionHolder:
         if session.policy.persist:
             memory = await self.loop.memory.read_cached(self.memory_version)
         state = TurnState()
-        ctx = ToolContext(session, self.loop.sessions, emit=lambda text: self._emit(msg, reply_to, text))
+        ctx = ToolContext(
+            session, self.loop.sessions, emit=lambda text: self._emit(msg, reply_to, text)
+        )
         row = user_row(msg, reply_to)
         task = asyncio.create_task(self.loop.runner.run(session, row, memory, ctx, state))
         reason = await self._await_turn(task, member, entry_id)
@@ -230,8 +273,13 @@ class SessionHolder:
         return loop.cancel_reasons.pop(task, None)
 
     async def _outcome(
-        self, task: asyncio.Task[str], reason: str | None, msg: InboundMessage, session: Session,
-        state: TurnState, reply_to: str,
+        self,
+        task: asyncio.Task[str],
+        reason: str | None,
+        msg: InboundMessage,
+        session: Session,
+        state: TurnState,
+        reply_to: str,
     ) -> Outcome:
         key = self.key
         if task.cancelled() or reason in ("lease_lost", "shutdown"):
@@ -239,13 +287,17 @@ class SessionHolder:
                 raise TurnAbortedError(reason or "cancelled")
             if reason == "stop":
                 session.append_rows(legal_prefix(state.rows))
-            out = error(msg.channel, msg.chat_id, key, reply_to, "cancelled", f"turn cancelled by {reason}")
+            out = error(
+                msg.channel, msg.chat_id, key, reply_to, "cancelled", f"turn cancelled by {reason}"
+            )
             return Outcome(out, session if reason == "stop" else None)
         exc = task.exception()
         if isinstance(exc, ProviderError):
             session.append_rows(state.rows[:1])
             log.warning("provider error in %s: %s", key, exc)
-            return Outcome(error(msg.channel, msg.chat_id, key, reply_to, "provider_error", str(exc)), session)
+            return Outcome(
+                error(msg.channel, msg.chat_id, key, reply_to, "provider_error", str(exc)), session
+            )
         if exc is not None:
             raise exc
         session.append_rows(state.rows)
@@ -253,9 +305,18 @@ class SessionHolder:
         return Outcome(out, session)
 
     async def _emit(self, msg: InboundMessage, reply_to: str, text: str) -> None:
-        out = OutboundMessage(type="progress", channel=msg.channel, chat_id=msg.chat_id, session_key=self.key,
-                              reply_to=reply_to, content=text, metadata={"tool": "message"})
-        if not await self.loop.bus.emit(self.key, self.token, msg.channel, out.model_dump_json(exclude_none=True)):
+        out = OutboundMessage(
+            type="progress",
+            channel=msg.channel,
+            chat_id=msg.chat_id,
+            session_key=self.key,
+            reply_to=reply_to,
+            content=text,
+            metadata={"tool": "message"},
+        )
+        if not await self.loop.bus.emit(
+            self.key, self.token, msg.channel, out.model_dump_json(exclude_none=True)
+        ):
             self.rejected_writes += 1
 
     def describe(self) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from worker.config import LoopConfig
 from worker.consolidator import Consolidator
 from worker.context import ContextBuilder
 from worker.holder import SessionHolder
-from worker.lease import Lease
 from worker.maintenance import Maintenance
 from worker.outcomes import SessionNotActiveError
 from worker.providers import LLMProvider
@@ -62,7 +61,9 @@ class AgentLoop:
         self.unified_session = unified_session
         self.tools = tools or default_registry()
         self.context = ContextBuilder(self.tools.names, history_tokens=self.config.history_tokens)
-        self.runner = TurnRunner(provider, self.tools, self.context, self.model, self.config.max_iterations)
+        self.runner = TurnRunner(
+            provider, self.tools, self.context, self.model, self.config.max_iterations
+        )
         self.consolidator = Consolidator(self)
         self.active_tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self.cancel_reasons: dict[asyncio.Task[Any], str] = {}
@@ -130,7 +131,9 @@ class AgentLoop:
 
         self._stopping.clear()
         await self.bus.ensure_groups(self.worker_id)
-        listener = ControlListener(self.bus.redis, self.bus.keys.control, self.on_control, self.check_flags)
+        listener = ControlListener(
+            self.bus.redis, self.bus.keys.control, self.on_control, self.check_flags
+        )
         background = [
             asyncio.create_task(listener.run(), name="control"),
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
@@ -185,7 +188,11 @@ class AgentLoop:
                 log.exception("serving %s failed", note.session_key)
 
     async def _serve_note(self, note: Notification) -> None:
-        key = note.session_key if note.effective else self.effective_key(note.session_key, direct=note.direct)
+        key = (
+            note.session_key
+            if note.effective
+            else self.effective_key(note.session_key, direct=note.direct)
+        )
         member = "" if note.effective else note.session_key
         result = await self.bus.acquire(
             key, self.worker_id, member=member, claim_owner=self.sessions.is_transient(key)
@@ -206,7 +213,9 @@ class AgentLoop:
         """Let running sessions finish within the grace period, then cancel the rest;
         their leases are released at once (no other worker waits for a TTL)."""
         if self._serving:
-            _, pending = await asyncio.wait(set(self._serving), timeout=self.config.shutdown_grace_s)
+            _, pending = await asyncio.wait(
+                set(self._serving), timeout=self.config.shutdown_grace_s
+            )
             for key, holder in list(self.holders.items()):
                 holder.abort("shutdown")
                 log.info("shutdown cancels the turn of %s", key)
@@ -217,7 +226,9 @@ class AgentLoop:
     def on_control(self, control: ControlMessage) -> None:
         """Cancel the running turn of the named session; discard also forgets it."""
         target = control.session_key
-        for key in [k for k in self.active_tasks if k == target or self.active_members.get(k) == target]:
+        for key in [
+            k for k in self.active_tasks if k == target or self.active_members.get(k) == target
+        ]:
             for task in self.active_tasks.get(key, ()):
                 self.cancel_reasons[task] = control.op
                 task.cancel()

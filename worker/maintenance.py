@@ -49,8 +49,11 @@ class Maintenance:
     async def tick(self) -> None:
         loop = self.loop
         info = {
-            "host": socket.gethostname(), "pid": str(os.getpid()), "started_ms": str(self.started_ms),
-            "active": str(len(loop.active_tasks)), "transient": str(len(loop.owned)),
+            "host": socket.gethostname(),
+            "pid": str(os.getpid()),
+            "started_ms": str(self.started_ms),
+            "active": str(len(loop.active_tasks)),
+            "transient": str(len(loop.owned)),
         }
         await self.bus.heartbeat(loop.worker_id, info, ttl_ms=self.bus.lock_ttl_ms * 3)
         for key, member in list(loop.owned.items()):
@@ -74,7 +77,11 @@ class Maintenance:
         if not channel:
             return ""
         out = OutboundMessage(
-            type="error", channel=channel, chat_id=chat_id, session_key=key, code="session_lost",
+            type="error",
+            channel=channel,
+            chat_id=chat_id,
+            session_key=key,
+            code="session_lost",
             content="the worker holding this private session is gone",
         )
         return out.model_dump_json(exclude_none=True)

@@ -22,8 +22,13 @@ def reply(
     msg: InboundMessage, key: str, reply_to: str, content: str, **extra: Any
 ) -> OutboundMessage:
     return OutboundMessage(
-        type="message", channel=msg.channel, chat_id=msg.chat_id, session_key=key,
-        reply_to=reply_to, content=content, **extra,
+        type="message",
+        channel=msg.channel,
+        chat_id=msg.chat_id,
+        session_key=key,
+        reply_to=reply_to,
+        content=content,
+        **extra,
     )
 
 
@@ -31,8 +36,13 @@ def error(
     channel: str, chat_id: str, key: str, reply_to: str | None, code: str, detail: str
 ) -> OutboundMessage:
     return OutboundMessage(
-        type="error", channel=channel, chat_id=chat_id, session_key=key,
-        reply_to=reply_to, content=detail, code=code,  # type: ignore[arg-type]
+        type="error",
+        channel=channel,
+        chat_id=chat_id,
+        session_key=key,
+        reply_to=reply_to,
+        content=detail,
+        code=code,
     )
 
 
@@ -41,7 +51,9 @@ def rejection(exc: MessageRejectedError, entry: Entry) -> OutboundMessage | None
     if not (exc.channel and exc.chat_id):
         return None
     key = exc.session_key or f"{exc.channel}:{exc.chat_id}"
-    return error(exc.channel, exc.chat_id, key, exc.message_id or entry.entry_id, exc.code, exc.detail)
+    return error(
+        exc.channel, exc.chat_id, key, exc.message_id or entry.entry_id, exc.code, exc.detail
+    )
 
 
 def dead_letter(entry: Entry, reason: str, worker_id: str) -> str:

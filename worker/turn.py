@@ -26,8 +26,15 @@ class TurnState:
 
 
 def user_row(msg: InboundMessage, reply_to: str) -> dict[str, Any]:
-    content = msg.content if msg.is_user_input else f"[system message from {msg.sender_id}] {msg.content}"
-    row: dict[str, Any] = {"role": "user", "content": content, "timestamp": now_iso(), "message_id": reply_to}
+    content = (
+        msg.content if msg.is_user_input else f"[system message from {msg.sender_id}] {msg.content}"
+    )
+    row: dict[str, Any] = {
+        "role": "user",
+        "content": content,
+        "timestamp": now_iso(),
+        "message_id": reply_to,
+    }
     if msg.media:
         row["media"] = list(msg.media)
     if msg.sender_id:
@@ -41,7 +48,11 @@ def _call_row(content: str | None, calls: list[ToolCallRequest]) -> dict[str, An
         "content": content or "",
         "timestamp": now_iso(),
         "tool_calls": [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
             for c in calls
         ],
     }
@@ -56,7 +67,12 @@ class TurnRunner:
     max_iterations: int = 20
 
     async def run(
-        self, session: Session, first_row: dict[str, Any], memory: str | None, ctx: ToolContext, state: TurnState
+        self,
+        session: Session,
+        first_row: dict[str, Any],
+        memory: str | None,
+        ctx: ToolContext,
+        state: TurnState,
     ) -> str:
         state.rows.append(first_row)
         messages = self.context.build(session, first_row, memory)
@@ -72,7 +88,12 @@ class TurnRunner:
             state.rows.append(call_row)
             for call in response.tool_calls:
                 result = await self.tools.execute(call.name, call.arguments, ctx)
-                tool_row = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result}
+                tool_row = {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "name": call.name,
+                    "content": result,
+                }
                 messages.append(tool_row)
                 state.rows.append({**tool_row, "timestamp": now_iso()})
         return self._finish(state, MAX_ITERATIONS_TEXT)

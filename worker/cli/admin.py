@@ -50,7 +50,9 @@ async def collect_status(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     for worker_id, seen in await redis.zrange(keys.workers, 0, -1, withscores=True):
         info = await redis.hgetall(keys.worker_info(worker_id))  # type: ignore[misc]
         alive = bool(info)
-        workers.append({"id": worker_id, "last_seen_ms_ago": now_ms - int(seen), "alive": alive, **info})
+        workers.append(
+            {"id": worker_id, "last_seen_ms_ago": now_ms - int(seen), "alive": alive, **info}
+        )
     try:
         pending = await redis.xpending(keys.ready, WORKER_GROUP)
         pending_count = int(pending["pending"])
@@ -86,13 +88,19 @@ async def status(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"redis: up   ready queue: {report['ready_queue']}   unacked: {report['pending_unacked']}   "
-          f"dead letters: {report['dead_letters']}")
-    print(f"durable sessions: {report['durable_sessions']}   transient sessions: {report['transient_sessions']}")
+    print(
+        f"redis: up   ready queue: {report['ready_queue']}   unacked: {report['pending_unacked']}   "
+        f"dead letters: {report['dead_letters']}"
+    )
+    print(
+        f"durable sessions: {report['durable_sessions']}   transient sessions: {report['transient_sessions']}"
+    )
     print(f"workers ({len(report['workers'])}):")
     for w in report["workers"]:
         state = "alive" if w["alive"] else "gone"
-        print(f"  {w['id']}  {state}  seen {w['last_seen_ms_ago']} ms ago  active turns {w.get('active', '-')}")
+        print(
+            f"  {w['id']}  {state}  seen {w['last_seen_ms_ago']} ms ago  active turns {w.get('active', '-')}"
+        )
     print(f"active leases ({len(report['active_leases'])}):")
     for lease in report["active_leases"]:
         print(f"  {lease['session']}  expires in {lease['expires_in_ms']} ms")
@@ -145,7 +153,9 @@ async def dlq(args: argparse.Namespace, settings: Settings) -> int:
         if args.action == "list":
             for entry_id, raw in await redis.xrange(keys.dead):
                 doc = json.loads(fields(raw).get("entry", "{}"))
-                print(f"{entry_id}\t{doc.get('session')}\t{doc.get('deliveries')}x\t{doc.get('reason')}")
+                print(
+                    f"{entry_id}\t{doc.get('session')}\t{doc.get('deliveries')}x\t{doc.get('reason')}"
+                )
             return 0
         if args.action == "purge":
             count = await redis.xlen(keys.dead)

@@ -26,7 +26,9 @@ CHANNEL = "demo"
 
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("demo", help="run the embedded demo (own Redis, two workers, echo provider)")
-    p.add_argument("--keep", action="store_true", help="keep Redis and the workers running afterwards")
+    p.add_argument(
+        "--keep", action="store_true", help="keep Redis and the workers running afterwards"
+    )
     p.set_defaults(handler=demo)
 
 
@@ -45,7 +47,8 @@ def embedded_redis() -> Iterator[tuple[str, str]]:
         workdir = tempfile.mkdtemp(prefix="agent-demo-")
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             _wait_port(port)
@@ -74,7 +77,10 @@ def embedded_redis() -> Iterator[tuple[str, str]]:
 def _wait_port(port: int, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), timeout=0.2),
+        ):
             return
         time.sleep(0.05)
     raise SystemExit("agent-worker demo: redis-server did not start")
@@ -93,8 +99,13 @@ class _Script:
 
     async def say(self, chat_id: str, text: str, *, session: str | None = None) -> OutboundMessage:
         msg = InboundMessage(
-            id=uuid.uuid4().hex, channel=CHANNEL, sender_id="demo-user", chat_id=chat_id, content=text,
-            session_key_override=session, require_existing_session=session is not None,
+            id=uuid.uuid4().hex,
+            channel=CHANNEL,
+            sender_id="demo-user",
+            chat_id=chat_id,
+            content=text,
+            session_key_override=session,
+            require_existing_session=session is not None,
         )
         self.replies[msg.id or ""] = asyncio.get_running_loop().create_future()
         print(f"  you  > {text}")
@@ -112,11 +123,17 @@ async def _conversation(script: _Script, loops: list[AgentLoop], redis_url: str)
     await script.say("alice", "Hello! My name is Ada.")
     await script.say("alice", "What did I just tell you?")
     stored = await loops[0].sessions.read_session(f"{CHANNEL}:alice")
-    print(f"  stored history of {CHANNEL}:alice: {len(stored['messages']) if stored else 0} messages")
+    print(
+        f"  stored history of {CHANNEL}:alice: {len(stored['messages']) if stored else 0} messages"
+    )
 
     print("\n2. A private (transient) session: lives only in its owner's memory")
-    key, opened = await client.open_transient(CHANNEL, "alice", session_key=f"{CHANNEL}:alice-private",
-                                              disabled_tools={"create_goal", "update_goal"})
+    key, opened = await client.open_transient(
+        CHANNEL,
+        "alice",
+        session_key=f"{CHANNEL}:alice-private",
+        disabled_tools={"create_goal", "update_goal"},
+    )
     script.replies[opened] = asyncio.get_running_loop().create_future()
     await asyncio.wait_for(script.replies[opened], 30)
     owner = next(loop.worker_id for loop in loops if loop.sessions.is_transient(key))
@@ -128,13 +145,15 @@ async def _conversation(script: _Script, loops: list[AgentLoop], redis_url: str)
     print("\n3. Discard it from anywhere: the session is gone for good")
     await client.discard(key)
     await script.say("alice", "Are you still there?", session=key)
-    print(f"\nTry it yourself: agent-worker chat --redis-url {redis_url} --prefix demo (with demo --keep)")
+    print(
+        f"\nTry it yourself: agent-worker chat --redis-url {redis_url} --prefix demo (with demo --keep)"
+    )
 
 
 async def _value(client: FrontendClient, key: str) -> object:
     kind = await client.redis.type(key)
     if kind == "hash":
-        return await client.redis.hgetall(key)
+        return await client.redis.hgetall(key)  # type: ignore[misc]
     if kind == "stream":
         return await client.redis.xrange(key)
     if kind == "string":
@@ -146,10 +165,13 @@ async def demo(args: argparse.Namespace, settings: Settings) -> int:
     provider = "openai" if os.environ.get("OPENAI_API_KEY") else "echo"
     with embedded_redis() as (url, kind):
         print(f"Redis: {kind} at {url}; provider: {provider}; two workers")
-        base = settings.model_copy(update={"redis_url": url, "key_prefix": "demo", "provider": provider})
+        base = settings.model_copy(
+            update={"redis_url": url, "key_prefix": "demo", "provider": provider}
+        )
         clients = [make_redis(url) for _ in range(3)]
         loops = [
-            make_loop(base.model_copy(update={"worker_id": f"demo-worker-{i + 1}"}), clients[i]) for i in range(2)
+            make_loop(base.model_copy(update={"worker_id": f"demo-worker-{i + 1}"}), clients[i])
+            for i in range(2)
         ]
         runs = [asyncio.create_task(loop.run()) for loop in loops]
         script = _Script(FrontendClient(clients[2], "demo"))

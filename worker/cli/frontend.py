@@ -53,7 +53,9 @@ def _print_event(ev: OutboundMessage) -> None:
         print(ev.content)
 
 
-async def wait_reply(client: FrontendClient, channel: str, reply_to: str, timeout_s: float) -> OutboundMessage | None:
+async def wait_reply(
+    client: FrontendClient, channel: str, reply_to: str, timeout_s: float
+) -> OutboundMessage | None:
     async def first_terminal() -> OutboundMessage | None:
         async for ev in client.replies(channel, group=CLI_GROUP, consumer="cli"):
             if ev.reply_to == reply_to or reply_to in (ev.covers or []):
@@ -73,13 +75,21 @@ async def send(args: argparse.Namespace, settings: Settings) -> int:
     try:
         client = FrontendClient(redis, settings.key_prefix)
         msg = InboundMessage(
-            id=args.id or uuid.uuid4().hex, channel=args.channel, sender_id="cli", chat_id=args.chat_id,
-            content=args.text, session_key_override=args.session, require_existing_session=args.require_existing,
+            id=args.id or uuid.uuid4().hex,
+            channel=args.channel,
+            sender_id="cli",
+            chat_id=args.chat_id,
+            content=args.text,
+            session_key_override=args.session,
+            require_existing_session=args.require_existing,
         )
         reply_to = await client.send(msg)
         ev = await wait_reply(client, args.channel, reply_to, args.timeout)
         if ev is None:
-            print(f"agent-worker: no reply within {args.timeout:g}s (is a worker running?)", file=sys.stderr)
+            print(
+                f"agent-worker: no reply within {args.timeout:g}s (is a worker running?)",
+                file=sys.stderr,
+            )
             return 4
         _print_event(ev)
         return 0 if ev.type == "message" else 3
@@ -90,7 +100,9 @@ async def send(args: argparse.Namespace, settings: Settings) -> int:
 async def control(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     try:
-        receivers = await FrontendClient(redis, settings.key_prefix).control(args.op, args.session_key)
+        receivers = await FrontendClient(redis, settings.key_prefix).control(
+            args.op, args.session_key
+        )
         print(f"{args.op} sent for {args.session_key} ({receivers} workers listening)")
         return 0
     finally:
@@ -117,7 +129,9 @@ class _Chat:
             return False
         if line == "/temp":
             key = f"{self.channel}:{self.chat_id}-private-{uuid.uuid4().hex[:6]}"
-            self.transient, _ = await self.client.open_transient(self.channel, self.chat_id, session_key=key)
+            self.transient, _ = await self.client.open_transient(
+                self.channel, self.chat_id, session_key=key
+            )
         elif line == "/durable":
             self.transient = None
             print(f"[back to {self.session_key}]")
@@ -126,10 +140,17 @@ class _Chat:
             if line == "/discard":
                 self.transient = None
         elif line:
-            await self.client.send(InboundMessage(
-                id=uuid.uuid4().hex, channel=self.channel, sender_id="cli", chat_id=self.chat_id, content=line,
-                session_key_override=self.transient, require_existing_session=self.transient is not None,
-            ))
+            await self.client.send(
+                InboundMessage(
+                    id=uuid.uuid4().hex,
+                    channel=self.channel,
+                    sender_id="cli",
+                    chat_id=self.chat_id,
+                    content=line,
+                    session_key_override=self.transient,
+                    require_existing_session=self.transient is not None,
+                )
+            )
         return True
 
 

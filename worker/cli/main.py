@@ -18,8 +18,12 @@ Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", help="Redis URL (env AGENT_REDIS_URL; default redis://localhost:6379/0)")
-    p.add_argument("--prefix", dest="key_prefix", help="key prefix (env AGENT_KEY_PREFIX; default agent)")
+    p.add_argument(
+        "--redis-url", help="Redis URL (env AGENT_REDIS_URL; default redis://localhost:6379/0)"
+    )
+    p.add_argument(
+        "--prefix", dest="key_prefix", help="key prefix (env AGENT_KEY_PREFIX; default agent)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except AuthenticationError as exc:
-        print(f"agent-worker: Redis refused the credentials at {settings.redis_url}: {exc}", file=sys.stderr)
+        print(
+            f"agent-worker: Redis refused the credentials at {settings.redis_url}: {exc}",
+            file=sys.stderr,
+        )
         return 1
     except (RedisConnectionError, ConnectionRefusedError, OSError) as exc:
         print(f"agent-worker: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)

@@ -18,11 +18,15 @@ log = logging.getLogger("worker")
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("run", help="run a worker (SIGTERM drains and exits 0)")
     common(p)
-    p.add_argument("--provider", choices=["openai", "echo"], help="env AGENT_PROVIDER (default echo)")
+    p.add_argument(
+        "--provider", choices=["openai", "echo"], help="env AGENT_PROVIDER (default echo)"
+    )
     p.add_argument("--model", help="env AGENT_MODEL")
     p.add_argument("--worker-id", help="env AGENT_WORKER_ID (default host-pid-random)")
     p.add_argument("--concurrency", type=int, help="max concurrent turns (env AGENT_CONCURRENCY)")
-    p.add_argument("--unified-session", action="store_true", default=None, help="env AGENT_UNIFIED_SESSION")
+    p.add_argument(
+        "--unified-session", action="store_true", default=None, help="env AGENT_UNIFIED_SESSION"
+    )
     p.set_defaults(handler=run)
 
 
@@ -38,8 +42,12 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         aloop.add_signal_handler(sig, loop.stop)
     log.info(
         "worker %s started: redis=%s prefix=%s provider=%s concurrency=%d unified=%s",
-        loop.worker_id, settings.redis_url.split("@")[-1], settings.key_prefix, settings.provider,
-        settings.concurrency, settings.unified_session,
+        loop.worker_id,
+        settings.redis_url.split("@")[-1],
+        settings.key_prefix,
+        settings.provider,
+        settings.concurrency,
+        settings.unified_session,
     )
     try:
         await loop.run()

@@ -35,13 +35,17 @@ class EchoProvider:
         if last.get("role") == "tool":
             text = f"tool {last.get('name')} returned: {last.get('content')}"
         else:
-            user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+            user: dict[str, Any] = next(
+                (m for m in reversed(messages) if m.get("role") == "user"), {}
+            )
             text = str(user.get("content", ""))
             call = self._tool_call(text, tools or [])
             if call is not None:
                 return LLMResponse(content="", tool_calls=[call], finish_reason="tool_calls")
             earlier = sum(1 for m in messages[1:-1] if m.get("role") in ("user", "assistant"))
-            text = f"echo: {text}" + (f" (I remember {earlier} earlier messages)" if earlier else "")
+            text = f"echo: {text}" + (
+                f" (I remember {earlier} earlier messages)" if earlier else ""
+            )
         if on_delta is not None:
             await on_delta(text)
         return LLMResponse(content=text, usage={"prompt_tokens": 0, "completion_tokens": 0})
@@ -58,4 +62,6 @@ class EchoProvider:
             args = json.loads(raw) if raw.strip() else {}
         except ValueError:
             args = {}
-        return ToolCallRequest(id=f"call_{name}", name=name, arguments=args if isinstance(args, dict) else {})
+        return ToolCallRequest(
+            id=f"call_{name}", name=name, arguments=args if isinstance(args, dict) else {}
+        )

@@ -24,7 +24,12 @@ from worker.providers.base import (
 )
 
 log = logging.getLogger(__name__)
-_RETRYABLE = (openai.RateLimitError, openai.APITimeoutError, openai.APIConnectionError, openai.InternalServerError)
+_RETRYABLE = (
+    openai.RateLimitError,
+    openai.APITimeoutError,
+    openai.APIConnectionError,
+    openai.InternalServerError,
+)
 
 
 class OpenAIProvider:
@@ -80,7 +85,9 @@ class OpenAIProvider:
                 if attempt == self.max_retries:
                     raise ProviderError(f"{type(exc).__name__}: {exc}") from exc
                 delay = self.backoff_s * 2**attempt * (0.5 + random.random())
-                log.warning("provider retry %d in %.2fs: %s", attempt + 1, delay, type(exc).__name__)
+                log.warning(
+                    "provider retry %d in %.2fs: %s", attempt + 1, delay, type(exc).__name__
+                )
                 await asyncio.sleep(delay)
             except openai.OpenAIError as exc:
                 raise ProviderError(f"{type(exc).__name__}: {exc}") from exc
@@ -106,7 +113,9 @@ class OpenAIProvider:
                 if tc.function is not None:
                     slot["name"] += tc.function.name or ""
                     slot["arguments"] += tc.function.arguments or ""
-        tool_calls = [ToolCallRequest(c["id"], c["name"], _args(c["arguments"])) for c in calls.values()]
+        tool_calls = [
+            ToolCallRequest(c["id"], c["name"], _args(c["arguments"])) for c in calls.values()
+        ]
         return LLMResponse(content="".join(parts), tool_calls=tool_calls, finish_reason=finish)
 
 
@@ -128,5 +137,8 @@ def _parse(completion: Any) -> LLMResponse:
     ]
     usage = completion.usage.model_dump() if completion.usage is not None else {}
     return LLMResponse(
-        content=message.content, tool_calls=calls, usage=usage, finish_reason=choice.finish_reason or "stop"
+        content=message.content,
+        tool_calls=calls,
+        usage=usage,
+        finish_reason=choice.finish_reason or "stop",
     )

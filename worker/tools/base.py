@@ -24,11 +24,14 @@ class ToolContext:
 
 
 class Tool(Protocol):
+    """A tool: ``execute(ctx, **arguments)`` returns the text fed back to the model."""
+
     name: str
     description: str
     parameters: dict[str, Any]
 
-    async def execute(self, ctx: ToolContext, **kwargs: Any) -> str: ...
+    @property
+    def execute(self) -> Callable[..., Awaitable[str]]: ...
 
 
 def schema(properties: dict[str, Any], required: Iterable[str] = ()) -> dict[str, Any]:
@@ -53,7 +56,11 @@ class ToolRegistry:
         return [
             {
                 "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                },
             }
             for t in self._tools.values()
             if t.name not in disabled

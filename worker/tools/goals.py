@@ -32,11 +32,17 @@ class UpdateGoalTool:
     name = "update_goal"
     description = "Change a goal's status (open, done, abandoned) or title."
     parameters = schema(
-        {"goal_id": {"type": "string"}, "status": {"type": "string", "enum": list(_STATUSES)}, "title": {"type": "string"}},
+        {
+            "goal_id": {"type": "string"},
+            "status": {"type": "string", "enum": list(_STATUSES)},
+            "title": {"type": "string"},
+        },
         ["goal_id"],
     )
 
-    async def execute(self, ctx: ToolContext, goal_id: str, status: str = "", title: str = "") -> str:
+    async def execute(
+        self, ctx: ToolContext, goal_id: str, status: str = "", title: str = ""
+    ) -> str:
         for goal in _goals(ctx):
             if goal.get("id") == goal_id:
                 if status:

@@ -18,7 +18,10 @@ class ReadSessionTool:
     name = "read_session"
     description = "Read the recent messages of a session (default: the current one)."
     parameters = schema(
-        {"session_key": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 200}}
+        {
+            "session_key": {"type": "string"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 200},
+        }
     )
 
     async def execute(self, ctx: ToolContext, session_key: str = "", limit: int = 20) -> str:
@@ -33,7 +36,9 @@ class ReadSessionTool:
 class SearchSessionsTool:
     name = "search_sessions"
     description = "Search stored sessions for a text; returns matching session keys and snippets."
-    parameters = schema({"query": {"type": "string"}, "max_sessions": {"type": "integer"}}, ["query"])
+    parameters = schema(
+        {"query": {"type": "string"}, "max_sessions": {"type": "integer"}}, ["query"]
+    )
 
     async def execute(self, ctx: ToolContext, query: str, max_sessions: int = 20) -> str:
         needle = query.casefold()
