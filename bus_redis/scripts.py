@@ -42,5 +42,6 @@ class Scripts:
             name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES
         }
 
-    async def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return await self._scripts[name](keys=keys, args=args)
+    async def call(self, name: str, keys: list[str], args: list[Any], *, client: Any = None) -> Any:
+        """Run a script; with a pipeline as ``client`` it is queued instead."""
+        return await self._scripts[name](keys=keys, args=args, client=client)

@@ -183,13 +183,18 @@ class RedisBus:
         return self._notes(self.keys.ready, reply[1] if reply else [])
 
     async def ack(self, notes: Sequence[Notification]) -> None:
-        if not notes:
+        if not any(n.entry_id for n in notes):
             return
         async with self.redis.pipeline(transaction=False) as pipe:
-            for n in notes:
+            self._queue_ack(pipe, notes)
+            await pipe.execute()
+
+    @staticmethod
+    def _queue_ack(pipe: Any, notes: Sequence[Notification]) -> None:
+        for n in notes:
+            if n.entry_id:  # synthetic notifications (owner self-check) have none
                 pipe.xack(n.stream, WORKER_GROUP, n.entry_id)
                 pipe.xdel(n.stream, n.entry_id)
-            await pipe.execute()
 
     async def forward(self, owner: str, note: Notification) -> None:
         """Hand a notification to the worker that owns the (transient) session."""
@@ -216,14 +221,23 @@ class RedisBus:
         member: str = "",
         claim_owner: bool = False,
         select: bool = True,
+        ack: Notification | None = None,
     ) -> AcquireResult:
+        """Take the lease of ``key`` (see ``lua/acquire.lua``); ``ack`` is acknowledged in
+        the same round trip."""
         k = self.keys
         tkeys, targs = self._triples([member] if member else [])
         keys = [k.lease(key), k.epoch(key), k.pending(key), k.owner(key), k.session(key)]
         keys += [k.leases, k.memory, *tkeys]
         args = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
         args += [self.owner_ttl_ms, "1" if select else "0", *targs]
-        parts = texts(await self._scripts.call("acquire", keys, args))
+        if ack is None:
+            parts = texts(await self._scripts.call("acquire", keys, args))
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                await self._scripts.call("acquire", keys, args, client=pipe)
+                self._queue_ack(pipe, [ack])
+                parts = texts((await pipe.execute())[0])
         if parts[0] == "forward":
             return Forward(parts[1])
         if parts[0] == "busy":
@@ -287,6 +301,17 @@ class RedisBus:
     async def drop_owner(self, key: str, worker_id: str, member: str) -> None:
         keys = [self.keys.owner(key), self.keys.owners]
         await self._scripts.call("owner", keys, ["drop", worker_id, member, 0])
+
+    async def unserved(self, keys: Sequence[str]) -> list[str]:
+        """Those of ``keys`` with queued inbound entries and no lease holder."""
+        if not keys:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.xlen(self.keys.inbound(key))
+                pipe.exists(self.keys.lease(key))
+            res = await pipe.execute()
+        return [k for i, k in enumerate(keys) if int(res[2 * i]) > 0 and not int(res[2 * i + 1])]
 
     async def abandon_owner(self, key: str, worker_id: str) -> None:
         """Delete our owner record but keep its registry entry, so that

@@ -76,7 +76,7 @@ class SessionManager:
         """The durable session at ``version`` (from the lease script): the cached object
         when it is current, else a fresh load."""
         cached = self._cache.get(key)
-        if cached is not None and cached.version == version:
+        if cached is not None and cached.version == version and not cached.unpersisted():
             self._cache.move_to_end(key)
             return cached
         loaded = await self.store.load(key) if version else None

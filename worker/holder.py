@@ -104,9 +104,15 @@ class SessionHolder:
     async def commit(
         self, spec: CommitSpec, *, select: list[str] | None
     ) -> tuple[int, Step | None]:
-        version, step = await self.loop.bus.commit(
-            self.key, self.token, self.loop.worker_id, spec, select=select
-        )
+        try:
+            version, step = await self.loop.bus.commit(
+                self.key, self.token, self.loop.worker_id, spec, select=select
+            )
+        except BaseException:
+            # Unknown whether it landed: the next turn reloads the session from Redis.
+            if not self.loop.sessions.is_transient(self.key):
+                self.loop.sessions.invalidate(self.key)
+            raise
         if version < 0:
             self.rejected_writes += 1
             if not self.loop.sessions.is_transient(self.key):

@@ -17,6 +17,8 @@ import contextlib
 import logging
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from bus_redis import SESSION_NOT_ACTIVE, ControlMessage, InboundMessage, OutboundMessage, RedisBus
 from bus_redis.streams import Acquired, Busy, CommitSpec, Forward, Notification
 from session_store import (
@@ -158,6 +160,7 @@ class AgentLoop:
             self._consumer.cancel()
 
     async def _consume(self) -> None:
+        backoff_s = 0.05
         while not self._stopping.is_set():
             await self._slots.acquire()
             free = 1 + self._free_slots()
@@ -165,9 +168,25 @@ class AgentLoop:
                 notes = await self.bus.read_notifications(
                     self.worker_id, count=free, block_ms=self.config.read_block_ms
                 )
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "reading the ready queue failed (%s); retrying in %.2fs",
+                    type(exc).__name__,
+                    backoff_s,
+                )
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
+                await self._ensure_groups_quietly()
+                continue
             finally:
                 self._slots.release()
+            backoff_s = 0.05
             self.dispatch(notes)
+
+    async def _ensure_groups_quietly(self) -> None:
+        """After an outage the server may have lost the groups (no persistence)."""
+        with contextlib.suppress(RedisError, OSError):
+            await self.bus.ensure_groups(self.worker_id)
 
     def _free_slots(self) -> int:
         return max(0, self.config.concurrency - len(self._serving) - 1)
@@ -195,11 +214,16 @@ class AgentLoop:
         )
         member = "" if note.effective else note.session_key
         result = await self.bus.acquire(
-            key, self.worker_id, member=member, claim_owner=self.sessions.is_transient(key)
+            key,
+            self.worker_id,
+            member=member,
+            claim_owner=self.sessions.is_transient(key),
+            ack=note,
         )
         if isinstance(result, Forward):
+            # A forward lost to a crash right here is recovered by the owner's own
+            # periodic check of its sessions (Maintenance.check_owned).
             await self.bus.forward(result.owner, note)
-        await self.bus.ack([note])
         if isinstance(result, Forward | Busy):
             return
         holder = SessionHolder(self, key, result, {member} if member else set())

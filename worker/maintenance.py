@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 
 from bus_redis import OutboundMessage
 from bus_redis.codec import parse_flag, text
+from bus_redis.streams import Notification
 
 if TYPE_CHECKING:
     from worker.loop import AgentLoop
@@ -60,6 +61,7 @@ class Maintenance:
             if not await self.bus.renew_owner(key, loop.worker_id, member):
                 log.warning("owner record of a transient session expired; session dropped")
                 loop.forget(key)
+        await self.check_owned()
         for key in await self.bus.sweep():
             log.info("lease of %s expired without release; re-notified", key)
         stale = await self.bus.claim_stale(loop.worker_id, min_idle_ms=self.bus.lock_ttl_ms)
@@ -68,6 +70,14 @@ class Maintenance:
             loop.dispatch(stale)
         for member in await self.bus.due_owners():
             await self.bus.report_owner_lost(member, self._lost_event(member))
+
+    async def check_owned(self) -> None:
+        """Serve our transient sessions that have messages but no notification reached
+        us (a forwarding worker died between its acquire and its forward)."""
+        inbox = self.bus.keys.inbox(self.loop.worker_id)
+        for key in await self.bus.unserved(list(self.loop.owned)):
+            if key not in self.loop.holders:
+                self.loop.dispatch([Notification(inbox, "", key)])
 
     @staticmethod
     def _lost_event(member: str) -> str:
