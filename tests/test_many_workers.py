@@ -99,3 +99,18 @@ async def test_kill9_during_llm_call_fails_over_after_the_lease(
     h = await real_redis.hgetall(Keys().session("web:k"))
     assert h["count"] == "2"
     print(f"failover after kill -9: {failover_s * 1000:.0f} ms (lease TTL 1000 ms)")
+
+
+@pytest.mark.parametrize("point", ["after_read", "after_acquire", "before_commit", "after_commit"])
+async def test_kill_at_each_step_answers_once(real_redis, spawn_workers, fake_llm, point: str) -> None:  # type: ignore[no-untyped-def]
+    (doomed,) = spawn_workers(1, env={**FAST, "AGENT_FAULT_POINTS": point})
+    client = FrontendClient(real_redis)
+    mid = await client.send(_m(0, 0))
+    assert await asyncio.to_thread(doomed.proc.wait, 20) == 137  # died exactly there
+    spawn_workers(1, env=FAST)
+    later = await client.send(_m(0, 1))
+
+    got = await collect(client, "web", {mid, later}, timeout_s=20)
+
+    assert [sum(ev.is_terminal for ev in got[i]) for i in (mid, later)] == [1, 1]
+    await _assert_histories(real_redis, 1, 2)

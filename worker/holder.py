@@ -25,6 +25,7 @@ from bus_redis import (
 from bus_redis.streams import Acquired, CommitSpec, Entry, Lost, More, Released, Step, owner_member
 from session_store import Session
 from session_store.codec import encode_meta, encode_rows
+from worker.faults import crash_point
 from worker.lease import Lease
 from worker.outcomes import (
     SessionNotActiveError,
@@ -98,7 +99,9 @@ class SessionHolder:
             return Released()
         if spec is None:  # the turn failed: try the entry again (counts a delivery)
             return await self.loop.bus.next(self.key, self.token, sorted(self.members))
+        crash_point("before_commit")
         _, step = await self.commit(spec, select=sorted(self.members))
+        crash_point("after_commit")
         return step or Released()
 
     async def commit(

@@ -30,6 +30,7 @@ from session_store import (
 from worker.config import LoopConfig
 from worker.consolidator import Consolidator
 from worker.context import ContextBuilder
+from worker.faults import crash_point
 from worker.holder import SessionHolder
 from worker.maintenance import Maintenance
 from worker.outcomes import SessionNotActiveError
@@ -181,6 +182,8 @@ class AgentLoop:
             finally:
                 self._slots.release()
             backoff_s = 0.05
+            if notes:
+                crash_point("after_read")
             self.dispatch(notes)
 
     async def _ensure_groups_quietly(self) -> None:
@@ -220,6 +223,7 @@ class AgentLoop:
             claim_owner=self.sessions.is_transient(key),
             ack=note,
         )
+        crash_point("after_acquire")
         if isinstance(result, Forward):
             # A forward lost to a crash right here is recovered by the owner's own
             # periodic check of its sessions (Maintenance.check_owned).
