@@ -112,13 +112,15 @@ class FrontendClient:
             reply = await self.redis.xreadgroup(
                 group, consumer, {stream: ">"}, count=count, block=block_ms
             )
-            for _stream, entries in reply or []:
-                for entry_id, raw in entries:
-                    doc = fields(raw).get("payload", "")
-                    try:
-                        yield OutboundMessage.model_validate_json(doc)
-                    finally:
-                        async with self.redis.pipeline(transaction=True) as pipe:
-                            pipe.xack(stream, group, entry_id)
-                            pipe.xdel(stream, entry_id)
-                            await pipe.execute()
+            done: list[str] = []
+            try:
+                for _stream, entries in reply or []:
+                    for entry_id, raw in entries:
+                        done.append(entry_id)
+                        yield OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
+            finally:
+                if done:  # one round trip per batch: acknowledge and delete what was yielded
+                    async with self.redis.pipeline(transaction=True) as pipe:
+                        pipe.xack(stream, group, *done)
+                        pipe.xdel(stream, *done)
+                        await pipe.execute()

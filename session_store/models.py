@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import accumulate
 from typing import Any
 
 UNIFIED_SESSION_KEY = "unified:default"
 _REPLAY_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 DEFAULT_HISTORY_TOKENS = 16_000
+
+
+def _project(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The LLM view of one stored row (computed once, at append); None = not replayed."""
+    if row.get("role") == "assistant" and not row.get("content") and not row.get("tool_calls"):
+        return None
+    return {k: row[k] for k in _REPLAY_FIELDS if k in row and row[k] is not None}
 
 
 def now_iso() -> str:
@@ -49,8 +58,9 @@ class Session:
     policy: SessionPolicy = field(default_factory=SessionPolicy)
     version: int = 0
     persisted_count: int = 0
-    _tokens: list[int] = field(default_factory=list, repr=False)
+    _replay: list[dict[str, Any] | None] = field(default_factory=list, repr=False)
     _seen_ids: set[str] = field(default_factory=set, repr=False)
+    _prefix: list[int] = field(default_factory=lambda: [0], repr=False)  # token prefix sums
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, dict):
@@ -58,7 +68,8 @@ class Session:
         lc = self.last_consolidated
         if isinstance(lc, bool) or not isinstance(lc, int) or not 0 <= lc <= len(self.messages):
             self.last_consolidated = 0
-        self._tokens = [estimate_tokens(m) for m in self.messages]
+        self._replay = [_project(m) for m in self.messages]
+        self._prefix = list(accumulate((estimate_tokens(m) for m in self.messages), initial=0))
         self._seen_ids = {m["message_id"] for m in self.messages if m.get("message_id")}
 
     # --- mutation ---------------------------------------------------------------
@@ -70,7 +81,8 @@ class Session:
     def append_rows(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             self.messages.append(row)
-            self._tokens.append(estimate_tokens(row))
+            self._replay.append(_project(row))
+            self._prefix.append(self._prefix[-1] + estimate_tokens(row))
             if row.get("message_id"):
                 self._seen_ids.add(row["message_id"])
         if rows:
@@ -88,30 +100,19 @@ class Session:
 
     @property
     def token_count(self) -> int:
-        return sum(self._tokens[self.last_consolidated :])
+        """Estimated tokens of the unconsolidated history, O(1)."""
+        return self._prefix[-1] - self._prefix[self.last_consolidated]
 
     # --- replay -----------------------------------------------------------------
     def get_history(self, *, max_tokens: int = DEFAULT_HISTORY_TOKENS) -> list[dict[str, Any]]:
         """The LLM replay view: unconsolidated rows within a token budget.
 
-        Walks back from the newest row, so the cost is bounded by the budget, not by
-        the length of the whole history. Starts on a user row; never starts with an
+        Token prefix sums find the window in O(log n); the rows are projected once, at
+        append, so a turn's cost is bounded by the budget, not by the whole history. Starts on a user row; never starts with an
         orphan tool result.
         """
-        start = len(self.messages)
-        budget = max_tokens
-        while start > self.last_consolidated and budget - self._tokens[start - 1] >= 0:
-            start -= 1
-            budget -= self._tokens[start]
+        # smallest start >= last_consolidated whose suffix fits the budget: O(log n)
+        start = bisect_left(self._prefix, self._prefix[-1] - max_tokens, lo=self.last_consolidated)
         while start < len(self.messages) and self.messages[start].get("role") != "user":
             start += 1
-        out = []
-        for row in self.messages[start:]:
-            if (
-                row.get("role") == "assistant"
-                and not row.get("content")
-                and not row.get("tool_calls")
-            ):
-                continue
-            out.append({k: row[k] for k in _REPLAY_FIELDS if k in row and row[k] is not None})
-        return out
+        return [row for row in self._replay[start:] if row is not None]

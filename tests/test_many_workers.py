@@ -102,7 +102,9 @@ async def test_kill9_during_llm_call_fails_over_after_the_lease(
 
 
 @pytest.mark.parametrize("point", ["after_read", "after_acquire", "before_commit", "after_commit"])
-async def test_kill_at_each_step_answers_once(real_redis, spawn_workers, fake_llm, point: str) -> None:  # type: ignore[no-untyped-def]
+async def test_kill_at_each_step_answers_once(
+    real_redis, spawn_workers, fake_llm, point: str
+) -> None:  # type: ignore[no-untyped-def]
     (doomed,) = spawn_workers(1, env={**FAST, "AGENT_FAULT_POINTS": point})
     client = FrontendClient(real_redis)
     mid = await client.send(_m(0, 0))

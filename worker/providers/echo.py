@@ -42,7 +42,9 @@ class EchoProvider:
             call = self._tool_call(text, tools or [])
             if call is not None:
                 return LLMResponse(content="", tool_calls=[call], finish_reason="tool_calls")
-            earlier = sum(1 for m in messages[1:-1] if m.get("role") in ("user", "assistant"))
+            earlier = max(
+                0, len(messages) - 2
+            )  # history between the system prompt and the question
             text = f"echo: {text}" + (
                 f" (I remember {earlier} earlier messages)" if earlier else ""
             )

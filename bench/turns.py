@@ -1,0 +1,150 @@
+"""Throughput, latency, Redis round trips per turn, and cost vs history length.
+
+    python bench/turns.py [--sessions 200] [--messages 10] [--workers 2]
+
+Runs its own redis-server; workers are in-process AgentLoops with the echo provider, so
+the figures are the worker's own cost (no LLM time). Latency is server-side: reply entry
+time minus inbound entry time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import redis.asyncio as aioredis
+from _common import CountingRedis, RedisServer, summary
+
+from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis.codec import stream_id_ms
+from session_store import Session
+from worker import AgentLoop, LoopConfig
+from worker.providers import EchoProvider
+
+
+async def throughput(url: str, sessions: int, messages: int, workers: int) -> None:
+    frontend = FrontendClient(aioredis.from_url(url, decode_responses=True))
+    loops = [
+        AgentLoop(
+            RedisBus(CountingRedis.from_url(url, decode_responses=True)),
+            EchoProvider(),
+            config=LoopConfig(worker_id=f"bench-{i}", concurrency=64, read_block_ms=100),
+        )
+        for i in range(workers)
+    ]
+    total = sessions * messages
+    for n in range(messages):  # everything is queued before the workers start
+        for s in range(sessions):
+            msg = InboundMessage(
+                id=f"s{s}-{n}", channel="bench", sender_id="u", chat_id=f"c{s}", content=f"m{n}"
+            )
+            await frontend.send(msg)
+    rt0, cpu0, t0 = CountingRedis.round_trips, time.process_time(), time.perf_counter()
+    runs = [asyncio.create_task(loop.run()) for loop in loops]
+    answered: set[str] = set()
+    async for ev in frontend.replies("bench", block_ms=200, count=1000):
+        answered.add(ev.reply_to or "")
+        if len(answered) == total:
+            break
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    rts = CountingRedis.round_trips - rt0
+    for loop in loops:
+        loop.stop()
+    await asyncio.gather(*runs)
+    print(
+        f"throughput: {total} turns, {sessions} sessions x {messages}, {workers} in-process workers"
+    )
+    print(f"  {total / wall:.0f} turns/s wall   {wall:.2f} s")
+    print(f"  {cpu / total * 1000:.3f} ms CPU per turn (workers + reply reader, one process)")
+    print(f"  {rts / total:.2f} worker round trips per turn (incl. queue reads, heartbeats)")
+
+
+async def latency(url: str, turns: int) -> None:
+    """Sequential turns (no queueing): publish-to-reply latency measured on Redis' clock."""
+    redis = aioredis.from_url(url, decode_responses=True)
+    frontend = FrontendClient(redis)
+    loop = AgentLoop(
+        RedisBus(aioredis.from_url(url, decode_responses=True)),
+        EchoProvider(),
+        config=LoopConfig(worker_id="lat", read_block_ms=100),
+    )
+    run = asyncio.create_task(loop.run())
+    await asyncio.sleep(0.2)
+    samples: list[float] = []
+    replies = frontend.replies("lat", block_ms=200)
+    for i in range(turns):
+        entry = await frontend.send(
+            InboundMessage(channel="lat", sender_id="u", chat_id="one", content=f"q{i}")
+        )
+        ev = await anext(replies)
+        out_ms = await _reply_ms(redis)
+        samples.append(float(out_ms - stream_id_ms(entry)) if out_ms else 0.0)
+        assert ev.reply_to == entry
+    loop.stop()
+    await run
+    print(f"latency (server clock, ms resolution), {turns} sequential turns: {summary(samples)}")
+
+
+async def _reply_ms(redis: aioredis.Redis) -> int:
+    info = await redis.xinfo_stream("agent:out:lat")
+    return stream_id_ms(str(info["last-generated-id"]))
+
+
+async def history_cost(url: str, sizes: list[int], turns: int) -> None:
+    """Worker CPU and round trips per turn as the stored history grows."""
+    print("cost vs history length (in-process process_message, echo provider):")
+    for size in sizes:
+        redis = CountingRedis.from_url(url, decode_responses=True)
+        await redis.flushall()
+        config = LoopConfig(worker_id="hist", consolidate_above_tokens=10**12)  # the turn alone
+        loop = AgentLoop(RedisBus(redis), EchoProvider(), config=config)
+        seed = Session(key="bench:h")
+        seed.append_rows(
+            [
+                {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 8}
+                for i in range(size)
+            ]
+        )
+        await loop.sessions.save(seed)
+        msg = InboundMessage(channel="bench", sender_id="u", chat_id="h", content="warm")
+        await loop.process_message(msg)  # loads the session into the cache once
+        rt0, cpu0, t0 = CountingRedis.round_trips, time.process_time(), time.perf_counter()
+        for i in range(turns):
+            await loop.process_message(
+                msg.model_copy(update={"content": f"turn {i}", "id": f"t{i}"})
+            )
+        cpu_ms = (time.process_time() - cpu0) / turns * 1000
+        wall_ms = (time.perf_counter() - t0) / turns * 1000
+        rts = (CountingRedis.round_trips - rt0) / turns
+        hash_len = await redis.hlen("agent:{bench:h}:session")
+        print(
+            f"  history {size:>6}: {cpu_ms:.3f} ms CPU/turn  {wall_ms:.3f} ms wall/turn  {rts:.1f} RT/turn  "
+            f"(hash fields {hash_len})"
+        )
+        await redis.aclose()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--messages", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--history", default="0,1000,10000,50000")
+    args = parser.parse_args()
+    server = RedisServer().start()
+    try:
+        await throughput(server.url, args.sessions, args.messages, args.workers)
+        await latency(server.url, 300)
+        await history_cost(server.url, [int(x) for x in args.history.split(",")], 300)
+    finally:
+        server.cleanup()
+    print(json.dumps({"note": "figures are for this machine; see docs/ARCHITECTURE.md"}))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
