@@ -189,3 +189,45 @@ async def test_control_missed_while_pubsub_was_down_still_cancels(redis_server) 
     assert got[mid][-1].code == "cancelled"
     await client.redis.aclose()
     await redis.aclose()
+
+
+async def test_concurrency_caps_turns_per_process(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    cap, sessions = 2, 6
+    in_flight: list[asyncio.Event] = []
+    peak = finished = 0
+    changed = asyncio.Condition()
+
+    async def gated(**kw: object) -> LLMResponse:
+        nonlocal peak, finished
+        gate = asyncio.Event()
+        async with changed:
+            in_flight.append(gate)
+            peak = max(peak, len(in_flight))
+            changed.notify_all()
+        await gate.wait()
+        async with changed:
+            in_flight.remove(gate)
+            finished += 1
+            changed.notify_all()
+        return await _echo(**kw)
+
+    provider = ScriptedProvider(handler=gated)
+    loop = AgentLoop(
+        RedisBus(redis_factory()), provider, config=LoopConfig(concurrency=cap, read_block_ms=100)
+    )
+    client = FrontendClient(redis_factory())
+    ids = {await client.send(_m(f"c{i}", "hello")) for i in range(sessions)}
+    task = asyncio.create_task(loop.run())
+    while finished < sessions:
+        # a turn may finish only when as many run as the cap allows
+        async with changed:
+            await changed.wait_for(lambda: len(in_flight) >= min(cap, sessions - finished))
+            before = finished
+            in_flight[0].set()
+            await changed.wait_for(lambda: finished > before)
+    got = await collect(client, "web", ids)
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+    assert len(got) == sessions
+    assert peak == cap
