@@ -47,3 +47,51 @@ def test_status_and_sessions_against_a_real_server(redis_server) -> None:  # typ
         _run("memory", "show", "--redis-url", redis_server.url).stdout.strip()
         == "remember the milk"
     )
+
+
+def test_status_reports_an_outage() -> None:
+    res = _run("status", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    assert res.returncode == 1
+    assert res.stdout.startswith("redis: DOWN")
+
+
+@pytest.mark.real_redis
+def test_dlq_list_show_replay_purge(redis_server) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import redis as syncredis
+
+    url = redis_server.url
+    r = syncredis.Redis.from_url(url, decode_responses=True)
+    r.flushall()
+    letter = {"session": "web:x", "entry_id": "1-0", "payload": '{"v":1}', "reason": "too bad", "deliveries": 6}
+    entry_id = r.xadd("agent:dead", {"entry": json.dumps(letter)})
+
+    listed = _run("dlq", "list", "--redis-url", url)
+    assert entry_id in listed.stdout
+    assert "too bad" in listed.stdout
+    assert json.loads(_run("dlq", "show", entry_id, "--redis-url", url).stdout)["deliveries"] == 6
+    assert _run("dlq", "replay", entry_id, "--redis-url", url).returncode == 0
+    assert r.xlen("agent:dead") == 0
+    assert r.xrange("agent:{web:x}:in")[0][1]["payload"] == '{"v":1}'
+    r.xadd("agent:dead", {"entry": json.dumps(letter)})
+    assert "purged 1" in _run("dlq", "purge", "--redis-url", url).stdout
+    r.close()
+
+
+@pytest.mark.real_redis
+@pytest.mark.slow
+def test_demo_runs_end_to_end(redis_server) -> None:  # type: ignore[no-untyped-def]
+    res = _run("demo", env={"OPENAI_API_KEY": ""})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Redis keys holding the secret: 0" in res.stdout
+    assert "[session_not_active]" in res.stdout
+    assert "(I remember 2 earlier messages)" in res.stdout
+
+
+@pytest.mark.slow
+def test_demo_falls_back_to_an_in_process_server() -> None:
+    res = _run("demo", env={"OPENAI_API_KEY": "", "PATH": "/nonexistent"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "in-process fakeredis" in res.stdout
+    assert "Redis keys holding the secret: 0" in res.stdout

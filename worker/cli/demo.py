@@ -111,9 +111,9 @@ class _Script:
         print(f"  you  > {text}")
         await self.client.send(msg)
         ev = await asyncio.wait_for(self.replies[msg.id or ""], 60)
-        who = ev.metadata.get("worker", "?")
+        who = f"    (worker {ev.metadata['worker']})" if "worker" in ev.metadata else ""
         shown = ev.content if ev.type == "message" else f"[{ev.code}] {ev.content}"
-        print(f"  bot  < {shown}    (worker {who})")
+        print(f"  bot  < {shown}{who}")
         return ev
 
 

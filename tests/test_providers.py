@@ -1,0 +1,63 @@
+"""The OpenAI-compatible provider against a local HTTP server; the echo provider."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_llm import FakeLLM
+
+from worker.providers import EchoProvider, OpenAIProvider, ProviderError
+
+
+def _provider(llm: FakeLLM, **kw: object) -> OpenAIProvider:
+    return OpenAIProvider("fake", base_url=llm.base_url, api_key="k", backoff_s=0.01, **kw)  # type: ignore[arg-type]
+
+
+async def test_answer_and_usage(fake_llm: FakeLLM) -> None:
+    resp = await _provider(fake_llm).chat_with_retry(messages=[{"role": "user", "content": "hi"}])
+    assert resp.content == "re: hi"
+    assert resp.usage["total_tokens"] == 2
+    assert fake_llm.requests[0]["model"] == "fake"
+
+
+async def test_5xx_is_retried_then_reported(fake_llm: FakeLLM) -> None:
+    provider = _provider(fake_llm, max_retries=2)
+    with pytest.raises(ProviderError, match="InternalServerError"):
+        await provider.chat_with_retry(messages=[{"role": "user", "content": "fail please"}])
+    assert len(fake_llm.requests) == 3
+
+
+async def test_unreachable_server_is_a_provider_error() -> None:
+    from servers import free_port
+
+    provider = OpenAIProvider(
+        "m", base_url=f"http://127.0.0.1:{free_port()}/v1", backoff_s=0.01, max_retries=1
+    )
+    with pytest.raises(ProviderError, match="APIConnectionError"):
+        await provider.chat_with_retry(messages=[{"role": "user", "content": "x"}])
+
+
+async def test_cancelling_the_turn_cancels_the_http_call(fake_llm: FakeLLM) -> None:
+    provider = _provider(fake_llm)
+    call = asyncio.create_task(
+        provider.chat_with_retry(messages=[{"role": "user", "content": "block"}])
+    )
+    assert await asyncio.to_thread(fake_llm.started.wait, 5)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(call, 2)  # the server is still holding the request
+    assert not fake_llm._release.is_set()
+
+
+async def test_echo_calls_offered_tools_only() -> None:
+    echo = EchoProvider()
+    tools = [{"type": "function", "function": {"name": "read_session", "parameters": {}}}]
+    called = await echo.chat_with_retry(
+        messages=[{"role": "user", "content": "/tool read_session {}"}], tools=tools
+    )
+    assert [c.name for c in called.tool_calls] == ["read_session"]
+    refused = await echo.chat_with_retry(
+        messages=[{"role": "user", "content": "/tool spawn {}"}], tools=tools
+    )
+    assert refused.tool_calls == []

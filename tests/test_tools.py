@@ -1,0 +1,92 @@
+"""Tools inside turns: progress events, disabled tools are neither offered nor executable."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from replies import collect
+
+from bus_redis import FrontendClient, InboundMessage, RedisBus
+from worker import AgentLoop, LoopConfig
+from worker.providers import LLMResponse, ToolCallRequest
+
+
+def _script(*steps: LLMResponse) -> ScriptedProvider:
+    queue = list(steps)
+
+    async def handler(**_kw: object) -> LLMResponse:
+        return queue.pop(0)
+
+    return ScriptedProvider(handler=handler)
+
+
+async def test_message_tool_sends_progress_before_the_answer(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    provider = _script(
+        LLMResponse(tool_calls=[ToolCallRequest("c1", "message", {"content": "working on it"})]),
+        LLMResponse(content="done"),
+    )
+    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=100))
+    client = FrontendClient(redis_factory())
+    task = asyncio.create_task(loop.run())
+    mid = await client.send(
+        InboundMessage(id="m1", channel="web", sender_id="u", chat_id="t", content="go")
+    )
+    got = await collect(client, "web", {mid})
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+    assert [(ev.type, ev.content) for ev in got[mid]] == [
+        ("progress", "working on it"),
+        ("message", "done"),
+    ]
+    assert provider.calls[1]["messages"][-1] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "name": "message",
+        "content": "sent",
+    }
+
+
+async def test_disabled_tool_is_refused_even_if_the_model_calls_it(redis: aioredis.Redis) -> None:
+    provider = _script(
+        LLMResponse(tool_calls=[ToolCallRequest("c1", "create_goal", {"title": "x"})]),
+        LLMResponse(content="ok"),
+    )
+    loop = AgentLoop(RedisBus(redis), provider)
+    key = "web:private"
+    session = loop.sessions.get_or_create_transient(key, disabled_tools={"create_goal"})
+    msg = InboundMessage(
+        channel="web",
+        sender_id="u",
+        chat_id="private",
+        content="hi",
+        session_key_override=key,
+        require_existing_session=True,
+    )
+    await loop.process_message(msg)
+
+    assert "create_goal" not in str(provider.calls[0]["tools"])
+    assert "not available" in provider.calls[1]["messages"][-1]["content"]
+    assert "goals" not in session.metadata
+
+
+async def test_read_and_search_sessions_see_stored_sessions(redis: aioredis.Redis) -> None:
+    provider = _script(
+        LLMResponse(content="first"),
+        LLMResponse(tool_calls=[ToolCallRequest("c1", "search_sessions", {"query": "banana"})]),
+        LLMResponse(tool_calls=[ToolCallRequest("c2", "read_session", {"session_key": "web:a"})]),
+        LLMResponse(content="found"),
+    )
+    loop = AgentLoop(RedisBus(redis), provider)
+    await loop.process_message(
+        InboundMessage(channel="web", sender_id="u", chat_id="a", content="I like banana")
+    )
+    await loop.process_message(
+        InboundMessage(channel="web", sender_id="u", chat_id="b", content="what do I like?")
+    )
+
+    tool_results = [m["content"] for m in provider.calls[3]["messages"] if m["role"] == "tool"]
+    assert "web:a" in tool_results[0]
+    assert "I like banana" in tool_results[1]
