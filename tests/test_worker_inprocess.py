@@ -224,7 +224,7 @@ async def test_concurrency_caps_turns_per_process(redis_factory) -> None:  # typ
             await changed.wait_for(lambda: len(in_flight) >= min(cap, sessions - finished))
             before = finished
             in_flight[0].set()
-            await changed.wait_for(lambda: finished > before)
+            await changed.wait_for(lambda b=before: finished > b)  # type: ignore[misc]
     got = await collect(client, "web", ids)
     loop.stop()
     await asyncio.wait_for(task, 10)
