@@ -250,6 +250,11 @@ class RedisBus:
         step = _step(texts(await self._scripts.call("next", keys, [token, key, *targs])))
         return step or Lost()
 
+    async def peek(self, member: str, *, after: str, count: int) -> list[tuple[str, str]]:
+        """Entries of one inbound stream after ``after`` (exclusive): ``(id, payload)``."""
+        entries = await self.redis.xrange(self.keys.inbound(member), f"({after}", "+", count=count)
+        return [(text(eid), fields(raw).get("payload", "")) for eid, raw in entries]
+
     async def renew(self, key: str, token: str) -> bool:
         keys = [self.keys.lease(key), self.keys.leases]
         return bool(await self._scripts.call("renew", keys, [token, self.lock_ttl_ms, key]))

@@ -64,7 +64,13 @@ def test_dlq_list_show_replay_purge(redis_server) -> None:  # type: ignore[no-un
     url = redis_server.url
     r = syncredis.Redis.from_url(url, decode_responses=True)
     r.flushall()
-    letter = {"session": "web:x", "entry_id": "1-0", "payload": '{"v":1}', "reason": "too bad", "deliveries": 6}
+    letter = {
+        "session": "web:x",
+        "entry_id": "1-0",
+        "payload": '{"v":1}',
+        "reason": "too bad",
+        "deliveries": 6,
+    }
     entry_id = r.xadd("agent:dead", {"entry": json.dumps(letter)})
 
     listed = _run("dlq", "list", "--redis-url", url)

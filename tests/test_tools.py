@@ -90,3 +90,42 @@ async def test_read_and_search_sessions_see_stored_sessions(redis: aioredis.Redi
     tool_results = [m["content"] for m in provider.calls[3]["messages"] if m["role"] == "tool"]
     assert "web:a" in tool_results[0]
     assert "I like banana" in tool_results[1]
+
+
+async def test_follow_up_is_injected_between_tool_rounds(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    client = FrontendClient(redis_factory())
+    follow = InboundMessage(id="f1", channel="web", sender_id="u", chat_id="i", content="also this")
+    steps = [
+        LLMResponse(tool_calls=[ToolCallRequest("c1", "create_goal", {"title": "g"})]),
+        LLMResponse(content="both handled"),
+    ]
+
+    async def handler(**_kw: object) -> LLMResponse:
+        if len(steps) == 2:  # the user writes again while the turn runs
+            await client.send(follow)
+        return steps.pop(0)
+
+    provider = ScriptedProvider(handler=handler)
+    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=100))
+    task = asyncio.create_task(loop.run())
+    first = await client.send(
+        InboundMessage(id="m1", channel="web", sender_id="u", chat_id="i", content="start")
+    )
+    got = await collect(client, "web", {first, "f1"})
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+    final = got["f1"][-1]
+    assert final is got[first][-1]
+    assert final.covers == ["m1", "f1"]
+    assert len(provider.calls) == 2
+    assert provider.calls[1]["messages"][-1] == {"role": "user", "content": "also this"}
+    stored = await loop.sessions.read_session("web:i")
+    assert [m["role"] for m in stored["messages"]] == [
+        "user",
+        "assistant",
+        "tool",
+        "user",
+        "assistant",
+    ]
+    assert await client.redis.xlen("agent:{web:i}:in") == 0

@@ -25,3 +25,5 @@ class LoopConfig:
     read_block_ms: int = 1000
     history_tokens: int = 16_000
     consolidate_above_tokens: int = 24_000
+    followup_mode: str = "inject"  # "inject": follow-ups join the running turn; "queue": own turns
+    followups_per_pull: int = 3

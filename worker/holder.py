@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bus_redis import (
@@ -26,6 +26,7 @@ from bus_redis.streams import Acquired, CommitSpec, Entry, Lost, More, Released,
 from session_store import Session
 from session_store.codec import encode_meta, encode_rows
 from worker.faults import crash_point
+from worker.followups import FollowUpPuller
 from worker.lease import Lease
 from worker.outcomes import (
     SessionNotActiveError,
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 class Outcome:
     reply: OutboundMessage | None
     session: Session | None = None  # persist its unpersisted rows when durable
+    injected: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reply_to)
 
 
 class SessionHolder:
@@ -210,6 +212,7 @@ class SessionHolder:
 
     def fill_spec(self, spec: CommitSpec, outcome: Outcome) -> None:
         self._set_reply(spec, outcome.reply)
+        spec.entry_ids.extend(eid for eid, _ in outcome.injected)
         session = outcome.session
         if session is not None and session.policy.persist:
             spec.meta = encode_meta(session)
@@ -258,9 +261,28 @@ class SessionHolder:
             session, self.loop.sessions, emit=lambda text: self._emit(msg, reply_to, text)
         )
         row = user_row(msg, reply_to)
-        task = asyncio.create_task(self.loop.runner.run(session, row, memory, ctx, state))
+        puller = self._puller(session, member, entry_id)
+        task = asyncio.create_task(self.loop.runner.run(session, row, memory, ctx, state, puller))
         reason = await self._await_turn(task, member, entry_id)
-        return await self._outcome(task, reason, msg, session, state, reply_to)
+        outcome = await self._outcome(task, reason, msg, session, state, reply_to)
+        if puller is not None and puller.injected:
+            outcome.injected = puller.injected
+            if outcome.reply is not None:
+                outcome.reply.covers = [reply_to, *(r for _, r in puller.injected)]
+        return outcome
+
+    def _puller(self, session: Session, member: str, entry_id: str) -> FollowUpPuller | None:
+        cfg = self.loop.config
+        if not entry_id or cfg.followup_mode != "inject":
+            return None
+        return FollowUpPuller(
+            self.loop.bus,
+            session,
+            member,
+            entry_id,
+            max_bytes=cfg.max_payload_bytes,
+            per_pull=cfg.followups_per_pull,
+        )
 
     async def _await_turn(self, task: asyncio.Task[str], member: str, entry_id: str) -> str | None:
         loop = self.loop

@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(default=5, ge=1)
     max_payload_bytes: int = Field(default=DEFAULT_MAX_PAYLOAD_BYTES, ge=256)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
-    followup_mode: Literal["queue"] = "queue"
+    followup_mode: Literal["inject", "queue"] = "inject"
     max_iterations: int = Field(default=20, ge=1)
     log_level: str = "INFO"
 
@@ -45,4 +45,5 @@ class Settings(BaseSettings):
             max_deliveries=self.max_deliveries,
             max_payload_bytes=self.max_payload_bytes,
             shutdown_grace_s=self.shutdown_grace_s,
+            followup_mode=self.followup_mode,
         )

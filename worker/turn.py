@@ -4,6 +4,7 @@ the rows to append; the caller commits them under the session lease."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ from worker.providers import LLMProvider, ToolCallRequest
 from worker.tools import ToolContext, ToolRegistry
 
 MAX_ITERATIONS_TEXT = "I stopped after reaching the tool-iteration limit for this turn."
+MAX_INJECTION_CYCLES = 5
+FollowUps = Callable[[], Awaitable[list[dict[str, Any]]]]  # user rows that arrived mid-turn
 
 
 @dataclass(slots=True)
@@ -73,7 +76,11 @@ class TurnRunner:
         memory: str | None,
         ctx: ToolContext,
         state: TurnState,
+        followups: FollowUps | None = None,
     ) -> str:
+        """The tool loop. After each round of tool results, messages of the same session
+        that arrived meanwhile (``followups``) are injected as user rows."""
+        injections = 0
         state.rows.append(first_row)
         messages = self.context.build(session, first_row, memory)
         offered = self.tools.definitions(session.policy.disabled_tools)
@@ -96,6 +103,11 @@ class TurnRunner:
                 }
                 messages.append(tool_row)
                 state.rows.append({**tool_row, "timestamp": now_iso()})
+            if followups is not None and injections < MAX_INJECTION_CYCLES:
+                injections += 1
+                for row in await followups():
+                    messages.append({"role": "user", "content": row["content"]})
+                    state.rows.append(row)
         return self._finish(state, MAX_ITERATIONS_TEXT)
 
     @staticmethod

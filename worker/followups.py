@@ -1,0 +1,62 @@
+"""Mid-turn injection: messages of the same session that arrive while its turn runs are
+pulled into the turn between tool rounds (as the reference loop does), in publish order.
+
+The first entry that cannot join (unreadable, an ``open_transient`` op, a system message)
+stops the pull; it and everything after it get their own turns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus_redis import InboundMessage, MessageRejectedError, RedisBus, decode_inbound
+from session_store import Session
+from worker.turn import user_row
+
+
+class FollowUpPuller:
+    def __init__(
+        self,
+        bus: RedisBus,
+        session: Session,
+        member: str,
+        after_id: str,
+        *,
+        max_bytes: int,
+        per_pull: int,
+    ) -> None:
+        self.bus = bus
+        self.session = session
+        self.member = member
+        self.after_id = after_id
+        self.max_bytes = max_bytes
+        self.per_pull = per_pull
+        self.injected: list[tuple[str, str]] = []  # (entry id, reply_to), consumed by the turn
+        self._closed = False
+
+    async def __call__(self) -> list[dict[str, Any]]:
+        if self._closed:
+            return []
+        rows: list[dict[str, Any]] = []
+        for entry_id, payload in await self.bus.peek(
+            self.member, after=self.after_id, count=self.per_pull
+        ):
+            msg = self._joinable(payload)
+            if msg is None:
+                self._closed = True
+                break
+            reply_to = msg.id or entry_id
+            self.injected.append((entry_id, reply_to))
+            self.after_id = entry_id
+            if not self.session.has_seen(msg.id):
+                rows.append(user_row(msg, reply_to))
+        return rows
+
+    def _joinable(self, payload: str) -> InboundMessage | None:
+        try:
+            msg = decode_inbound(payload, max_bytes=self.max_bytes)
+        except MessageRejectedError:
+            return None
+        if not isinstance(msg, InboundMessage) or not msg.is_user_input:
+            return None
+        return msg
