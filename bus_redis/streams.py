@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -19,103 +18,22 @@ from redis.exceptions import ResponseError
 
 from bus_redis.codec import fields, text, texts
 from bus_redis.keys import Keys
+from bus_redis.results import (
+    Acquired,
+    AcquireResult,
+    Busy,
+    CommitSpec,
+    Forward,
+    Lost,
+    Notification,
+    Step,
+    parse_step,
+)
 from bus_redis.scripts import Scripts
 
 WORKER_GROUP = "workers"
 READY_MAXLEN = 1_000_000
 OUT_MAXLEN = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class Notification:
-    """One ready-queue (or inbox) entry: session ``session_key`` has work."""
-
-    stream: str
-    entry_id: str
-    session_key: str
-    direct: bool = False  # S is channel:chat_id (no override): unified mode maps it
-    effective: bool = False  # S already names an effective key (recovery re-notify)
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    member: str
-    entry_id: str
-    payload: str
-    attempts: int
-    flag: str
-
-
-@dataclass(frozen=True, slots=True)
-class More:
-    members: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Released:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Lost:
-    pass
-
-
-Step = Entry | More | Released | Lost
-
-
-@dataclass(frozen=True, slots=True)
-class Acquired:
-    token: str
-    version: int
-    memory_version: int
-    step: Step | None
-
-
-@dataclass(frozen=True, slots=True)
-class Busy:
-    holder: str
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    owner: str
-
-
-AcquireResult = Acquired | Busy | Forward
-
-
-@dataclass(slots=True)
-class CommitSpec:
-    """What one fenced commit writes (see ``lua/commit.lua``)."""
-
-    member: str  # inbound stream (session key) of the entries
-    entry_ids: list[str] = field(default_factory=list)
-    reply: str = ""  # OutboundMessage JSON
-    reply_channel: str = ""
-    meta: str = ""  # session meta JSON; '' = nothing persisted
-    rows: list[str] = field(default_factory=list)
-    owner_op: str = ""  # '', 'set', 'del'
-    owner_member: str = ""
-    dead: str = ""  # dead-letter JSON
-
-
-def _step(parts: list[str]) -> Step | None:
-    if not parts:
-        return None
-    kind = parts[0]
-    if kind == "entry":
-        return Entry(parts[1], parts[2], parts[3], int(parts[4]), parts[5])
-    if kind == "more":
-        return More(tuple(parts[1:]))
-    if kind == "released":
-        return Released()
-    return Lost()
-
-
-def owner_member(session_key: str, channel: str, chat_id: str) -> str:
-    """Owners-registry member: content-free route of a transient session."""
-    return json.dumps([session_key, channel, chat_id], separators=(",", ":"))
 
 
 class RedisBus:
@@ -242,12 +160,12 @@ class RedisBus:
             return Forward(parts[1])
         if parts[0] == "busy":
             return Busy(parts[1])
-        return Acquired(parts[1], int(parts[2]), int(parts[3]), _step(parts[4:]))
+        return Acquired(parts[1], int(parts[2]), int(parts[3]), parse_step(parts[4:]))
 
     async def next(self, key: str, token: str, members: Iterable[str]) -> Step:
         tkeys, targs = self._triples(members)
         keys = [self.keys.lease(key), self.keys.pending(key), self.keys.leases, *tkeys]
-        step = _step(texts(await self._scripts.call("next", keys, [token, key, *targs])))
+        step = parse_step(texts(await self._scripts.call("next", keys, [token, key, *targs])))
         return step or Lost()
 
     async def peek(self, member: str, *, after: str, count: int) -> list[tuple[str, str]]:
@@ -286,7 +204,7 @@ class RedisBus:
         parts = texts(await self._scripts.call("commit", keys, args))
         if parts[0] == "lost":
             return -1, Lost()
-        return int(parts[1]), _step(parts[2:])
+        return int(parts[1]), parse_step(parts[2:])
 
     async def emit(self, key: str, token: str, channel: str, payload: str) -> bool:
         keys = [self.keys.lease(key), self.keys.out(channel)]

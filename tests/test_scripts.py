@@ -6,8 +6,8 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis.results import Acquired, Busy, CommitSpec, Entry, Forward, Lost, More, Released
 from bus_redis.scripts import SCRIPT_NAMES, script_source
-from bus_redis.streams import Acquired, Busy, CommitSpec, Entry, Forward, Lost, More, Released
 
 K = "web:s"
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from bus_redis.streams import CommitSpec
+from bus_redis.results import CommitSpec
 from session_store import Session
 from session_store.codec import encode_meta
 

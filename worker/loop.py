@@ -20,7 +20,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from bus_redis import SESSION_NOT_ACTIVE, ControlMessage, InboundMessage, OutboundMessage, RedisBus
-from bus_redis.streams import Acquired, Busy, CommitSpec, Forward, Notification
+from bus_redis.results import Acquired, Busy, CommitSpec, Forward, Notification
 from session_store import (
     UNIFIED_SESSION_KEY,
     MemoryStore,

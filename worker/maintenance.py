@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from bus_redis import OutboundMessage
 from bus_redis.codec import parse_flag, text
-from bus_redis.streams import Notification
+from bus_redis.results import Notification
 
 if TYPE_CHECKING:
     from worker.loop import AgentLoop

@@ -7,7 +7,7 @@ from typing import Any
 
 from bus_redis import InboundMessage, MessageRejectedError, OutboundMessage
 from bus_redis.codec import parse_flag, parse_stream_id
-from bus_redis.streams import Entry
+from bus_redis.results import Entry
 
 
 class SessionNotActiveError(RuntimeError):
