@@ -87,6 +87,9 @@ class FakeLLM:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 status, doc = fake._answer(body)
+                if body.get("stream") and status == 200:
+                    self._stream(doc)
+                    return
                 data = json.dumps(doc).encode()
                 try:
                     self.send_response(status)
@@ -96,6 +99,26 @@ class FakeLLM:
                     self.wfile.write(data)
                 except OSError:
                     pass  # the worker cancelled the request
+
+            def _stream(self, doc: dict[str, Any]) -> None:
+                text = doc["choices"][0]["message"]["content"]
+                pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for piece in [*pieces, None]:
+                    delta = {"content": piece} if piece is not None else {}
+                    finish = "stop" if piece is None else None
+                    chunk = {
+                        "id": "chatcmpl-test",
+                        "object": "chat.completion.chunk",
+                        "created": 0,
+                        "model": doc["model"],
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    }
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
 
             def log_message(self, format: str, *args: Any) -> None:
                 return

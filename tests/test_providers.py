@@ -61,3 +61,28 @@ async def test_echo_calls_offered_tools_only() -> None:
         messages=[{"role": "user", "content": "/tool spawn {}"}], tools=tools
     )
     assert refused.tool_calls == []
+
+
+async def test_streamed_deltas_reach_the_frontend_before_the_answer(
+    redis_factory, fake_llm: FakeLLM
+) -> None:  # type: ignore[no-untyped-def]
+    from replies import collect
+
+    from bus_redis import FrontendClient, InboundMessage, RedisBus
+    from worker import AgentLoop, LoopConfig
+
+    config = LoopConfig(stream_deltas=True, read_block_ms=100)
+    loop = AgentLoop(RedisBus(redis_factory()), _provider(fake_llm), config=config)
+    client = FrontendClient(redis_factory())
+    task = asyncio.create_task(loop.run())
+    mid = await client.send(
+        InboundMessage(id="s1", channel="web", sender_id="u", chat_id="d", content="stream me")
+    )
+    got = await collect(client, "web", {mid})
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+    deltas = [ev.content for ev in got[mid] if ev.type == "delta"]
+    assert len(deltas) > 1
+    assert "".join(deltas) == got[mid][-1].content == "re: stream me"
+    assert fake_llm.requests[0]["stream"] is True

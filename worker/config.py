@@ -27,3 +27,4 @@ class LoopConfig:
     consolidate_above_tokens: int = 24_000
     followup_mode: str = "inject"  # "inject": follow-ups join the running turn; "queue": own turns
     followups_per_pull: int = 3
+    stream_deltas: bool = False  # forward the provider's streamed text as `delta` events

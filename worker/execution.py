@@ -62,7 +62,11 @@ class TurnExecution:
         )
         row = user_row(msg, reply_to)
         puller = self._puller(session, member, entry_id)
-        task = asyncio.create_task(self.loop.runner.run(session, row, memory, ctx, state, puller))
+        on_delta = None
+        if self.loop.config.stream_deltas:
+            on_delta = lambda text: self._emit(msg, reply_to, text, kind="delta")  # noqa: E731
+        turn = self.loop.runner.run(session, row, memory, ctx, state, puller, on_delta)
+        task = asyncio.create_task(turn)
         reason = await self._await_turn(task, member, entry_id)
         outcome = await self._outcome(task, reason, msg, session, state, reply_to)
         if puller is not None and puller.injected:
@@ -135,15 +139,18 @@ class TurnExecution:
         out = reply(msg, key, reply_to, task.result(), metadata={"worker": self.loop.worker_id})
         return Outcome(out, session)
 
-    async def _emit(self, msg: InboundMessage, reply_to: str, text: str) -> None:
+    async def _emit(
+        self, msg: InboundMessage, reply_to: str, text: str, *, kind: str = "progress"
+    ) -> None:
+        """A fenced non-terminal event: ``progress`` (message tool) or ``delta``."""
         out = OutboundMessage(
-            type="progress",
+            type=kind,
             channel=msg.channel,
             chat_id=msg.chat_id,
             session_key=self.key,
             reply_to=reply_to,
             content=text,
-            metadata={"tool": "message"},
+            metadata={"tool": "message"} if kind == "progress" else {},
         )
         if not await self.loop.bus.emit(
             self.key, self.holder.token, msg.channel, out.model_dump_json(exclude_none=True)

@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     followup_mode: Literal["inject", "queue"] = "inject"
     max_iterations: int = Field(default=20, ge=1)
+    stream_deltas: bool = False
     log_level: str = "INFO"
 
     @field_validator("redis_url")
@@ -46,4 +47,5 @@ class Settings(BaseSettings):
             max_payload_bytes=self.max_payload_bytes,
             shutdown_grace_s=self.shutdown_grace_s,
             followup_mode=self.followup_mode,
+            stream_deltas=self.stream_deltas,
         )

@@ -13,6 +13,7 @@ from session_store import Session
 from session_store.models import now_iso
 from worker.context import ContextBuilder
 from worker.providers import LLMProvider, ToolCallRequest
+from worker.providers.base import DeltaCallback
 from worker.tools import ToolContext, ToolRegistry
 
 MAX_ITERATIONS_TEXT = "I stopped after reaching the tool-iteration limit for this turn."
@@ -77,6 +78,7 @@ class TurnRunner:
         ctx: ToolContext,
         state: TurnState,
         followups: FollowUps | None = None,
+        on_delta: DeltaCallback | None = None,
     ) -> str:
         """The tool loop. After each round of tool results, messages of the same session
         that arrived meanwhile (``followups``) are injected as user rows."""
@@ -86,7 +88,7 @@ class TurnRunner:
         offered = self.tools.definitions(session.policy.disabled_tools)
         for _ in range(self.max_iterations):
             response = await self.provider.chat_with_retry(
-                messages=messages, tools=offered or None, model=self.model
+                messages=messages, tools=offered or None, model=self.model, on_delta=on_delta
             )
             if not response.tool_calls:
                 return self._finish(state, response.content or "")
