@@ -9,10 +9,12 @@ of one session share the Redis Cluster hash tag ``{S}``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 _ESCAPED = frozenset("{}%") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 
 
+@lru_cache(maxsize=16_384)
 def encode_session(session_key: str) -> str:
     """Percent-encode the characters that could break a key name or its hash tag."""
     if not any(ch in _ESCAPED for ch in session_key):
@@ -96,7 +98,7 @@ class Keys:
 
     # --- per-session keys (hash tag {S}) -------------------------------------------
     def _s(self, session_key: str, suffix: str) -> str:
-        return f"{self.prefix}:{{{encode_session(session_key)}}}:{suffix}"
+        return _session_key(self.prefix, session_key, suffix)
 
     def inbound(self, session_key: str) -> str:
         """The session's own stream: unprocessed inbound entries, in publish order."""
@@ -129,3 +131,10 @@ class Keys:
     def attempts(self, session_key: str) -> str:
         """Hash: inbound entry id -> delivery attempts."""
         return self._s(session_key, "attempts")
+
+
+@lru_cache(maxsize=65_536)
+def _session_key(prefix: str, session_key: str, suffix: str) -> str:
+    """``P:{S}:suffix``; cached, since a turn names the same few keys many times."""
+    return f"{prefix}:{{{encode_session(session_key)}}}:{suffix}"
+
