@@ -114,6 +114,26 @@ class RedisBus:
                 pipe.xack(n.stream, WORKER_GROUP, n.entry_id)
                 pipe.xdel(n.stream, n.entry_id)
 
+    async def hand_back(self, worker_id: str, *, count: int = 1000) -> int:
+        """Re-queue the ready entries delivered to us but not acknowledged (a blocking read
+        cancelled at shutdown leaves them in our pending list) so others take them now."""
+        ready = self.keys.ready
+        pending = await self.redis.xpending_range(
+            ready, WORKER_GROUP, min="-", max="+", count=count, consumername=worker_id
+        )
+        ids = [p["message_id"] for p in pending]
+        if not ids:
+            return 0
+        entries = await self.redis.xclaim(ready, WORKER_GROUP, worker_id, 0, ids)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for entry_id, raw in entries:
+                note: dict[Any, Any] = fields(raw)
+                pipe.xadd(ready, note, maxlen=READY_MAXLEN, approximate=True)
+                pipe.xack(ready, WORKER_GROUP, entry_id)
+                pipe.xdel(ready, entry_id)
+            await pipe.execute()
+        return len(entries)
+
     async def forward(self, owner: str, note: Notification) -> None:
         """Hand a notification to the worker that owns the (transient) session."""
         await self.redis.xadd(self.keys.inbox(owner), {"session": note.session_key})

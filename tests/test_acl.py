@@ -47,7 +47,7 @@ async def test_frontend_acl_allows_the_protocol_and_nothing_more(
         mid = await client.send(
             InboundMessage(id="a1", channel="web", sender_id="u", chat_id="1", content="hi")
         )
-        key, opened = await client.open_transient("web", "2", session_key="web:2-private")
+        _, opened = await client.open_transient("web", "2", session_key="web:2-private")
         got = await collect(client, "web", {mid, opened})
         assert got[mid][-1].content == "ok"
         assert await client.stop("web:1") >= 1

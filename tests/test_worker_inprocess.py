@@ -231,3 +231,36 @@ async def test_concurrency_caps_turns_per_process(redis_factory) -> None:  # typ
 
     assert len(got) == sessions
     assert peak == cap
+
+
+async def test_stopping_worker_finishes_its_turn_and_hands_the_rest_over(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    gate = asyncio.Event()
+
+    async def slow(**kw: object) -> LLMResponse:
+        await gate.wait()
+        return await _echo(**kw)
+
+    first = ScriptedProvider(handler=slow)
+    loop_a = AgentLoop(
+        RedisBus(redis_factory()), first, config=LoopConfig(worker_id="a", read_block_ms=100)
+    )
+    client = FrontendClient(redis_factory())
+    ids = [await client.send(_m("h", f"m{i}")) for i in range(3)]
+    run_a = asyncio.create_task(loop_a.run())
+    await asyncio.wait_for(first.started.wait(), 5)
+    loop_a.stop()  # as SIGTERM does
+    gate.set()
+    await asyncio.wait_for(run_a, 10)
+
+    assert len(first.calls) == 1  # took no new work after the stop
+    assert await client.redis.xlen(Keys().inbound("web:h")) == 2
+    second = ScriptedProvider(handler=_echo)
+    loop_b = AgentLoop(
+        RedisBus(redis_factory()), second, config=LoopConfig(worker_id="b", read_block_ms=100)
+    )
+    run_b = asyncio.create_task(loop_b.run())
+    got = await collect(client, "web", set(ids))
+    loop_b.stop()
+    await asyncio.wait_for(run_b, 10)
+
+    assert [got[i][-1].metadata["worker"] for i in ids] == ["a", "b", "b"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
+from bus_redis.results import owner_member
 from session_store import Session
 from worker.followups import FollowUpPuller
 from worker.outcomes import SessionNotActiveError, TurnAbortedError, error, legal_prefix, reply
@@ -38,12 +39,16 @@ class TurnExecution:
         self.key = holder.key
 
     async def _session(self, msg: InboundMessage) -> Session:
+        """The transient session this worker owns, or the durable session at the leased
+        version. ``require_existing_session`` is met only by a live (transient) session:
+        stored history is never a fallback, whichever worker runs the turn."""
         sessions = self.loop.sessions
-        cached = sessions.get_cached(self.key)
-        if msg.require_existing_session and cached is None:
+        transient = sessions.get_cached(self.key) if sessions.is_transient(self.key) else None
+        if transient is not None:
+            self.loop.owned.setdefault(self.key, owner_member(self.key, msg.channel, msg.chat_id))
+            return transient
+        if msg.require_existing_session:
             raise SessionNotActiveError(SESSION_NOT_ACTIVE)
-        if cached is not None and sessions.is_transient(self.key):
-            return cached
         return await sessions.load_for_turn(self.key, self.holder.version)
 
     async def run(

@@ -86,6 +86,11 @@ class SessionHolder:
         if spec is None:  # the turn failed: try the entry again (counts a delivery)
             return await self.loop.bus.next(self.key, self.token, sorted(self.members))
         crash_point("before_commit")
+        if self.loop.stopping:  # shutting down: finish this entry, leave the rest to others
+            await self.commit(spec, select=None)
+            if not self.lease.lost:
+                await self.loop.bus.release(self.key, self.token)
+            return Released()
         _, step = await self.commit(spec, select=sorted(self.members))
         crash_point("after_commit")
         return step or Released()

@@ -98,7 +98,7 @@ class AgentLoop:
         requires a live session this worker does not hold.
         """
         key = self.key_for(msg)
-        if msg.require_existing_session and self.sessions.get_cached(key) is None:
+        if msg.require_existing_session and not self.sessions.is_transient(key):
             raise SessionNotActiveError(SESSION_NOT_ACTIVE)
         acquired = await self._acquire_blocking(key)
         holder = SessionHolder(self, key, acquired, set())
@@ -153,6 +153,10 @@ class AgentLoop:
             await asyncio.gather(*background, return_exceptions=True)
             await self.maintenance.leave()
             log.info("worker %s stopped", self.worker_id)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def stop(self) -> None:
         """Request a graceful stop (idempotent; safe from a signal handler)."""

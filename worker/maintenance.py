@@ -124,6 +124,9 @@ class Maintenance:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=2)
         try:
+            handed = await self.bus.hand_back(self.loop.worker_id)
+            if handed:
+                log.info("handed %d unserved notifications back to the queue", handed)
             await self.bus.leave(self.loop.worker_id)
         except (RedisError, OSError):
             log.warning("could not deregister worker %s", self.loop.worker_id)
