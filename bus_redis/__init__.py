@@ -9,7 +9,7 @@ scripts  the Lua scripts in lua/, one file each
 """
 
 from bus_redis.client import FrontendClient
-from bus_redis.errors import BusConnectionError, BusError, LeaseLostError, MessageRejectedError
+from bus_redis.errors import BusError, MessageRejectedError
 from bus_redis.keys import Keys, decode_session, encode_session
 from bus_redis.schema import (
     SESSION_NOT_ACTIVE,
@@ -23,13 +23,11 @@ from bus_redis.streams import RedisBus
 
 __all__ = [
     "SESSION_NOT_ACTIVE",
-    "BusConnectionError",
     "BusError",
     "ControlMessage",
     "FrontendClient",
     "InboundMessage",
     "Keys",
-    "LeaseLostError",
     "MessageRejectedError",
     "OpenTransient",
     "OutboundMessage",

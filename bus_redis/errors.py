@@ -1,9 +1,10 @@
 """Errors raised by the bus layer.
 
 BusError
- ├── BusConnectionError      Redis unreachable / connection dropped (translated at the edge)
- ├── LeaseLostError          a fenced write was rejected: the lease is no longer ours
  └── MessageRejectedError    an inbound payload failed decoding/validation (carries an error code)
+
+Redis' own errors (``redis.exceptions``) are not wrapped: the worker retries them with
+backoff, and the CLI turns them into one line at its edge.
 """
 
 from __future__ import annotations
@@ -11,14 +12,6 @@ from __future__ import annotations
 
 class BusError(Exception):
     """Base class of the bus layer's errors."""
-
-
-class BusConnectionError(BusError):
-    """Redis could not be reached."""
-
-
-class LeaseLostError(BusError):
-    """A fenced write was rejected because this worker no longer holds the session lease."""
 
 
 class MessageRejectedError(BusError):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import fakeredis
+import pytest
+import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,14 +50,20 @@ PAYLOADS = st.one_of(
 )
 
 
-async def _run(payloads: list[str]) -> None:
+def _fake() -> Callable[[], aioredis.Redis]:
     server = fakeredis.FakeServer()
+    return lambda: fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
+
+
+async def _run(payloads: list[str], make: Callable[[], aioredis.Redis]) -> None:
+    worker_redis = make()
+    await worker_redis.flushall()
     loop = AgentLoop(
-        RedisBus(fakeredis.FakeAsyncRedis(server=server, decode_responses=True)),
+        RedisBus(worker_redis),
         EchoProvider(),
         config=LoopConfig(read_block_ms=50, max_payload_bytes=2048),
     )
-    client = FrontendClient(fakeredis.FakeAsyncRedis(server=server, decode_responses=True))
+    client = FrontendClient(make())
     task = asyncio.create_task(loop.run())
     for raw in payloads:
         await client.send_raw("web:h", raw)
@@ -87,6 +96,8 @@ async def _run(payloads: list[str]) -> None:
     dead = await redis.xlen(Keys().dead)
     assert len(answered) + dead >= len(payloads) + 1 - _silent(payloads)
     assert loop.active_tasks == {}
+    await client.redis.aclose()
+    await worker_redis.aclose()
 
 
 def _silent(payloads: list[str]) -> int:
@@ -108,4 +119,11 @@ def _silent(payloads: list[str]) -> int:
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(PAYLOADS, min_size=1, max_size=6))
 def test_hostile_payloads_never_stop_the_worker(payloads: list[str]) -> None:
-    asyncio.run(_run(payloads))
+    asyncio.run(_run(payloads, _fake()))
+
+
+@pytest.mark.real_redis
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payloads=st.lists(PAYLOADS, min_size=1, max_size=6))
+def test_hostile_payloads_on_a_real_server(redis_server, payloads: list[str]) -> None:  # type: ignore[no-untyped-def]
+    asyncio.run(_run(payloads, lambda: aioredis.from_url(redis_server.url, decode_responses=True)))

@@ -3,6 +3,8 @@ OpenAI-compatible HTTP server."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis.asyncio as aioredis
 from helpers import dump_all
@@ -105,3 +107,53 @@ async def test_required_session_on_another_worker_is_not_active(
     assert got[mid][-1].code == "session_not_active"
     assert fake_llm.requests == []
     assert not await real_redis.exists(Keys().session("web:ghost"))
+
+
+async def test_chat_cli_talks_durably_and_privately(
+    real_redis, spawn_workers, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    spawn_workers(1, env={"AGENT_PROVIDER": "echo"})
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, then driven from a thread
+        [
+            sys.executable,
+            "-m",
+            "worker.cli.main",
+            "chat",
+            "--redis-url",
+            redis_server.url,
+            "--chat-id",
+            "tty",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+
+    def say(line: str, expect: str) -> str:
+        proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        seen = []
+        for out in proc.stdout:  # type: ignore[union-attr]
+            seen.append(out)
+            if expect in out:
+                return out
+        raise AssertionError(f"{expect!r} never printed: {seen}")
+
+    try:
+        await asyncio.to_thread(say, "hello there", "echo: hello there")
+        await asyncio.to_thread(say, "/temp", "private session")
+        await asyncio.to_thread(say, "secret words", "echo: secret words")
+        await asyncio.to_thread(say, "/discard", "")
+        await asyncio.to_thread(say, "/quit", "")
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+    finally:
+        proc.kill()
+    stored = await real_redis.hgetall(Keys().session("cli:tty"))
+    assert "hello there" in str(stored)
+    assert "secret words" not in await dump_all(real_redis)

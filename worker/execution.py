@@ -134,7 +134,8 @@ class TurnExecution:
         exc = task.exception()
         if isinstance(exc, ProviderError):
             session.append_rows(state.rows[:1])
-            log.warning("provider error in %s: %s", key, exc)
+            detail = exc if session.policy.log_content else type(exc.__cause__ or exc).__name__
+            log.warning("provider error in %s: %s", key, detail)
             return Outcome(
                 error(msg.channel, msg.chat_id, key, reply_to, "provider_error", str(exc)), session
             )

@@ -189,7 +189,10 @@ class SessionHolder:
         except TurnAbortedError:
             raise
         except Exception:
-            log.exception("turn of %s failed (attempt %d)", self.key, entry.attempts)
+            if self.loop.sessions.is_transient(self.key):  # no traceback: it may quote content
+                log.error("turn of a transient session failed (attempt %d)", entry.attempts)
+            else:
+                log.exception("turn of %s failed (attempt %d)", self.key, entry.attempts)
             return None
         self.fill_spec(spec, outcome)
         return spec

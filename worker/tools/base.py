@@ -77,7 +77,10 @@ class ToolRegistry:
         except TypeError as exc:
             return f"Error: bad arguments for {name}: {exc}"
         except Exception as exc:
-            log.exception("tool %s failed", name)
+            if ctx.session.policy.log_content:
+                log.exception("tool %s failed", name)
+            else:
+                log.error("tool %s failed: %s", name, type(exc).__name__)
             return f"Error: {name} failed: {type(exc).__name__}"
 
 
