@@ -135,9 +135,11 @@ async def test_chat_cli_talks_durably_and_privately(
     assert proc.stdin is not None
     assert proc.stdout is not None
 
-    def say(line: str, expect: str) -> str:
+    def say(line: str, expect: str | None = None) -> str:
         proc.stdin.write(line + "\n")  # type: ignore[union-attr]
         proc.stdin.flush()  # type: ignore[union-attr]
+        if expect is None:
+            return ""
         seen = []
         for out in proc.stdout:  # type: ignore[union-attr]
             seen.append(out)
@@ -146,11 +148,14 @@ async def test_chat_cli_talks_durably_and_privately(
         raise AssertionError(f"{expect!r} never printed: {seen}")
 
     try:
-        await asyncio.to_thread(say, "hello there", "echo: hello there")
-        await asyncio.to_thread(say, "/temp", "private session")
-        await asyncio.to_thread(say, "secret words", "echo: secret words")
-        await asyncio.to_thread(say, "/discard", "")
-        await asyncio.to_thread(say, "/quit", "")
+        for line, expect in [
+            ("hello there", "echo: hello there"),
+            ("/temp", "private session"),
+            ("secret words", "echo: secret words"),
+            ("/discard", None),
+            ("/quit", None),
+        ]:
+            await asyncio.wait_for(asyncio.to_thread(say, line, expect), 20)
         assert await asyncio.to_thread(proc.wait, 20) == 0
     finally:
         proc.kill()
