@@ -1,20 +1,25 @@
-"""Cancel latency: from a frontend's ``stop`` (control script + PUBLISH) until the worker's
-running turn task is cancelled, on loopback against a real redis-server.
+"""Cancel latency on loopback against a real redis-server, two ways:
+
+1. in-process: from a frontend's ``stop`` (control script + PUBLISH) until the worker's
+   running turn task is cancelled (both ends read one monotonic clock);
+2. across processes: an ``agent-worker run`` process whose LLM call (a local
+   OpenAI-compatible server) hangs; from ``stop`` until the frontend holds the
+   ``cancelled`` error event (pub/sub, cancel, fenced commit, reply stream, read).
 
     python bench/cancel.py [--turns 200]
-
-The worker and the frontend are separate Redis clients in one process, so both ends read
-the same monotonic clock.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 import redis.asyncio as aioredis
 from _common import RedisServer, summary
+from fake_llm import FakeLLM  # tests/ is on sys.path (see _common)
+from workers import WorkerProcess
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from worker import AgentLoop, LoopConfig
@@ -41,14 +46,19 @@ class BlockingProvider:
 
 async def run(url: str, turns: int) -> list[float]:
     provider = BlockingProvider()
-    loop = AgentLoop(RedisBus(aioredis.from_url(url, decode_responses=True)), provider,  # type: ignore[arg-type]
-                     config=LoopConfig(worker_id="cancel-bench", read_block_ms=100))
+    loop = AgentLoop(
+        RedisBus(aioredis.from_url(url, decode_responses=True)),
+        provider,  # type: ignore[arg-type]
+        config=LoopConfig(worker_id="cancel-bench", read_block_ms=100),
+    )
     frontend = FrontendClient(aioredis.from_url(url, decode_responses=True))
     task = asyncio.create_task(loop.run())
     samples: list[float] = []
     for i in range(turns):
         key = f"bench:c{i}"
-        await frontend.send(InboundMessage(channel="bench", sender_id="u", chat_id=f"c{i}", content="go"))
+        await frontend.send(
+            InboundMessage(channel="bench", sender_id="u", chat_id=f"c{i}", content="go")
+        )
         await provider.started.get()
         turn = next(iter(loop.active_tasks[key]))
         done = asyncio.get_running_loop().create_future()
@@ -61,16 +71,54 @@ async def run(url: str, turns: int) -> list[float]:
     return samples
 
 
+async def across_processes(url: str, turns: int) -> list[float]:
+    llm = FakeLLM().start()
+    env = {
+        "AGENT_PROVIDER": "openai",
+        "OPENAI_BASE_URL": llm.base_url,
+        "OPENAI_API_KEY": "x",
+        "AGENT_LOG_LEVEL": "WARNING",
+        "AGENT_MODEL": "m",
+    }
+    worker = WorkerProcess(url, worker_id="cancel-proc", env={**os.environ, **env})
+    frontend = FrontendClient(aioredis.from_url(url, decode_responses=True))
+    replies = frontend.replies("proc", block_ms=100)
+    samples: list[float] = []
+    try:
+        for i in range(turns):
+            key = f"proc:c{i}"
+            await frontend.send(
+                InboundMessage(channel="proc", sender_id="u", chat_id=f"c{i}", content="block")
+            )
+            while len(llm.requests) <= i:  # noqa: ASYNC110 - the server counts in its own thread
+                await asyncio.sleep(0.001)
+            t0 = time.perf_counter()
+            await frontend.stop(key)
+            ev = await anext(replies)
+            samples.append((time.perf_counter() - t0) * 1000)
+            assert ev.code == "cancelled", ev
+    finally:
+        worker.close()
+        llm.stop()
+    return samples
+
+
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--turns", type=int, default=200)
     args = parser.parse_args()
     server = RedisServer().start()
     try:
         samples = await run(server.url, args.turns)
+        print(f"in-process, {len(samples)} stops (stop -> turn task cancelled): {summary(samples)}")
+        samples = await across_processes(server.url, args.turns)
+        print(
+            f"across processes, {len(samples)} stops (stop -> `cancelled` event read): {summary(samples)}"
+        )
     finally:
         server.cleanup()
-    print(f"cancel latency over {len(samples)} stops (publish -> turn task cancelled): {summary(samples)}")
 
 
 if __name__ == "__main__":
