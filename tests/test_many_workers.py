@@ -116,3 +116,37 @@ async def test_kill_at_each_step_answers_once(
 
     assert [sum(ev.is_terminal for ev in got[i]) for i in (mid, later)] == [1, 1]
     await _assert_histories(real_redis, 1, 2)
+
+
+async def test_unified_mode_serialises_many_chats_across_workers(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    fake_llm.latency_s = (0.0, 0.02)
+    spawn_workers(3, env={"AGENT_UNIFIED_SESSION": "1"})
+    client = FrontendClient(real_redis)
+    ids = set()
+    for n in range(3):
+        for chat in range(5):
+            msg = InboundMessage(
+                id=f"u{chat}-{n}",
+                channel="web",
+                sender_id="u",
+                chat_id=f"u{chat}",
+                content=f"[unified] c{chat} m{n}",
+            )
+            ids.add(await client.send(msg))
+
+    got = await collect(client, "web", ids, timeout_s=60)
+
+    assert all(sum(ev.is_terminal for ev in got[i]) == 1 for i in ids)
+    assert fake_llm.overlaps == 0  # one session: never two LLM calls at once
+    h = await real_redis.hgetall(Keys().session("unified:default"))
+    users = [
+        json.loads(h[f"m:{i}"])["content"]
+        for i in range(int(h["count"]))
+        if '"user"' in h[f"m:{i}"]
+    ]
+    assert len(users) == 15
+    for chat in range(5):  # each chat's messages in publish order
+        mine = [u for u in users if u.startswith(f"[unified] c{chat} ")]
+        assert mine == [f"[unified] c{chat} m{n}" for n in range(3)]
