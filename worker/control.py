@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from bus_redis import ControlMessage
 from bus_redis.codec import text
+from worker.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -36,24 +37,18 @@ class ControlListener:
         self.subscribed = asyncio.Event()
 
     async def run(self) -> None:
-        backoff_s = 0.05
+        backoff = Backoff("control subscription", log)
         while True:
             pubsub = self.redis.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
                 await self.on_subscribed()
                 self.subscribed.set()
-                backoff_s = 0.05
+                backoff.reset()
                 await self._listen(pubsub)
             except (RedisError, OSError) as exc:
                 self.subscribed.clear()
-                log.warning(
-                    "control subscription lost (%s); retrying in %.2fs",
-                    type(exc).__name__,
-                    backoff_s,
-                )
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+                await backoff.after(exc)
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()

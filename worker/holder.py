@@ -124,49 +124,32 @@ class SessionHolder:
 
     # --- one entry -------------------------------------------------------------------------
     async def handle(self, entry: Entry) -> CommitSpec | None:
+        """What one entry becomes: a rejection, a dead letter, a cancellation, an opened
+        private session or a turn. ``None``: the turn failed and the entry is retried."""
         spec = CommitSpec(member=entry.member, entry_ids=[entry.entry_id])
         cfg = self.loop.config
         try:
             payload = decode_inbound(entry.payload, max_bytes=cfg.max_payload_bytes)
         except MessageRejectedError as exc:
             log.warning("rejected entry %s of %s: %s", entry.entry_id, entry.member, exc.code)
-            bad = rejection(exc, entry)
-            spec.reply, spec.reply_channel = (
-                (bad.model_dump_json(exclude_none=True), bad.channel) if bad else ("", "")
-            )
+            self._set_reply(spec, rejection(exc, entry))
             spec.dead = dead_letter(entry, f"{exc.code}: {exc.detail}", self.loop.worker_id)
             return spec
         reply_to = payload.id or entry.entry_id
-        if entry.attempts > cfg.max_deliveries:
-            self._set_reply(
-                spec,
-                error(
-                    payload.channel,
-                    payload.chat_id,
-                    self.key,
-                    reply_to,
-                    "dead_lettered",
-                    f"gave up after {entry.attempts - 1} failed attempts",
-                ),
-            )
-            spec.dead = dead_letter(entry, "max deliveries exceeded", self.loop.worker_id)
+
+        def fail(code: str, detail: str) -> CommitSpec:
+            out = error(payload.channel, payload.chat_id, self.key, reply_to, code, detail)
+            self._set_reply(spec, out)
             return spec
+
+        if entry.attempts > cfg.max_deliveries:
+            spec.dead = dead_letter(entry, "max deliveries exceeded", self.loop.worker_id)
+            return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
         op = cancelled_by_flag(entry)
         if op is not None:
             if op == "discard":
                 self.loop.forget(self.key)
-            self._set_reply(
-                spec,
-                error(
-                    payload.channel,
-                    payload.chat_id,
-                    self.key,
-                    reply_to,
-                    "cancelled",
-                    f"cancelled by {op}",
-                ),
-            )
-            return spec
+            return fail("cancelled", f"cancelled by {op}")
         if isinstance(payload, OpenTransient):
             return self._open_transient(spec, payload, reply_to)
         try:
@@ -174,18 +157,7 @@ class SessionHolder:
                 payload, reply_to=reply_to, member=entry.member, entry_id=entry.entry_id
             )
         except SessionNotActiveError as exc:
-            self._set_reply(
-                spec,
-                error(
-                    payload.channel,
-                    payload.chat_id,
-                    self.key,
-                    reply_to,
-                    "session_not_active",
-                    str(exc),
-                ),
-            )
-            return spec
+            return fail("session_not_active", str(exc))
         except TurnAbortedError:
             raise
         except Exception:

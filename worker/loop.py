@@ -27,6 +27,7 @@ from session_store import (
     RedisSessionStore,
     SessionManager,
 )
+from worker.backoff import Backoff
 from worker.config import LoopConfig
 from worker.consolidator import Consolidator
 from worker.context import ContextBuilder
@@ -165,7 +166,7 @@ class AgentLoop:
             self._consumer.cancel()
 
     async def _consume(self) -> None:
-        backoff_s = 0.05
+        backoff = Backoff("reading the ready queue", log)
         while not self._stopping.is_set():
             await self._slots.acquire()
             free = 1 + self._free_slots()
@@ -174,18 +175,12 @@ class AgentLoop:
                     self.worker_id, count=free, block_ms=self.config.read_block_ms
                 )
             except (RedisError, OSError) as exc:
-                log.warning(
-                    "reading the ready queue failed (%s); retrying in %.2fs",
-                    type(exc).__name__,
-                    backoff_s,
-                )
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+                await backoff.after(exc)
                 await self._ensure_groups_quietly()
                 continue
             finally:
                 self._slots.release()
-            backoff_s = 0.05
+            backoff.reset()
             if notes:
                 crash_point("after_read")
             self.dispatch(notes)
