@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from bus_redis import FrontendClient, OutboundMessage
 
@@ -44,11 +44,11 @@ async def collect(
     return {rid: list(evs) for rid, evs in got.items()}
 
 
-async def wait_until(predicate: Callable[[], bool], *, timeout_s: float) -> bool:
-    """Poll a condition that lives outside this process (a worker's log file)."""
+async def wait_until_async(predicate: Callable[[], Awaitable[bool]], *, timeout_s: float) -> bool:
+    """Poll a condition that lives in another process (a worker's heartbeat record)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not predicate():
+    while not await predicate():
         if loop.time() > deadline:
             return False
         await asyncio.sleep(0.05)

@@ -161,4 +161,4 @@ class TurnExecution:
         if not await self.loop.bus.emit(
             self.key, self.holder.token, msg.channel, out.model_dump_json(exclude_none=True)
         ):
-            self.holder.rejected_writes += 1
+            self.loop.metrics["fenced_writes_rejected"] += 1

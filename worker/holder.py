@@ -48,8 +48,11 @@ class SessionHolder:
         self.memory_version = acquired.memory_version
         self.first: Step | None = acquired.step
         self.members = members
-        self.lease = Lease(loop.bus, key, acquired.token, on_lost=lambda: self.abort("lease_lost"))
-        self.rejected_writes = 0
+        self.lease = Lease(loop.bus, key, acquired.token, on_lost=self._lease_lost)
+
+    def _lease_lost(self) -> None:
+        self.loop.metrics["leases_lost"] += 1
+        self.abort("lease_lost")
 
     def abort(self, reason: str) -> None:
         for task in self.loop.active_tasks.get(self.key, ()):
@@ -108,7 +111,7 @@ class SessionHolder:
                 self.loop.sessions.invalidate(self.key)
             raise
         if version < 0:
-            self.rejected_writes += 1
+            self.loop.metrics["fenced_writes_rejected"] += 1
             if not self.loop.sessions.is_transient(self.key):
                 self.loop.sessions.invalidate(self.key)
             log.warning("fenced commit of %s rejected: lease lost", self.key)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -31,6 +32,7 @@ from worker.backoff import Backoff
 from worker.config import LoopConfig
 from worker.consolidator import Consolidator
 from worker.context import ContextBuilder
+from worker.control import ControlListener
 from worker.faults import crash_point
 from worker.holder import SessionHolder
 from worker.maintenance import Maintenance
@@ -75,6 +77,7 @@ class AgentLoop:
         self.owned: dict[str, str] = {}  # transient key -> owners-registry member
         self.since_ms: dict[str, int] = {}  # key -> when its turn / ownership began
         self.holders: dict[str, SessionHolder] = {}
+        self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
         self._serving: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.config.concurrency)
         self._stopping = asyncio.Event()
@@ -131,8 +134,6 @@ class AgentLoop:
     # --- the worker ------------------------------------------------------------------
     async def run(self) -> None:
         """Consume until :meth:`stop`; then drain within the grace period."""
-        from worker.control import ControlListener
-
         self._stopping.clear()
         await self.bus.ensure_groups(self.worker_id)
         listener = ControlListener(

@@ -55,6 +55,7 @@ class Maintenance:
             "started_ms": str(self.started_ms),
             "active": str(len(loop.active_tasks)),
             "transient": str(len(loop.owned)),
+            **{name: str(count) for name, count in loop.metrics.items()},
         }
         await self.bus.heartbeat(loop.worker_id, info, ttl_ms=self.bus.lock_ttl_ms * 3)
         for key, member in list(loop.owned.items()):

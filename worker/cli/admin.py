@@ -100,6 +100,7 @@ async def status(args: argparse.Namespace, settings: Settings) -> int:
         state = "alive" if w["alive"] else "gone"
         print(
             f"  {w['id']}  {state}  seen {w['last_seen_ms_ago']} ms ago  active turns {w.get('active', '-')}"
+            f"  leases lost {w.get('leases_lost', 0)}  fenced writes rejected {w.get('fenced_writes_rejected', 0)}"
         )
     print(f"active leases ({len(report['active_leases'])}):")
     for lease in report["active_leases"]:
