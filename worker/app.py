@@ -44,6 +44,9 @@ def make_provider(settings: Settings) -> LLMProvider:
 def make_loop(
     settings: Settings, redis: aioredis.Redis, provider: LLMProvider | None = None
 ) -> AgentLoop:
+    from worker.jobs.arq_queue import ArqJobQueue
+
+    jobs = ArqJobQueue(settings.redis_url, settings.key_prefix) if settings.jobs == "arq" else None
     bus = RedisBus(
         redis,
         settings.key_prefix,
@@ -55,5 +58,6 @@ def make_loop(
         provider or make_provider(settings),
         model=settings.model or None,
         unified_session=settings.unified_session,
+        jobs=jobs,
         config=settings.loop_config(),
     )

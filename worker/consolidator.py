@@ -7,7 +7,6 @@ under the lease and only if nobody consolidated the same range meanwhile.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -23,40 +22,44 @@ KEEP_RECENT = 8
 PROMPT = "Summarise the facts worth remembering from this conversation in a few short lines."
 
 
+JOB_NAME = "consolidate"
+
+
 class Consolidator:
     def __init__(self, loop: AgentLoop) -> None:
         self.loop = loop
-        self._running: dict[str, asyncio.Task[None]] = {}
 
     async def maybe_consolidate_by_tokens(self, session: Session) -> bool:
-        """Schedule a consolidation when the unconsolidated history is over budget."""
-        if not session.policy.persist or session.key in self._running:
+        """Queue a consolidation job when the unconsolidated history is over budget
+        (at most one per session at a time; never for transient sessions)."""
+        if not session.policy.persist:
             return False
         if session.token_count <= self.loop.config.consolidate_above_tokens:
             return False
         end = len(session.messages) - KEEP_RECENT
         if end <= session.last_consolidated:
             return False
-        task = asyncio.create_task(self._consolidate(session.key, session.last_consolidated, end))
-        self._running[session.key] = task
-        task.add_done_callback(lambda _t: self._running.pop(session.key, None))
-        return True
+        return await self.loop.jobs.enqueue(
+            JOB_NAME,
+            job_id=f"{JOB_NAME}:{session.key}",
+            key=session.key,
+            start=session.last_consolidated,
+            end=end,
+        )
 
-    async def _consolidate(self, key: str, start: int, end: int) -> None:
-        try:
-            snapshot = await self.loop.sessions.store.load(key)
-            if snapshot is None or snapshot.last_consolidated != start:
-                return
-            text = "\n".join(
-                f"{m.get('role')}: {m.get('content')}" for m in snapshot.messages[start:end]
-            )
-            summary = await self.loop.provider.chat_with_retry(
-                messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
-                model=self.loop.model,
-            )
-            await self._commit(key, start, end, summary.content or "")
-        except Exception:
-            log.exception("consolidation of %s failed", key)
+    async def run_job(self, *, key: str, start: int, end: int) -> None:
+        """The job: summarise rows ``start:end`` of a stored session into memory."""
+        snapshot = await self.loop.sessions.store.load(key)
+        if snapshot is None or snapshot.last_consolidated != start:
+            return  # gone, transient (never stored), or consolidated meanwhile
+        text = "\n".join(
+            f"{m.get('role')}: {m.get('content')}" for m in snapshot.messages[start:end]
+        )
+        summary = await self.loop.provider.chat_with_retry(
+            messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
+            model=self.loop.model,
+        )
+        await self._commit(key, start, end, summary.content or "")
 
     async def _commit(self, key: str, start: int, end: int, summary: str) -> None:
         acquired = await self.loop._acquire_blocking(key)

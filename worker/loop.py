@@ -30,11 +30,13 @@ from session_store import (
 )
 from worker.backoff import Backoff
 from worker.config import LoopConfig
+from worker.consolidator import JOB_NAME as CONSOLIDATE_JOB
 from worker.consolidator import Consolidator
 from worker.context import ContextBuilder
 from worker.control import ControlListener
 from worker.faults import crash_point
 from worker.holder import SessionHolder
+from worker.jobs import JobQueue, LocalJobQueue
 from worker.maintenance import Maintenance
 from worker.outcomes import SessionNotActiveError
 from worker.providers import LLMProvider
@@ -55,6 +57,7 @@ class AgentLoop:
         model: str | None = None,
         unified_session: bool = False,
         tools: ToolRegistry | None = None,
+        jobs: JobQueue | None = None,
         config: LoopConfig | None = None,
     ) -> None:
         self.bus = bus
@@ -71,6 +74,8 @@ class AgentLoop:
             provider, self.tools, self.context, self.model, self.config.max_iterations
         )
         self.consolidator = Consolidator(self)
+        self.jobs: JobQueue = jobs or LocalJobQueue()
+        self.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.active_tasks: dict[str, set[asyncio.Task[Any]]] = {}
         self.cancel_reasons: dict[asyncio.Task[Any], str] = {}
         self.active_members: dict[str, str] = {}  # effective key -> inbound stream being served
@@ -144,6 +149,7 @@ class AgentLoop:
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
         ]
         try:
+            await self.jobs.start()
             await asyncio.wait_for(listener.subscribed.wait(), timeout=30)
             self._consumer = asyncio.create_task(self._consume(), name="consume")
             with contextlib.suppress(asyncio.CancelledError):
@@ -153,6 +159,7 @@ class AgentLoop:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await self.jobs.aclose()
             await self.maintenance.leave()
             log.info("worker %s stopped", self.worker_id)
 

@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     followup_mode: Literal["inject", "queue"] = "inject"
     max_iterations: int = Field(default=20, ge=1)
     stream_deltas: bool = False
+    jobs: Literal["arq", "local"] = "arq"
     log_level: str = "INFO"
 
     @field_validator("redis_url")

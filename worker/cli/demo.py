@@ -166,7 +166,7 @@ async def demo(args: argparse.Namespace, settings: Settings) -> int:
     with embedded_redis() as (url, kind):
         print(f"Redis: {kind} at {url}; provider: {provider}; two workers")
         base = settings.model_copy(
-            update={"redis_url": url, "key_prefix": "demo", "provider": provider}
+            update={"redis_url": url, "key_prefix": "demo", "provider": provider, "jobs": "local"}
         )
         clients = [make_redis(url) for _ in range(3)]
         loops = [

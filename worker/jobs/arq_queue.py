@@ -1,0 +1,75 @@
+"""ArqJobQueue: jobs through arq on the same Redis, run by an arq Worker inside each
+worker process (any process may run any job; arq deduplicates by job id).
+
+arq keeps its own two connection pools: ``Worker.close()`` closes the pool it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from arq import create_pool
+from arq.connections import ArqRedis, RedisSettings
+from arq.worker import Worker, func
+
+from worker.jobs.base import JobHandler
+
+log = logging.getLogger(__name__)
+
+
+class ArqJobQueue:
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        self.settings = RedisSettings.from_dsn(redis_url)
+        self.queue_name = f"{prefix}:jobs"
+        self.handlers: dict[str, JobHandler] = {}
+        self._enqueue_pool: ArqRedis | None = None
+        self._worker: Worker | None = None
+        self._task: asyncio.Task[Any] | None = None
+
+    def register(self, name: str, handler: JobHandler) -> None:
+        self.handlers[name] = handler
+
+    async def enqueue(self, name: str, *, job_id: str, **kwargs: Any) -> bool:
+        if self._enqueue_pool is None:
+            self._enqueue_pool = await create_pool(
+                self.settings, default_queue_name=self.queue_name
+            )
+        job = await self._enqueue_pool.enqueue_job(name, _job_id=job_id, **kwargs)
+        return job is not None
+
+    async def start(self) -> None:
+        functions = [
+            func(self._wrap(handler), name=name, keep_result=0)
+            for name, handler in self.handlers.items()
+        ]
+        self._worker = Worker(
+            functions,
+            queue_name=self.queue_name,
+            redis_pool=await create_pool(self.settings, default_queue_name=self.queue_name),
+            handle_signals=False,
+            max_jobs=4,
+            job_timeout=600,
+            poll_delay=0.2,
+            log_results=False,
+        )
+        self._task = asyncio.create_task(self._worker.async_run(), name="arq-worker")
+
+    @staticmethod
+    def _wrap(handler: JobHandler) -> Any:
+        async def job(_ctx: dict[str, Any], **kwargs: Any) -> None:
+            await handler(**kwargs)
+
+        return job
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._worker is not None:
+            await self._worker.close()
+        if self._enqueue_pool is not None:
+            await self._enqueue_pool.aclose()

@@ -1,0 +1,24 @@
+"""The background-job interface: the worker depends on this, not on arq."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+JobHandler = Callable[..., Awaitable[Any]]
+
+
+class JobQueue(Protocol):
+    """Runs named jobs in the background, at most one queued or running per ``job_id``."""
+
+    def register(self, name: str, handler: JobHandler) -> None:
+        """Make ``name`` runnable (before :meth:`start`)."""
+        ...
+
+    async def enqueue(self, name: str, *, job_id: str, **kwargs: Any) -> bool:
+        """Queue a job; False when a job with this id is already queued or running."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
