@@ -16,7 +16,14 @@ log = logging.getLogger("worker")
 
 
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser("run", help="run a worker (SIGTERM drains and exits 0)")
+    p = sub.add_parser(
+        "run",
+        help="run a worker (SIGTERM drains and exits 0)",
+        description="Run one worker: consume the shared ready queue until SIGTERM/SIGINT, "
+        "then finish running turns within AGENT_SHUTDOWN_GRACE_S and release every lease.",
+        epilog=_settings_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common(p)
     p.add_argument(
         "--provider", choices=["openai", "echo"], help="env AGENT_PROVIDER (default echo)"
@@ -28,6 +35,15 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
         "--unified-session", action="store_true", default=None, help="env AGENT_UNIFIED_SESSION"
     )
     p.set_defaults(handler=run)
+
+
+def _settings_epilog() -> str:
+    lines = ["all settings (environment):"]
+    for name, field in Settings.model_fields.items():
+        default = "host-pid-random" if field.default_factory else repr(field.default)
+        lines.append(f"  AGENT_{name.upper():<22} default {default}")
+    lines.append("  OPENAI_BASE_URL, OPENAI_API_KEY   for AGENT_PROVIDER=openai")
+    return "\n".join(lines)
 
 
 async def run(args: argparse.Namespace, settings: Settings) -> int:
