@@ -1,0 +1,98 @@
+"""RedisSessionStore and SessionManager on fakeredis and a real redis-server."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from bus_redis import Keys
+from session_store import RedisSessionStore, Session, SessionManager
+
+
+def _store(redis: aioredis.Redis) -> RedisSessionStore:
+    return RedisSessionStore(redis, Keys())
+
+
+async def test_save_load_read_roundtrip(redis: aioredis.Redis) -> None:
+    store = _store(redis)
+    session = Session(key="web:a", metadata={"title": "hello"})
+    session.add_message("user", "hi", message_id="m1")
+    session.add_message("assistant", "hey")
+    await store.save(session)
+
+    loaded = await store.load("web:a")
+    assert loaded is not None
+    assert [m["content"] for m in loaded.messages] == ["hi", "hey"]
+    assert loaded.metadata == {"title": "hello"}
+    assert loaded.version == session.version >= 1
+    assert loaded.has_seen("m1")
+    payload = await store.read("web:a")
+    assert payload is not None
+    assert set(payload) == {"key", "created_at", "updated_at", "metadata", "messages"}
+    assert await store.read("web:missing") is None
+    assert await store.load("web:missing") is None
+
+
+async def test_update_metadata_is_a_merge_that_leaves_history_alone(redis: aioredis.Redis) -> None:
+    store = _store(redis)
+    session = Session(key="web:m", metadata={"a": 1})
+    session.add_message("user", "keep me")
+    await store.save(session)
+    before = await redis.hgetall(Keys().session("web:m"))
+
+    assert await store.update_metadata("web:m", {"b": 2})
+    after = await redis.hgetall(Keys().session("web:m"))
+    meta = await store.read_metadata("web:m")
+
+    assert meta is not None
+    assert meta["metadata"] == {"a": 1, "b": 2}
+    assert after["m:0"] == before["m:0"]
+    assert int(after["version"]) == int(before["version"]) + 1
+    assert not await store.update_metadata("web:none", {"x": 1})
+
+
+async def test_list_and_delete(redis: aioredis.Redis) -> None:
+    manager = SessionManager(_store(redis))
+    for key in ("web:1", "web:2"):
+        s = await manager.get_or_create(key)
+        s.add_message("user", key)
+        await manager.save(s)
+    listed = [info["key"] for info in await manager.list_sessions()]
+    assert sorted(listed) == ["web:1", "web:2"]
+
+    assert await manager.delete_session("web:1")
+    assert manager.get_cached("web:1") is None
+    assert [info["key"] for info in await manager.list_sessions()] == ["web:2"]
+    assert not await manager.delete_session("web:1")
+
+
+async def test_cache_is_used_only_at_the_current_version(redis: aioredis.Redis) -> None:
+    store = _store(redis)
+    manager = SessionManager(store)
+    s = await manager.get_or_create("web:v")
+    s.add_message("user", "one")
+    await manager.save(s)
+    assert await manager.load_for_turn("web:v", s.version) is s  # no reload
+
+    other = await store.load("web:v")  # another worker writes a newer version
+    assert other is not None
+    other.add_message("user", "two")
+    await store.save(other)
+
+    fresh = await manager.load_for_turn("web:v", other.version)
+    assert fresh is not s
+    assert [m["content"] for m in fresh.messages] == ["one", "two"]
+
+
+async def test_transient_sessions_are_pinned_and_never_saved(redis: aioredis.Redis) -> None:
+    manager = SessionManager(_store(redis), cache_size=2)
+    private = manager.get_or_create_transient("web:p", disabled_tools={"spawn"})
+    private.add_message("user", "secret")
+    await manager.save(private)
+    for i in range(5):  # durable traffic evicts durable entries, never the transient one
+        await manager.get_or_create(f"web:d{i}")
+
+    assert manager.get_cached("web:p") is private
+    assert private.policy.disabled_tools == {"spawn"}
+    assert await manager.read_session("web:p") is None
+    assert manager.get_or_create_transient("web:p", disabled_tools={"spawn"}) is private
+    assert manager.get_or_create_transient("web:p").messages == []  # another policy: fresh
