@@ -88,6 +88,7 @@ async def test_unified_mode_folds_chats_but_not_transient_sessions(
     assert any("from a" in row for row in contents)
     assert any("from b" in row for row in contents)
     assert not any("private c" in row for row in contents)
+    assert '"last_channel":"web:chat-b"' in h["meta"]
     assert "re: from a" in str(fake_llm.requests[1]["messages"])  # chat-b saw chat-a's turn
     assert not await real_redis.exists(
         Keys().session("web:chat-a"), Keys().session("web:private-c")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
 from bus_redis.results import owner_member
-from session_store import Session
+from session_store import UNIFIED_SESSION_KEY, Session
 from worker.followups import FollowUpPuller
 from worker.outcomes import SessionNotActiveError, TurnAbortedError, error, legal_prefix, reply
 from worker.providers import ProviderError
@@ -142,6 +142,8 @@ class TurnExecution:
         if exc is not None:
             raise exc
         session.append_rows(state.rows)
+        if key == UNIFIED_SESSION_KEY:  # where the shared session last spoke, under the lease
+            session.metadata["last_channel"] = f"{msg.channel}:{msg.chat_id}"
         out = reply(msg, key, reply_to, task.result(), metadata={"worker": self.loop.worker_id})
         return Outcome(out, session)
 
