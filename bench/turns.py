@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 
 import redis.asyncio as aioredis
 from _common import CountingRedis, RedisServer, summary
+from workers import WorkerProcess  # tests/ is on sys.path (see _common)
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from bus_redis.codec import stream_id_ms
@@ -60,6 +62,45 @@ async def throughput(url: str, sessions: int, messages: int, workers: int) -> No
     print(f"  {total / wall:.0f} turns/s wall   {wall:.2f} s")
     print(f"  {cpu / total * 1000:.3f} ms CPU per turn (workers + reply reader, one process)")
     print(f"  {rts / total:.2f} worker round trips per turn (incl. queue reads, heartbeats)")
+
+
+async def throughput_processes(url: str, sessions: int, messages: int, workers: int) -> None:
+    """The same load served by ``agent-worker run`` processes (one per core)."""
+    redis = aioredis.from_url(url, decode_responses=True)
+    await redis.flushall()
+    frontend = FrontendClient(redis)
+    total = sessions * messages
+    for n in range(messages):
+        for s in range(sessions):
+            msg = InboundMessage(
+                id=f"p{s}-{n}", channel="procs", sender_id="u", chat_id=f"c{s}", content=f"m{n}"
+            )
+            await frontend.send(msg)
+    env = {
+        **os.environ,
+        "AGENT_PROVIDER": "echo",
+        "AGENT_LOG_LEVEL": "WARNING",
+        "AGENT_CONCURRENCY": "64",
+        "AGENT_JOBS": "local",
+    }
+    procs = [WorkerProcess(url, worker_id=f"bench-p{i}", env=env) for i in range(workers)]
+    answered: set[str] = set()
+    t0 = 0.0
+    try:
+        async for ev in frontend.replies("procs", block_ms=200, count=1000):
+            if not answered:
+                t0 = time.perf_counter()  # from the first reply: process start-up excluded
+            answered.add(ev.reply_to or "")
+            if len(answered) == total:
+                break
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.close()
+    print(f"throughput: {total} turns by {workers} worker processes")
+    print(
+        f"  {(total - 1) / wall:.0f} turns/s wall from the first reply to the last   {wall:.2f} s"
+    )
 
 
 async def latency(url: str, turns: int) -> None:
@@ -139,6 +180,7 @@ async def main() -> None:
     server = RedisServer().start()
     try:
         await throughput(server.url, args.sessions, args.messages, args.workers)
+        await throughput_processes(server.url, args.sessions, args.messages, args.workers)
         await latency(server.url, 300)
         await history_cost(server.url, [int(x) for x in args.history.split(",")], 300)
     finally:
