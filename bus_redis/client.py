@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from bus_redis.codec import fields, text
 from bus_redis.keys import Keys
@@ -15,6 +16,7 @@ from bus_redis.scripts import Scripts
 from bus_redis.streams import READY_MAXLEN
 
 CONTROL_FLAG_TTL_MS = 60_000
+log = logging.getLogger(__name__)
 
 
 class FrontendClient:
@@ -87,6 +89,17 @@ class FrontendClient:
     async def stop(self, session_key: str) -> int:
         return await self.control("stop", session_key)
 
+    async def _consumed(self, stream: str, group: str, entry_ids: list[str]) -> None:
+        """Acknowledge and delete delivered replies. If Redis is gone they stay pending for
+        this consumer (at-least-once), which is better than an error while closing."""
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xack(stream, group, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
+                await pipe.execute()
+        except (RedisError, OSError):
+            log.warning("could not acknowledge %d replies on %s", len(entry_ids), stream)
+
     async def replies(
         self,
         channel: str,
@@ -95,7 +108,7 @@ class FrontendClient:
         consumer: str | None = None,
         block_ms: int = 1000,
         count: int = 100,
-    ) -> AsyncIterator[OutboundMessage]:
+    ) -> AsyncGenerator[OutboundMessage, None]:
         """Read the channel's outbound stream with a consumer group, forever.
 
         Each entry is acknowledged and deleted once yielded: replies (transient ones
@@ -120,7 +133,4 @@ class FrontendClient:
                         yield OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
             finally:
                 if done:  # one round trip per batch: acknowledge and delete what was yielded
-                    async with self.redis.pipeline(transaction=True) as pipe:
-                        pipe.xack(stream, group, *done)
-                        pipe.xdel(stream, *done)
-                        await pipe.execute()
+                    await self._consumed(stream, group, done)

@@ -137,4 +137,3 @@ class Keys:
 def _session_key(prefix: str, session_key: str, suffix: str) -> str:
     """``P:{S}:suffix``; cached, since a turn names the same few keys many times."""
     return f"{prefix}:{{{encode_session(session_key)}}}:{suffix}"
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Awaitable, Callable
 
@@ -29,11 +30,14 @@ async def collect(
     async def read() -> None:
         if not missing():
             return
-        async for ev in client.replies(channel, group="tests", block_ms=200):
-            for rid in [ev.reply_to or "", *(ev.covers or [])]:
-                got.setdefault(rid, []).append(ev)
-            if not missing():
-                return
+        async with contextlib.aclosing(
+            client.replies(channel, group="tests", block_ms=200)
+        ) as events:
+            async for ev in events:
+                for rid in [ev.reply_to or "", *(ev.covers or [])]:
+                    got.setdefault(rid, []).append(ev)
+                if not missing():
+                    return
 
     try:
         await asyncio.wait_for(read(), timeout_s)

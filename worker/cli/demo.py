@@ -92,10 +92,11 @@ class _Script:
         self.replies: dict[str, asyncio.Future[OutboundMessage]] = {}
 
     async def pump(self) -> None:
-        async for ev in self.client.replies(CHANNEL, group="demo"):
-            fut = self.replies.get(ev.reply_to or "")
-            if ev.is_terminal and fut is not None and not fut.done():
-                fut.set_result(ev)
+        async with contextlib.aclosing(self.client.replies(CHANNEL, group="demo")) as events:
+            async for ev in events:
+                fut = self.replies.get(ev.reply_to or "")
+                if ev.is_terminal and fut is not None and not fut.done():
+                    fut.set_result(ev)
 
     async def say(self, chat_id: str, text: str, *, session: str | None = None) -> OutboundMessage:
         msg = InboundMessage(

@@ -57,11 +57,14 @@ async def wait_reply(
     client: FrontendClient, channel: str, reply_to: str, timeout_s: float
 ) -> OutboundMessage | None:
     async def first_terminal() -> OutboundMessage | None:
-        async for ev in client.replies(channel, group=CLI_GROUP, consumer="cli"):
-            if ev.reply_to == reply_to or reply_to in (ev.covers or []):
-                if ev.is_terminal:
-                    return ev
-                _print_event(ev)
+        async with contextlib.aclosing(
+            client.replies(channel, group=CLI_GROUP, consumer="cli")
+        ) as events:
+            async for ev in events:
+                if ev.reply_to == reply_to or reply_to in (ev.covers or []):
+                    if ev.is_terminal:
+                        return ev
+                    _print_event(ev)
         return None
 
     try:
@@ -121,8 +124,10 @@ class _Chat:
         return self.transient or f"{self.channel}:{self.chat_id}"
 
     async def print_replies(self) -> None:
-        async for ev in self.client.replies(self.channel, group=CLI_GROUP, consumer="chat"):
-            _print_event(ev)
+        events = self.client.replies(self.channel, group=CLI_GROUP, consumer="chat")
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                _print_event(ev)
 
     async def handle(self, line: str) -> bool:
         if line in ("/quit", "/exit"):
