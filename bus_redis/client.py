@@ -6,6 +6,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 
+from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
@@ -112,7 +113,8 @@ class FrontendClient:
         """Read the channel's outbound stream with a consumer group, forever.
 
         Each entry is acknowledged and deleted once yielded: replies (transient ones
-        above all) are not kept past delivery.
+        above all) are not kept past delivery. A consumer with a stable name first gets
+        what was delivered to it before but never acknowledged (at-least-once).
         """
         stream = self.keys.out(channel)
         consumer = consumer or uuid.uuid4().hex[:12]
@@ -121,16 +123,26 @@ class FrontendClient:
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        position = "0"  # our own pending entries first, then new ones
         while True:
+            block = None if position == "0" else block_ms
             reply = await self.redis.xreadgroup(
-                group, consumer, {stream: ">"}, count=count, block=block_ms
+                group, consumer, {stream: position}, count=count, block=block
             )
+            entries = [entry for _stream, batch in reply or [] for entry in batch]
+            if position == "0" and not entries:
+                position = ">"
+                continue
             done: list[str] = []
             try:
-                for _stream, entries in reply or []:
-                    for entry_id, raw in entries:
-                        done.append(entry_id)
-                        yield OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
+                for entry_id, raw in entries:
+                    done.append(entry_id)
+                    try:
+                        event = OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
+                    except ValidationError:
+                        log.warning("skipped a malformed entry %s on %s", entry_id, stream)
+                        continue
+                    yield event
             finally:
                 if done:  # one round trip per batch: acknowledge and delete what was yielded
                     await self._consumed(stream, group, done)

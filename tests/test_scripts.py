@@ -112,3 +112,34 @@ async def test_transient_owner_gets_the_forward(redis: aioredis.Redis) -> None:
     assert await bus.release(K, got.token)
     assert await bus.acquire(K, "other", member=K) == Forward("owner")
     assert isinstance(await bus.acquire(K, "owner", member=K, claim_owner=True), Acquired)
+
+
+async def test_replies_redeliver_what_a_named_consumer_never_acknowledged(
+    redis: aioredis.Redis,
+) -> None:
+    import json
+
+    client = FrontendClient(redis)
+    out = RedisBus(redis).keys.out("web")
+    for i in range(3):
+        doc = {
+            "v": 1,
+            "type": "message",
+            "channel": "web",
+            "chat_id": "c",
+            "session_key": "web:c",
+            "reply_to": f"r{i}",
+            "content": str(i),
+        }
+        await redis.xadd(out, {"payload": json.dumps(doc)})
+    await redis.xadd(out, {"payload": "not json"})
+
+    first = client.replies("web", group="g", consumer="gw-1", count=10)
+    assert (await anext(first)).reply_to == "r0"
+    await first.aclose()  # stops mid-batch: r0 (yielded) is acknowledged, r1 and r2 stay pending
+
+    again = client.replies("web", group="g", consumer="gw-1", count=10)
+    seen = [(await anext(again)).reply_to, (await anext(again)).reply_to]
+    await again.aclose()
+    assert seen == ["r1", "r2"]
+    assert await redis.xlen(out) == 1  # only the malformed entry is left, pending
