@@ -41,7 +41,7 @@ class Consolidator:
             return False
         return await self.loop.jobs.enqueue(
             JOB_NAME,
-            job_id=f"{JOB_NAME}:{session.key}",
+            job_id=f"{self.loop.bus.keys.prefix}:{JOB_NAME}:{session.key}",
             key=session.key,
             start=session.last_consolidated,
             end=end,
