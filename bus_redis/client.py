@@ -1,56 +1,140 @@
-"""FrontendClient: what a gateway, bot or CLI uses to talk to the workers."""
+"""FrontendClient: what a gateway, bot or CLI uses to talk to the workers.
+
+Everything here is plain Redis commands a frontend's ACL user may run for its own
+channel (see ``worker.acl``): no Lua, no consumer groups, nothing of another channel.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
 
 from bus_redis.codec import fields, text
-from bus_redis.keys import Keys
+from bus_redis.keys import Keys, channel_of
 from bus_redis.schema import ControlMessage, InboundMessage, OpenTransient, OutboundMessage
-from bus_redis.scripts import Scripts
 from bus_redis.streams import READY_MAXLEN
 
-CONTROL_FLAG_TTL_MS = 60_000
 log = logging.getLogger(__name__)
+EventCallback = Callable[[OutboundMessage], Awaitable[None] | None]
 
 
 class FrontendClient:
-    """Publish inbound messages and controls; read replies (SPEC 2.2-2.4)."""
+    """Publish messages and controls of a session; read its events (README, wire v2)."""
 
     def __init__(self, redis: Redis, prefix: str = "agent") -> None:
         self.redis = redis
         self.keys = Keys(prefix)
-        self._scripts = Scripts(redis)
 
-    async def _publish(self, session_key: str, payload: str, *, direct: bool) -> str:
-        """MULTI: XADD the session stream, XADD the shared ready queue. Returns the entry id."""
-        note = {"session": session_key}
-        if direct:
-            note["direct"] = "1"
+    async def _publish(self, session_key: str, entry: dict[str, str]) -> str:
+        """MULTI: XADD the session stream, XADD its channel's ready queue. Returns the id."""
+        ready = self.keys.ready(channel_of(session_key))
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.inbound(session_key), {"payload": payload})
-            pipe.xadd(self.keys.ready, note, maxlen=READY_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            pipe.xadd(self.keys.inbound(session_key), entry)  # type: ignore[arg-type]
+            pipe.xadd(ready, {"session": session_key}, maxlen=READY_MAXLEN, approximate=True)
             entry_id, _ = await pipe.execute()
         return text(entry_id)
 
     async def send(self, msg: InboundMessage) -> str:
         """Publish one message; returns its ``reply_to`` (the ``id``, else the entry id)."""
-        entry_id = await self._publish(
-            msg.session_key,
-            msg.model_dump_json(exclude_none=True),
-            direct=msg.session_key_override is None,
-        )
+        entry_id = await self._publish(msg.session_key, {"payload": _dump(msg)})
         return msg.id or entry_id
 
-    async def send_raw(self, session_key: str, payload: str, *, direct: bool = False) -> str:
+    async def send_raw(self, session_key: str, payload: str | bytes) -> str:
         """Publish an arbitrary payload (tests, replays of dead letters)."""
-        return await self._publish(session_key, payload, direct=direct)
+        return await self._publish(session_key, {"payload": payload})  # type: ignore[dict-item]
+
+    async def ask(
+        self,
+        msg: InboundMessage,
+        *,
+        timeout_s: float = 120.0,
+        on_event: EventCallback | None = None,
+    ) -> OutboundMessage:
+        """Publish ``msg`` and return its terminal event (``message`` or ``error``).
+
+        Non-terminal events of the same message (deltas, progress) go to ``on_event``.
+        Only this message's events are looked at, so concurrent askers never take each
+        other's replies. Raises ``TimeoutError``. For a private session
+        (``require_existing_session``) the events read are deleted afterwards.
+        """
+        if msg.id is None:
+            msg = msg.model_copy(update={"id": uuid.uuid4().hex})
+        reply_to = msg.id or ""
+        last = await self.redis.xrevrange(self.keys.out(msg.session_key), "+", "-", count=1)
+        after = text(last[0][0]) if last else "0-0"  # events of this ask come after it
+        await self.send(msg)
+        seen: list[str] = []
+        try:
+            return await asyncio.wait_for(
+                self._terminal(msg.session_key, reply_to, after, on_event, seen), timeout_s
+            )
+        finally:
+            if msg.require_existing_session and seen:
+                await self.redis.xdel(self.keys.out(msg.session_key), *seen)
+
+    async def _terminal(
+        self,
+        session_key: str,
+        reply_to: str,
+        after: str,
+        on_event: EventCallback | None,
+        seen: list[str],
+    ) -> OutboundMessage:
+        async for ev in self.events([session_key], after=after):
+            if ev.reply_to != reply_to and reply_to not in (ev.covers or []):
+                continue
+            seen.append(ev.entry_id or "")
+            if ev.is_terminal:
+                return ev
+            if on_event is not None:
+                result = on_event(ev)
+                if result is not None:
+                    await result
+        raise AssertionError("unreachable: events() never ends")
+
+    async def events(
+        self,
+        session_keys: Iterable[str],
+        *,
+        after: str | dict[str, str] = "$",
+        block_ms: int = 1000,
+        count: int = 100,
+    ) -> AsyncIterator[OutboundMessage]:
+        """Every event of the given sessions, forever, in order per session.
+
+        ``after`` is the resume point: ``"$"`` (only new events), ``"0"`` (everything
+        still kept), a stream id, or a per-session dict. Each event's ``entry_id`` is
+        the point to resume from on any replica after a reconnect: nothing is lost or
+        doubled. Events are kept for a bounded time and length (``AGENT_REPLY_TTL_MS``,
+        ``AGENT_REPLY_MAXLEN``); reading does not consume them.
+        """
+        keys = list(dict.fromkeys(session_keys))
+        position = {
+            self.keys.out(k): (after.get(k, "$") if isinstance(after, dict) else after)
+            for k in keys
+        }
+        for stream, pos in position.items():  # "$" once, as an id: nothing slips between reads
+            if pos == "$":
+                last = await self.redis.xrevrange(stream, "+", "-", count=1)
+                position[stream] = text(last[0][0]) if last else "0-0"
+        while True:
+            reply = await self.redis.xread(position, count=count, block=block_ms)  # type: ignore[arg-type]
+            for stream, batch in reply or []:
+                for eid, raw in batch:
+                    position[text(stream)] = text(eid)
+                    try:
+                        event = OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
+                    except ValidationError:
+                        log.warning("skipped a malformed event %s on %s", text(eid), text(stream))
+                        continue
+                    event.entry_id = text(eid)
+                    yield event
 
     async def open_transient(
         self,
@@ -59,6 +143,7 @@ class FrontendClient:
         *,
         session_key: str | None = None,
         disabled_tools: Iterable[str] = (),
+        scope: str | None = None,
     ) -> tuple[str, str]:
         """Open a private session; returns ``(session_key, reply_to)``.
 
@@ -72,17 +157,31 @@ class FrontendClient:
             channel=channel,
             chat_id=chat_id,
             session_key_override=key,
+            scope=scope,
             disabled_tools=sorted(set(disabled_tools)),
         )
-        await self._publish(key, op.model_dump_json(exclude_none=True), direct=False)
+        await self._publish(key, {"payload": _dump(op)})
         return key, op.id or ""
 
     async def control(self, op: str, session_key: str) -> int:
-        """Publish a control and leave a short-lived flag for workers that miss it."""
+        """Stop or discard: a marker in the session's stream (it covers exactly the
+        messages published before it), the hint that markers are queued, a notification,
+        and the pub/sub message that cancels a running turn at once. Returns the number of
+        workers that received the pub/sub message."""
         msg = ControlMessage(op=op, session_key=session_key)  # type: ignore[arg-type]
-        keys = [self.keys.control_flag(session_key), self.keys.inbound(session_key)]
-        args = [self.keys.control, op, msg.model_dump_json(), CONTROL_FLAG_TTL_MS]
-        return int(await self._scripts.call("control", keys, args))
+        channel = channel_of(session_key)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.keys.inbound(session_key), {"control": op})
+            pipe.incr(self.keys.control_hint(session_key))
+            pipe.xadd(
+                self.keys.ready(channel),
+                {"session": session_key},
+                maxlen=READY_MAXLEN,
+                approximate=True,
+            )
+            pipe.publish(self.keys.control(channel), msg.model_dump_json())
+            result = await pipe.execute()
+        return int(result[-1])
 
     async def discard(self, session_key: str) -> int:
         return await self.control("discard", session_key)
@@ -90,59 +189,6 @@ class FrontendClient:
     async def stop(self, session_key: str) -> int:
         return await self.control("stop", session_key)
 
-    async def _consumed(self, stream: str, group: str, entry_ids: list[str]) -> None:
-        """Acknowledge and delete delivered replies. If Redis is gone they stay pending for
-        this consumer (at-least-once), which is better than an error while closing."""
-        try:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xack(stream, group, *entry_ids)
-                pipe.xdel(stream, *entry_ids)
-                await pipe.execute()
-        except (RedisError, OSError):
-            log.warning("could not acknowledge %d replies on %s", len(entry_ids), stream)
 
-    async def replies(
-        self,
-        channel: str,
-        *,
-        group: str = "frontends",
-        consumer: str | None = None,
-        block_ms: int = 1000,
-        count: int = 100,
-    ) -> AsyncGenerator[OutboundMessage, None]:
-        """Read the channel's outbound stream with a consumer group, forever.
-
-        Each entry is acknowledged and deleted once yielded: replies (transient ones
-        above all) are not kept past delivery. A consumer with a stable name first gets
-        what was delivered to it before but never acknowledged (at-least-once).
-        """
-        stream = self.keys.out(channel)
-        consumer = consumer or uuid.uuid4().hex[:12]
-        try:
-            await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        position = "0"  # our own pending entries first, then new ones
-        while True:
-            block = None if position == "0" else block_ms
-            reply = await self.redis.xreadgroup(
-                group, consumer, {stream: position}, count=count, block=block
-            )
-            entries = [entry for _stream, batch in reply or [] for entry in batch]
-            if position == "0" and not entries:
-                position = ">"
-                continue
-            done: list[str] = []
-            try:
-                for entry_id, raw in entries:
-                    done.append(entry_id)
-                    try:
-                        event = OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
-                    except ValidationError:
-                        log.warning("skipped a malformed entry %s on %s", entry_id, stream)
-                        continue
-                    yield event
-            finally:
-                if done:  # one round trip per batch: acknowledge and delete what was yielded
-                    await self._consumed(stream, group, done)
+def _dump(doc: Any) -> str:
+    return str(doc.model_dump_json(exclude_none=True))

@@ -12,6 +12,16 @@ def text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def safe(value: Any, limit: int = 200) -> str:
+    """A value from the wire, fit for a log line: control characters escaped, bounded."""
+    s = text(value)
+    if len(s) > limit:
+        s = s[:limit] + "..."
+    return (
+        s.encode("unicode_escape", "backslashreplace").decode("ascii") if not s.isprintable() else s
+    )
+
+
 def texts(values: Any) -> list[str]:
     return [text(v) for v in values or []]
 
@@ -38,9 +48,18 @@ def parse_stream_id(entry_id: str) -> tuple[int, int]:
     return (int(head), int(tail) if tail.isdigit() else 0)
 
 
-def parse_flag(flag: str) -> tuple[str, tuple[int, int], int] | None:
-    """A control flag ``"<op> <boundary entry id> <server ms>"``, or None."""
-    parts = flag.split()
-    if len(parts) != 3 or parts[0] not in ("stop", "discard") or not parts[2].isdigit():
-        return None
-    return parts[0], parse_stream_id(parts[1]), int(parts[2])
+def payload_text(value: Any) -> str:
+    """An inbound payload as ``str``; bytes that are not UTF-8 are kept as surrogates so
+    that validation can reject them (``schema.decode_inbound``)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="surrogateescape")
+    return "" if value is None else str(value)
+
+
+def clean(value: str) -> str:
+    """A string that can be encoded as UTF-8 (lone surrogates replaced)."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

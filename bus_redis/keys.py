@@ -1,17 +1,42 @@
 """Every Redis key name of the project is built here, and only here.
 
-A session key ``S`` is percent-encoded before it enters a key name: ``{``, ``}``,
-``%`` and the ASCII control characters become ``%XX`` (uppercase hex). The mapping
-is injective, so no crafted chat id can name another session's keys, and all keys
-of one session share the Redis Cluster hash tag ``{S}``.
+Wire v2 layout: every key that belongs to a channel ``C`` carries the hash tag ``{C}``,
+so one session's keys, its channel's ready queue and its channel's registries share a
+Redis Cluster slot, and a Redis ACL can confine a frontend to ``P:{C}:...`` key patterns.
+
+A session key ``S`` always starts with ``C:`` (its channel). Inside a key name ``S`` is
+percent-encoded: ``{``, ``}``, ``%`` and the ASCII control characters become ``%XX``
+(uppercase hex). The mapping is injective, so no crafted chat id can name another
+session's keys. Channel names are restricted (:data:`CHANNEL_RE`) so that they are safe
+inside an ACL key pattern.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 _ESCAPED = frozenset("{}%") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
+CHANNEL_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+UNIFIED_CHANNEL = "unified"  # reserved: the channel part of ``unified:default``
+RESERVED_CHANNELS = frozenset({UNIFIED_CHANNEL})
+
+
+def valid_channel(channel: str) -> bool:
+    """Letters, digits, ``_`` and ``-`` (no ``:``, no glob characters), not reserved."""
+    return bool(CHANNEL_RE.fullmatch(channel)) and channel not in RESERVED_CHANNELS
+
+
+def channel_of(session_key: str) -> str:
+    """The channel part of a session key (everything before the first ``:``)."""
+    return session_key.partition(":")[0]
+
+
+def in_channel(session_key: str, channel: str) -> bool:
+    """Whether ``session_key`` belongs to ``channel`` (starts with ``channel:``, non-empty rest)."""
+    head, sep, rest = session_key.partition(":")
+    return head == channel and bool(sep) and bool(rest)
 
 
 @lru_cache(maxsize=16_384)
@@ -39,41 +64,22 @@ def decode_session(encoded: str) -> str:
     return "".join(out)
 
 
+def glob_escape(text: str) -> str:
+    """Escape Redis glob characters (for SCAN MATCH / PSUBSCRIBE patterns)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """Key names under one prefix (``AGENT_KEY_PREFIX``)."""
+    """Key names under one prefix ``P`` (``AGENT_KEY_PREFIX``)."""
 
     prefix: str = "agent"
 
-    # --- shared keys -------------------------------------------------------------
+    # --- global (worker-only) keys ------------------------------------------------
     @property
-    def ready(self) -> str:
-        """The one shared queue of session notifications every worker reads."""
-        return f"{self.prefix}:ready"
-
-    @property
-    def control(self) -> str:
-        """Pub/sub channel of control messages."""
-        return f"{self.prefix}:control"
-
-    @property
-    def dead(self) -> str:
-        return f"{self.prefix}:dead"
-
-    @property
-    def sessions_index(self) -> str:
-        """Sorted set of durable sessions by updated time (ms)."""
-        return f"{self.prefix}:sessions"
-
-    @property
-    def leases(self) -> str:
-        """Sorted set: effective session key -> lease expiry (ms); swept for dead holders."""
-        return f"{self.prefix}:leases"
-
-    @property
-    def owners(self) -> str:
-        """Sorted set: transient session key -> owner record expiry (ms)."""
-        return f"{self.prefix}:owners"
+    def channels(self) -> str:
+        """Set of registered frontend channels (written by operators, read by workers)."""
+        return f"{self.prefix}:channels"
 
     @property
     def workers(self) -> str:
@@ -81,13 +87,9 @@ class Keys:
         return f"{self.prefix}:workers"
 
     @property
-    def memory(self) -> str:
-        """Hash holding the durable long-term memory and its version."""
-        return f"{self.prefix}:memory"
-
-    def out(self, channel: str) -> str:
-        """Outbound stream of one frontend channel."""
-        return f"{self.prefix}:out:{encode_session(channel)}"
+    def sweeper(self) -> str:
+        """Short-lived lock: which worker runs the stranded-stream sweep this period."""
+        return f"{self.prefix}:sweeper"
 
     def inbox(self, worker_id: str) -> str:
         """A worker's own notification stream (transient sessions it owns)."""
@@ -96,44 +98,115 @@ class Keys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{encode_session(worker_id)}:info"
 
-    # --- per-session keys (hash tag {S}) -------------------------------------------
-    def _s(self, session_key: str, suffix: str) -> str:
-        return _session_key(self.prefix, session_key, suffix)
+    # --- per channel {C} -------------------------------------------------------------
+    def ready(self, channel: str) -> str:
+        """The channel's queue of session notifications (group ``workers``)."""
+        return f"{self.prefix}:{{{channel}}}:ready"
 
+    def control(self, channel: str) -> str:
+        """Pub/sub channel of the channel's controls."""
+        return f"{self.prefix}:{{{channel}}}:control"
+
+    @property
+    def control_pattern(self) -> str:
+        """PSUBSCRIBE pattern matching every channel's control channel."""
+        return f"{glob_escape(self.prefix)}:{{*}}:control"
+
+    @property
+    def ready_pattern(self) -> str:
+        return f"{glob_escape(self.prefix)}:{{*}}:ready"
+
+    @property
+    def inbound_pattern(self) -> str:
+        return f"{glob_escape(self.prefix)}:{{*}}:in:*"
+
+    def dead(self, channel: str) -> str:
+        return f"{self.prefix}:{{{channel}}}:dead"
+
+    def sessions_index(self, channel: str) -> str:
+        """Sorted set of the channel's durable sessions by updated time (ms)."""
+        return f"{self.prefix}:{{{channel}}}:sessions"
+
+    def owners(self, channel: str) -> str:
+        """Sorted set: transient session key -> owner record expiry (ms)."""
+        return f"{self.prefix}:{{{channel}}}:owners"
+
+    # --- per scope (lives in the slot of its channel) -------------------------------------
+    def scope_sessions(self, scope: str) -> str:
+        """Sorted set of the durable sessions of one scope (session tools read only these)."""
+        return _scoped(self.prefix, scope, "sessions")
+
+    def memory(self, scope: str) -> str:
+        """Hash holding one scope's long-term memory and its version."""
+        return _scoped(self.prefix, scope, "memory")
+
+    # --- per session S (or effective key K), hash tag {channel of S} -------------------
     def inbound(self, session_key: str) -> str:
         """The session's own stream: unprocessed inbound entries, in publish order."""
-        return self._s(session_key, "in")
+        return _session_key(self.prefix, "in", session_key)
+
+    def control_hint(self, session_key: str) -> str:
+        """Counter: control markers may be queued in the session's stream."""
+        return _session_key(self.prefix, "ctl", session_key)
+
+    def out(self, session_key: str) -> str:
+        """The session's events (replies, deltas, progress), bounded in length and time."""
+        return _session_key(self.prefix, "out", session_key)
 
     def session(self, session_key: str) -> str:
         """Hash of a durable session (metadata, counters, one field per message)."""
-        return self._s(session_key, "session")
+        return _session_key(self.prefix, "session", session_key)
 
     def lease(self, session_key: str) -> str:
-        """``<epoch>|<worker id>`` with a PX TTL: who may run and write this session."""
-        return self._s(session_key, "lease")
-
-    def epoch(self, session_key: str) -> str:
-        """Fencing counter, INCR on every lease acquisition."""
-        return self._s(session_key, "epoch")
+        """``<nonce>|<worker id>`` with a PX TTL: who may run and write this session."""
+        return _session_key(self.prefix, "lease", session_key)
 
     def pending(self, session_key: str) -> str:
         """Set of inbound streams the lease holder of this effective key must drain."""
-        return self._s(session_key, "pending")
+        return _session_key(self.prefix, "pending", session_key)
 
     def owner(self, session_key: str) -> str:
         """Content-free owner record of a transient session (hash, TTL)."""
-        return self._s(session_key, "owner")
-
-    def control_flag(self, session_key: str) -> str:
-        """Short-lived record of the last control, for workers that missed the pub/sub."""
-        return self._s(session_key, "ctl")
+        return _session_key(self.prefix, "owner", session_key)
 
     def attempts(self, session_key: str) -> str:
         """Hash: inbound entry id -> delivery attempts."""
-        return self._s(session_key, "attempts")
+        return _session_key(self.prefix, "attempts", session_key)
+
+    def session_of_inbound(self, key: str) -> str | None:
+        """The session key of an inbound stream name (inverse of :meth:`inbound`)."""
+        head = f"{self.prefix}:{{"
+        if not key.startswith(head):
+            return None
+        channel, sep, rest = key[len(head) :].partition("}:in:")
+        if not sep:
+            return None
+        session_key = decode_session(rest)
+        return session_key if in_channel(session_key, channel) else None
+
+    def channel_of_ready(self, key: str) -> str | None:
+        head, tail = f"{self.prefix}:{{", "}:ready"
+        if key.startswith(head) and key.endswith(tail):
+            channel = key[len(head) : -len(tail)]
+            return channel if valid_channel(channel) else None
+        return None
+
+    def channel_of_control(self, name: str) -> str | None:
+        head, tail = f"{self.prefix}:{{", "}:control"
+        if name.startswith(head) and name.endswith(tail):
+            channel = name[len(head) : -len(tail)]
+            return channel if valid_channel(channel) else None
+        return None
 
 
 @lru_cache(maxsize=65_536)
-def _session_key(prefix: str, session_key: str, suffix: str) -> str:
-    """``P:{S}:suffix``; cached, since a turn names the same few keys many times."""
-    return f"{prefix}:{{{encode_session(session_key)}}}:{suffix}"
+def _session_key(prefix: str, kind: str, session_key: str) -> str:
+    """``P:{C}:kind:S``; cached, since a turn names the same few keys many times."""
+    channel = encode_session(channel_of(session_key))  # validated upstream; encoded anyway
+    return f"{prefix}:{{{channel}}}:{kind}:{encode_session(session_key)}"
+
+
+def _scoped(prefix: str, scope: str, kind: str) -> str:
+    """A scope is ``<channel>/<name>``: its keys live in its channel's slot."""
+    channel, _, name = scope.partition("/")
+    return f"{prefix}:{{{encode_session(channel)}}}:scope:{encode_session(name)}:{kind}"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
+
+from bus_redis.codec import payload_text, texts
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,8 +16,7 @@ class Notification:
     stream: str
     entry_id: str
     session_key: str
-    direct: bool = False  # S is channel:chat_id (no override): unified mode maps it
-    effective: bool = False  # S already names an effective key (recovery re-notify)
+    effective: bool = False  # names an effective key K (a release re-notify), not a stream S
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +25,15 @@ class Entry:
     entry_id: str
     payload: str
     attempts: int
-    flag: str
+    covered_by: str  # 'stop' / 'discard': a control marker queued after this entry; '' none
+
+
+@dataclass(frozen=True, slots=True)
+class ControlReached:
+    """A discard marker at the head of stream ``member`` was consumed."""
+
+    member: str
+    op: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +51,14 @@ class Lost:
     pass
 
 
-Step = Entry | More | Released | Lost
+Step = Entry | ControlReached | More | Released | Lost
 
 
 @dataclass(frozen=True, slots=True)
 class Acquired:
     token: str
     version: int
+    generation: str  # of the session hash: a deleted and re-created session has a new one
     memory_version: int
     step: Step | None
 
@@ -62,30 +73,41 @@ class Forward:
     owner: str
 
 
-AcquireResult = Acquired | Busy | Forward
+@dataclass(frozen=True, slots=True)
+class Private:
+    """The notified stream is an open private session: acquire it under its own key."""
+
+
+AcquireResult = Acquired | Busy | Forward | Private
 
 
 @dataclass(slots=True)
 class CommitSpec:
     """What one fenced commit writes (see ``lua/commit.lua``)."""
 
-    member: str  # inbound stream (session key) of the entries
+    member: str  # inbound stream (session key) of the entries; its events stream gets the reply
     entry_ids: list[str] = field(default_factory=list)
     reply: str = ""  # OutboundMessage JSON
-    reply_channel: str = ""
     meta: str = ""  # session meta JSON; '' = nothing persisted
+    scope: str = ""  # the session's scope (its index gets the session)
+    transient: bool = False  # shorter event retention
     rows: list[str] = field(default_factory=list)
     owner_op: str = ""  # '', 'set', 'del'
     owner_member: str = ""
     dead: str = ""  # dead-letter JSON
 
 
-def parse_step(parts: list[str]) -> Step | None:
-    if not parts:
+def parse_step(raw: list[Any]) -> Step | None:
+    """A script's step reply (raw values); an entry's payload keeps undecodable bytes as
+    surrogates, so the worker can reject it instead of failing here."""
+    if not raw:
         return None
+    parts = texts(raw)
     kind = parts[0]
     if kind == "entry":
-        return Entry(parts[1], parts[2], parts[3], int(parts[4]), parts[5])
+        return Entry(parts[1], parts[2], payload_text(raw[3]), int(parts[4]), parts[5])
+    if kind == "control":
+        return ControlReached(parts[1], parts[2])
     if kind == "more":
         return More(tuple(parts[1:]))
     if kind == "released":

@@ -1,4 +1,4 @@
-"""Wire protocol v1: the JSON documents frontends and workers exchange (SPEC 2)."""
+"""Wire protocol v2: the JSON documents frontends and workers exchange (README)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,42 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from bus_redis.errors import MessageRejectedError
+from bus_redis.keys import valid_channel
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+
+
+def _channel(value: str) -> str:
+    if not valid_channel(value):
+        raise ValueError("channel must be 1-64 letters, digits, '_' or '-' (not 'unified')")
+    return value
+
+
+Channel = Annotated[str, AfterValidator(_channel)]
 ErrorCode = Literal[
     "session_not_active",
     "invalid_message",
     "too_large",
     "dead_lettered",
     "cancelled",
-    "busy",
+    "duplicate",
     "session_lost",
     "provider_error",
-    "internal",
 ]
 SESSION_NOT_ACTIVE = "required session is not active"
 
@@ -31,27 +49,47 @@ SESSION_NOT_ACTIVE = "required session is not active"
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=False, strict=True)
 
-    v: Literal[1] = 1
+    v: Literal[2] = 2
 
 
-class InboundMessage(_Wire):
-    """A user (or system) message for one session (SPEC 2.1)."""
+class _Routed(_Wire):
+    """Documents addressed to a session of the frontend's own channel."""
 
-    id: str | None = None
-    channel: NonEmpty
-    sender_id: NonEmpty
+    channel: Channel
     chat_id: NonEmpty
-    content: str = ""
-    media: list[str] = Field(default_factory=list)
-    metadata: dict[str, Any] = Field(default_factory=dict)
     session_key_override: NonEmpty | None = None
-    require_existing_session: bool = False
-    input_role: Literal["user", "system"] | None = None
-    timestamp: datetime | None = Field(default=None, strict=False)
 
     @property
     def session_key(self) -> str:
         return self.session_key_override or f"{self.channel}:{self.chat_id}"
+
+    @model_validator(mode="after")
+    def _own_channel(self) -> _Routed:
+        if self.session_key_override is not None and not self.session_key_override.startswith(
+            f"{self.channel}:"
+        ):
+            raise ValueError(f"session_key_override must start with '{self.channel}:'")
+        return self
+
+
+class InboundMessage(_Routed):
+    """A user (or system) message for one session."""
+
+    id: str | None = None
+    sender_id: NonEmpty
+    content: str = ""
+    media: list[str] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    scope: NonEmpty | None = None  # the user or workspace the frontend vouches for
+    require_existing_session: bool = False
+    input_role: Literal["user", "system"] | None = None
+    timestamp: datetime | None = Field(default=None, strict=False)
+
+    @field_validator("metadata")
+    @classmethod
+    def _strip_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Keys starting with ``_`` are reserved for the worker: never taken from the wire."""
+        return {k: v for k, v in value.items() if not k.startswith("_")}
 
     @property
     def is_user_input(self) -> bool:
@@ -59,36 +97,26 @@ class InboundMessage(_Wire):
             return self.input_role == "user"
         return self.channel != "system"
 
-    def public_metadata(self) -> dict[str, Any]:
-        """Metadata without the reserved ``_`` keys (never trusted from a frontend)."""
-        return {k: v for k, v in self.metadata.items() if not k.startswith("_")}
 
-
-class OpenTransient(_Wire):
-    """Opens a private session owned by the worker that processes it (SPEC 2.2)."""
+class OpenTransient(_Routed):
+    """Opens a private session owned by the worker that processes it."""
 
     op: Literal["open_transient"]
     id: str | None = None
-    channel: NonEmpty
-    chat_id: NonEmpty
     sender_id: str = "frontend"
-    session_key_override: NonEmpty | None = None
+    scope: NonEmpty | None = None
     disabled_tools: list[str] = Field(default_factory=list)
-
-    @property
-    def session_key(self) -> str:
-        return self.session_key_override or f"{self.channel}:{self.chat_id}"
 
 
 class ControlMessage(_Wire):
-    """A control published on ``P:control`` (SPEC 2.3)."""
+    """A control published on ``P:{C}:control``."""
 
     op: Literal["discard", "stop"]
     session_key: NonEmpty
 
 
 class OutboundMessage(_Wire):
-    """A reply or event on ``P:out:<channel>`` (SPEC 2.4)."""
+    """A reply or event on the session's stream ``P:{C}:out:S``."""
 
     model_config = ConfigDict(extra="ignore", strict=False)
 
@@ -101,6 +129,7 @@ class OutboundMessage(_Wire):
     metadata: dict[str, Any] = Field(default_factory=dict)
     code: ErrorCode | None = None
     covers: list[str] | None = None
+    entry_id: str | None = Field(default=None, exclude=True)  # set by readers: resume point
 
     @property
     def is_terminal(self) -> bool:
@@ -130,14 +159,22 @@ def _origin(doc: object) -> dict[str, str | None]:
 def decode_inbound(
     raw: str | bytes, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 ) -> InboundPayload:
-    """Parse and validate one inbound payload; raise :class:`MessageRejectedError`."""
-    size = len(raw.encode() if isinstance(raw, str) else raw)
+    """Parse and validate one inbound payload; raise :class:`MessageRejectedError`.
+
+    A ``str`` payload may carry undecodable bytes as surrogates (``codec.payload_text``):
+    it is rejected as not UTF-8."""
+    data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+    size = len(data)
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MessageRejectedError("invalid_message", "payload is not valid UTF-8") from None
     if size > max_bytes:
-        origin = _origin(_try_json(raw)) if size <= 16 * max_bytes else {}
+        origin = _origin(_try_json(data)) if size <= 16 * max_bytes else {}
         raise MessageRejectedError(
             "too_large", f"payload is {size} bytes, limit {max_bytes}", **origin
         )
-    doc = _try_json(raw)
+    doc = _try_json(data)
     if doc is _INVALID:
         raise MessageRejectedError("invalid_message", "payload is not valid JSON")
     origin = _origin(doc)

@@ -1,13 +1,20 @@
-"""Loads the Lua scripts in ``lua/`` once per client (EVALSHA with NOSCRIPT fallback)."""
+"""Loads the Lua scripts in ``lua/`` (EVALSHA with NOSCRIPT fallback).
+
+Replies are read undecoded (bytes) whatever the client's ``decode_responses``: a payload
+that is not valid UTF-8 must reach the worker's policy (and be answered
+``invalid_message``) instead of failing the script call that selects it.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
+from redis.client import NEVER_DECODE
+from redis.exceptions import NoScriptError
 
 _WITH_PRELUDE = frozenset({"acquire", "next", "commit"})
 SCRIPT_NAMES = (
@@ -17,10 +24,10 @@ SCRIPT_NAMES = (
     "release",
     "renew",
     "emit",
-    "sweep",
     "owner",
     "owner_lost",
-    "control",
+    "consolidate",
+    "delete",
 )
 
 
@@ -34,14 +41,25 @@ def script_source(name: str) -> str:
     return body
 
 
+@cache
+def script_sha(name: str) -> str:
+    return hashlib.sha1(script_source(name).encode("utf-8")).hexdigest()
+
+
 class Scripts:
-    """The registered scripts of one Redis client, by name."""
+    """The scripts of one Redis client, by name."""
 
     def __init__(self, redis: Redis) -> None:
-        self._scripts: dict[str, AsyncScript] = {
-            name: redis.register_script(script_source(name)) for name in SCRIPT_NAMES
-        }
+        self.redis = redis
 
-    async def call(self, name: str, keys: list[str], args: list[Any], *, client: Any = None) -> Any:
-        """Run a script; with a pipeline as ``client`` it is queued instead."""
-        return await self._scripts[name](keys=keys, args=args, client=client)
+    async def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script; its reply is returned undecoded (bytes)."""
+        argv = [len(keys), *keys, *args]
+        try:
+            return await self.redis.execute_command(
+                "EVALSHA", script_sha(name), *argv, **{NEVER_DECODE: True}
+            )
+        except NoScriptError:
+            return await self.redis.execute_command(
+                "EVAL", script_source(name), *argv, **{NEVER_DECODE: True}
+            )

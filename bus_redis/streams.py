@@ -1,23 +1,26 @@
 """RedisBus: everything a worker does on Redis besides session storage.
 
-Reads session notifications from the shared ready queue (and its own inbox), takes and
-renews fenced leases, selects entries, commits turns, forwards notifications to the owner
-of a transient session, sweeps for dead lease holders. Replies are loosely typed at this
-edge and decoded into the small dataclasses below; nothing above sees raw redis replies.
+Reads session notifications from the channels' ready queues (and its own inbox), takes
+and renews fenced leases, selects entries, commits turns, forwards notifications to the
+owner of a transient session. Replies are loosely typed at this edge and decoded into the
+small dataclasses of ``results``; nothing above sees raw redis replies. Sweeps and the
+owner / worker registries are in ``bus_redis.registry``.
 """
 
 from __future__ import annotations
 
-import json
-import time
+import logging
+import secrets
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.client import NEVER_DECODE
 from redis.exceptions import ResponseError
 
-from bus_redis.codec import fields, text, texts
-from bus_redis.keys import Keys
+from bus_redis.codec import fields, payload_text, safe, text, texts
+from bus_redis.keys import UNIFIED_CHANNEL, Keys, channel_of, in_channel
 from bus_redis.results import (
     Acquired,
     AcquireResult,
@@ -26,6 +29,7 @@ from bus_redis.results import (
     Forward,
     Lost,
     Notification,
+    Private,
     Step,
     parse_step,
 )
@@ -33,11 +37,20 @@ from bus_redis.scripts import Scripts
 
 WORKER_GROUP = "workers"
 READY_MAXLEN = 1_000_000
-OUT_MAXLEN = 100_000
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How long and how much of a session's events are kept for (re)readers."""
+
+    maxlen: int = 1000
+    ttl_ms: int = 3_600_000
+    transient_ttl_ms: int = 60_000
 
 
 class RedisBus:
-    """The worker's view of the Redis bus (SPEC 6: ``RedisBus(redis, prefix="agent")``)."""
+    """The worker's view of the Redis bus: ``RedisBus(redis, prefix="agent")``."""
 
     def __init__(
         self,
@@ -46,16 +59,22 @@ class RedisBus:
         *,
         lock_ttl_ms: int = 10_000,
         owner_ttl_ms: int = 15_000,
+        retention: Retention | None = None,
     ) -> None:
         self.redis = redis
         self.keys = Keys(prefix)
         self.lock_ttl_ms = lock_ttl_ms
         self.owner_ttl_ms = owner_ttl_ms
-        self._scripts = Scripts(redis)
+        self.retention = retention or Retention()
+        self.scripts = Scripts(redis)
 
     # --- queue ------------------------------------------------------------------
-    async def ensure_groups(self, worker_id: str) -> None:
-        for stream in (self.keys.ready, self.keys.inbox(worker_id)):
+    def note_streams(self, worker_id: str, channels: Iterable[str]) -> list[str]:
+        """The streams this worker reads: its inbox and every channel's ready queue."""
+        return [self.keys.inbox(worker_id), *(self.keys.ready(c) for c in sorted(channels))]
+
+    async def ensure_groups(self, streams: Iterable[str]) -> None:
+        for stream in streams:
             try:
                 await self.redis.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
             except ResponseError as exc:
@@ -63,91 +82,114 @@ class RedisBus:
                     raise
 
     async def read_notifications(
-        self, worker_id: str, *, count: int, block_ms: int
+        self, worker_id: str, streams: Sequence[str], *, count: int, block_ms: int
     ) -> list[Notification]:
-        streams: dict[Any, Any] = {self.keys.inbox(worker_id): ">", self.keys.ready: ">"}
         reply = await self.redis.xreadgroup(
             WORKER_GROUP,
             worker_id,
-            streams,
+            dict.fromkeys(streams, ">"),
             count=count,
             block=block_ms,
         )
-        return [n for stream, entries in reply or [] for n in self._notes(text(stream), entries)]
+        notes: list[Notification] = []
+        junk: list[Notification] = []
+        for stream, entries in reply or []:
+            self._sort(text(stream), entries, notes, junk)
+        if junk:
+            await self.ack(junk)
+        return notes
 
-    def _notes(self, stream: str, entries: Iterable[Any]) -> list[Notification]:
-        out = []
+    def _sort(
+        self, stream: str, entries: Iterable[Any], notes: list[Notification], junk: list[Any]
+    ) -> None:
+        """Split entries into notifications and junk. A ready queue of channel C only ever
+        names sessions of C (a frontend cannot make workers serve another channel)."""
+        channel = self.keys.channel_of_ready(stream)
         for entry_id, raw in entries:
             f = fields(raw)
-            if f.get("session"):
-                out.append(
-                    Notification(
-                        stream,
-                        text(entry_id),
-                        f["session"],
-                        direct=f.get("direct") == "1",
-                        effective=f.get("effective") == "1",
-                    )
-                )
-        return out
+            session = f.get("session", "")
+            note = Notification(
+                stream, text(entry_id), session, effective=f.get("effective") == "1"
+            )
+            if channel is None and stream.endswith(f"{{{UNIFIED_CHANNEL}}}:ready"):
+                channel = UNIFIED_CHANNEL
+            if channel is not None and not in_channel(session, channel):
+                log.warning("dropped a notification for %s on %s", safe(session), stream)
+                junk.append(note)
+            elif not session:
+                junk.append(note)
+            else:
+                notes.append(note)
 
     async def claim_stale(
-        self, worker_id: str, *, min_idle_ms: int, count: int = 100
+        self, worker_id: str, streams: Sequence[str], *, min_idle_ms: int, count: int = 100
     ) -> list[Notification]:
-        """Take over ready entries a dead consumer read but never acknowledged."""
-        reply = await self.redis.xautoclaim(
-            self.keys.ready, WORKER_GROUP, worker_id, min_idle_ms, "0-0", count=count
-        )
-        return self._notes(self.keys.ready, reply[1] if reply else [])
+        """Take over ready entries another consumer read but did not acknowledge for
+        ``min_idle_ms`` (it died, or it is stuck)."""
+        notes: list[Notification] = []
+        junk: list[Notification] = []
+        for stream in streams:
+            reply = await self.redis.xautoclaim(
+                stream, WORKER_GROUP, worker_id, min_idle_ms, "0-0", count=count
+            )
+            self._sort(stream, reply[1] if reply else [], notes, junk)
+        if junk:
+            await self.ack(junk)
+        return notes
 
     async def ack(self, notes: Sequence[Notification]) -> None:
         if not any(n.entry_id for n in notes):
             return
         async with self.redis.pipeline(transaction=False) as pipe:
-            self._queue_ack(pipe, notes)
+            for n in notes:
+                if n.entry_id:  # synthetic notifications (owner self-check) have none
+                    pipe.xack(n.stream, WORKER_GROUP, n.entry_id)
+                    pipe.xdel(n.stream, n.entry_id)
             await pipe.execute()
 
-    @staticmethod
-    def _queue_ack(pipe: Any, notes: Sequence[Notification]) -> None:
-        for n in notes:
-            if n.entry_id:  # synthetic notifications (owner self-check) have none
-                pipe.xack(n.stream, WORKER_GROUP, n.entry_id)
-                pipe.xdel(n.stream, n.entry_id)
-
-    async def hand_back(self, worker_id: str, *, count: int = 1000) -> int:
-        """Re-queue the ready entries delivered to us but not acknowledged (a blocking read
+    async def hand_back(self, worker_id: str, streams: Sequence[str], *, count: int = 1000) -> int:
+        """Re-queue the entries delivered to us but not acknowledged (a blocking read
         cancelled at shutdown leaves them in our pending list) so others take them now."""
-        ready = self.keys.ready
-        pending = await self.redis.xpending_range(
-            ready, WORKER_GROUP, min="-", max="+", count=count, consumername=worker_id
-        )
-        ids = [p["message_id"] for p in pending]
-        if not ids:
-            return 0
-        entries = await self.redis.xclaim(ready, WORKER_GROUP, worker_id, 0, ids)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for entry_id, raw in entries:
-                note: dict[Any, Any] = fields(raw)
-                pipe.xadd(ready, note, maxlen=READY_MAXLEN, approximate=True)
-                pipe.xack(ready, WORKER_GROUP, entry_id)
-                pipe.xdel(ready, entry_id)
-            await pipe.execute()
-        return len(entries)
+        handed = 0
+        for stream in streams:
+            if stream == self.keys.inbox(worker_id):
+                continue
+            pending = await self.redis.xpending_range(
+                stream, WORKER_GROUP, min="-", max="+", count=count, consumername=worker_id
+            )
+            ids = [p["message_id"] for p in pending]
+            if not ids:
+                continue
+            entries = await self.redis.xclaim(stream, WORKER_GROUP, worker_id, 0, ids)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for entry_id, raw in entries:
+                    note: dict[Any, Any] = fields(raw)
+                    pipe.xadd(stream, note, maxlen=READY_MAXLEN, approximate=True)
+                    pipe.xack(stream, WORKER_GROUP, entry_id)
+                    pipe.xdel(stream, entry_id)
+                await pipe.execute()
+            handed += len(entries)
+        return handed
 
     async def forward(self, owner: str, note: Notification) -> None:
         """Hand a notification to the worker that owns the (transient) session."""
         await self.redis.xadd(self.keys.inbox(owner), {"session": note.session_key})
 
-    async def notify(self, session_key: str, *, effective: bool = True) -> None:
-        fields_: dict[Any, Any] = {"session": session_key, "effective": "1" if effective else "0"}
-        await self.redis.xadd(self.keys.ready, fields_, maxlen=READY_MAXLEN, approximate=True)
+    async def notify(self, session_key: str) -> None:
+        """A worker-side notification for stream ``session_key`` (sweeps, recovery)."""
+        stream = self.keys.ready(channel_of(session_key))
+        await self.redis.xadd(
+            stream, {"session": session_key}, maxlen=READY_MAXLEN, approximate=True
+        )
 
     # --- leases ---------------------------------------------------------------------
-    def _triples(self, members: Iterable[str]) -> tuple[list[str], list[str]]:
+    def _streams(self, members: Iterable[str]) -> tuple[list[str], list[str]]:
         keys: list[str] = []
         args: list[str] = []
+        k = self.keys
         for m in members:
-            keys += [self.keys.inbound(m), self.keys.attempts(m), self.keys.control_flag(m)]
+            keys += [k.inbound(m), k.attempts(m), k.control_hint(m), k.owner(m)]
+            keys.append(k.ready(channel_of(m)))
             args.append(m)
         return keys, args
 
@@ -159,49 +201,58 @@ class RedisBus:
         member: str = "",
         claim_owner: bool = False,
         select: bool = True,
-        ack: Notification | None = None,
+        note: Notification | None = None,
+        memory_key: str = "",
     ) -> AcquireResult:
-        """Take the lease of ``key`` (see ``lua/acquire.lua``); ``ack`` is acknowledged in
-        the same round trip."""
+        """Take the lease of ``key`` (see ``lua/acquire.lua``); ``note`` is acknowledged
+        inside the script, only once it succeeded."""
         k = self.keys
-        tkeys, targs = self._triples([member] if member else [])
-        keys = [k.lease(key), k.epoch(key), k.pending(key), k.owner(key), k.session(key)]
-        keys += [k.leases, k.memory, *tkeys]
-        args = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
-        args += [self.owner_ttl_ms, "1" if select else "0", *targs]
-        if ack is None:
-            parts = texts(await self._scripts.call("acquire", keys, args))
-        else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                await self._scripts.call("acquire", keys, args, client=pipe)
-                self._queue_ack(pipe, [ack])
-                parts = texts((await pipe.execute())[0])
+        skeys, sargs = self._streams([member] if member and select else [])
+        keys = [k.lease(key), k.pending(key), k.session(key), memory_key or k.session(key)]
+        keys += [k.owner(member or key), note.stream if note and note.entry_id else k.lease(key)]
+        args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
+        args += [self.owner_ttl_ms, "1" if select else "0", secrets.token_hex(8), READY_MAXLEN]
+        args += [note.entry_id if note else "", WORKER_GROUP, *sargs]
+        raw = await self.scripts.call("acquire", keys + skeys, args)
+        parts = texts(raw[:5])
+        if parts[0] == "private":
+            return Private()
         if parts[0] == "forward":
             return Forward(parts[1])
         if parts[0] == "busy":
             return Busy(parts[1])
-        return Acquired(parts[1], int(parts[2]), int(parts[3]), parse_step(parts[4:]))
+        version, gen, memory = int(parts[2]), parts[3], int(parts[4])
+        return Acquired(parts[1], version, gen, memory, parse_step(raw[5:]))
 
     async def next(self, key: str, token: str, members: Iterable[str]) -> Step:
-        tkeys, targs = self._triples(members)
-        keys = [self.keys.lease(key), self.keys.pending(key), self.keys.leases, *tkeys]
-        step = parse_step(texts(await self._scripts.call("next", keys, [token, key, *targs])))
-        return step or Lost()
+        skeys, sargs = self._streams(members)
+        keys = [self.keys.lease(key), self.keys.pending(key), *skeys]
+        reply = await self.scripts.call("next", keys, [token, key, READY_MAXLEN, *sargs])
+        return parse_step(reply) or Lost()
 
-    async def peek(self, member: str, *, after: str, count: int) -> list[tuple[str, str]]:
-        """Entries of one inbound stream after ``after`` (exclusive): ``(id, payload)``."""
-        entries = await self.redis.xrange(self.keys.inbound(member), f"({after}", "+", count=count)
-        return [(text(eid), fields(raw).get("payload", "")) for eid, raw in entries]
+    async def peek(self, member: str, *, after: str, count: int) -> list[tuple[str, str | None]]:
+        """Entries of one inbound stream after ``after`` (exclusive): ``(id, payload)``;
+        the payload is None for a control marker."""
+        stream = self.keys.inbound(member)
+        entries = await self.redis.execute_command(
+            "XRANGE", stream, f"({after}", "+", "COUNT", count, **{NEVER_DECODE: True}
+        )
+        out: list[tuple[str, str | None]] = []
+        for eid, raw in entries or []:
+            pairs = dict(zip(raw[::2], raw[1::2], strict=True))
+            payload = pairs.get(b"payload")
+            out.append((text(eid), None if payload is None else payload_text(payload)))
+        return out
 
     async def renew(self, key: str, token: str) -> bool:
-        keys = [self.keys.lease(key), self.keys.leases]
-        return bool(await self._scripts.call("renew", keys, [token, self.lock_ttl_ms, key]))
+        keys = [self.keys.lease(key), self.keys.pending(key)]
+        return bool(await self.scripts.call("renew", keys, [token, self.lock_ttl_ms]))
 
     async def release(self, key: str, token: str) -> bool:
         """Give the lease up now; re-notify the key when streams are still pending."""
         k = self.keys
-        keys = [k.lease(key), k.leases, k.ready, k.pending(key)]
-        return bool(await self._scripts.call("release", keys, [token, key, READY_MAXLEN]))
+        keys = [k.lease(key), k.pending(key), k.ready(channel_of(key))]
+        return bool(await self.scripts.call("release", keys, [token, key, READY_MAXLEN]))
 
     async def commit(
         self,
@@ -211,80 +262,46 @@ class RedisBus:
         spec: CommitSpec,
         *,
         select: Iterable[str] | None,
-    ) -> tuple[int, Step | None]:
-        """Fenced commit; with ``select`` members, also picks the next entry or releases."""
-        k = self.keys
-        tkeys, targs = self._triples(select or [])
-        keys = [k.lease(key), k.session(key), k.inbound(spec.member), k.attempts(spec.member)]
-        keys += [k.out(spec.reply_channel or "_"), k.sessions_index, k.owner(key), k.owners]
-        keys += [k.pending(key), k.leases, k.dead, *tkeys]
-        args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, OUT_MAXLEN, spec.meta]
+    ) -> tuple[int, str, Step | None]:
+        """Fenced commit; with ``select`` members, also picks the next entry or releases.
+        Returns ``(version, generation, step)``; version -1 when the lease was lost."""
+        k, r = self.keys, self.retention
+        skeys, sargs = self._streams(select or [])
+        m = spec.member
+        keys = [k.lease(key), k.session(key), k.inbound(m), k.attempts(m), k.out(m)]
+        index = k.sessions_index(channel_of(key))
+        keys += [index, k.scope_sessions(spec.scope) if spec.scope else index]
+        keys += [k.owner(m), k.owners(channel_of(m)), k.pending(key), k.dead(channel_of(m))]
+        ttl = r.transient_ttl_ms if spec.transient else r.ttl_ms
+        args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, r.maxlen, ttl, spec.meta]
         args += [key, spec.owner_op, worker_id, spec.owner_member, self.owner_ttl_ms, spec.dead]
-        args += ["1" if select is not None else "0", len(spec.rows), *spec.rows, *targs]
-        parts = texts(await self._scripts.call("commit", keys, args))
+        args += ["1" if select is not None else "0", secrets.token_hex(8)]
+        args += [len(spec.rows), *spec.rows, *sargs]
+        raw = await self.scripts.call("commit", keys + skeys, args)
+        parts = texts(raw[:3])
         if parts[0] == "lost":
-            return -1, Lost()
-        return int(parts[1]), parse_step(parts[2:])
+            return -1, "", Lost()
+        return int(parts[1]), parts[2], parse_step(raw[3:])
 
-    async def emit(self, key: str, token: str, channel: str, payload: str) -> bool:
-        keys = [self.keys.lease(key), self.keys.out(channel)]
-        return bool(await self._scripts.call("emit", keys, [token, payload, OUT_MAXLEN]))
+    async def emit(
+        self, key: str, token: str, member: str, payload: str, *, transient: bool
+    ) -> bool:
+        r = self.retention
+        keys = [self.keys.lease(key), self.keys.out(member)]
+        ttl = r.transient_ttl_ms if transient else r.ttl_ms
+        return bool(await self.scripts.call("emit", keys, [token, payload, r.maxlen, ttl]))
 
-    async def sweep(self, *, limit: int = 100) -> list[str]:
-        """Re-notify keys whose lease expired without release (their holder died)."""
-        keys = [self.keys.leases, self.keys.ready]
-        return texts(await self._scripts.call("sweep", keys, [limit, READY_MAXLEN]))
+    async def consolidate(
+        self, key: str, token: str, *, meta: str, version: int, summary: str, memory_key: str
+    ) -> str:
+        """Append ``summary`` to the scope's memory and store ``meta`` under the lease:
+        ``'ok'``, ``'moved'`` (the session changed) or ``'lost'``."""
+        keys = [self.keys.lease(key), self.keys.session(key), memory_key]
+        reply = texts(await self.scripts.call("consolidate", keys, [token, meta, version, summary]))
+        return reply[0]
 
-    # --- transient owners -----------------------------------------------------------
-    async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:
-        keys = [self.keys.owner(key), self.keys.owners]
-        args = ["renew", worker_id, member, self.owner_ttl_ms]
-        return bool(await self._scripts.call("owner", keys, args))
-
-    async def drop_owner(self, key: str, worker_id: str, member: str) -> None:
-        keys = [self.keys.owner(key), self.keys.owners]
-        await self._scripts.call("owner", keys, ["drop", worker_id, member, 0])
-
-    async def unserved(self, keys: Sequence[str]) -> list[str]:
-        """Those of ``keys`` with queued inbound entries and no lease holder."""
-        if not keys:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.xlen(self.keys.inbound(key))
-                pipe.exists(self.keys.lease(key))
-            res = await pipe.execute()
-        return [k for i, k in enumerate(keys) if int(res[2 * i]) > 0 and not int(res[2 * i + 1])]
-
-    async def abandon_owner(self, key: str, worker_id: str) -> None:
-        """Delete our owner record but keep its registry entry, so that
-        :meth:`report_owner_lost` tells the frontend."""
-        keys = [self.keys.owner(key), self.keys.owners]
-        await self._scripts.call("owner", keys, ["abandon", worker_id, "", 0])
-
-    async def due_owners(self, *, limit: int = 100) -> list[str]:
-        now_ms = int(time.time() * 1000)
-        return texts(await self.redis.zrangebyscore(self.keys.owners, "-inf", now_ms, 0, limit))
-
-    async def report_owner_lost(self, member: str, event_json: str) -> bool:
-        key, channel, _chat = json.loads(member)
+    async def delete_session(self, key: str, token: str, scope: str) -> int:
         k = self.keys
-        keys = [k.owner(key), k.owners, k.out(channel), k.ready]
-        return bool(
-            await self._scripts.call("owner_lost", keys, [member, event_json, key, OUT_MAXLEN])
-        )
-
-    # --- workers ----------------------------------------------------------------------
-    async def heartbeat(self, worker_id: str, info: dict[str, str], ttl_ms: int) -> None:
-        now_ms = int(time.time() * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(self.keys.workers, {worker_id: now_ms})
-            pipe.hset(self.keys.worker_info(worker_id), mapping=info)
-            pipe.pexpire(self.keys.worker_info(worker_id), ttl_ms)
-            await pipe.execute()
-
-    async def leave(self, worker_id: str) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self.keys.workers, worker_id)
-            pipe.delete(self.keys.worker_info(worker_id), self.keys.inbox(worker_id))
-            await pipe.execute()
+        keys = [k.lease(key), k.session(key), k.sessions_index(channel_of(key))]
+        keys.append(k.scope_sessions(scope) if scope else k.sessions_index(channel_of(key)))
+        return int(text(await self.scripts.call("delete", keys, [token, key])))

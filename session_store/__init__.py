@@ -10,11 +10,12 @@ memory       MemoryStore (long-term memory shared by all workers)
 
 from session_store.manager import SessionManager
 from session_store.memory import MemoryStore
-from session_store.models import UNIFIED_SESSION_KEY, Session, SessionPolicy
+from session_store.models import OWNER_SCOPE, UNIFIED_SESSION_KEY, Session, SessionPolicy
 from session_store.protocol import SessionInfo, SessionStore
 from session_store.redis_store import RedisSessionStore
 
 __all__ = [
+    "OWNER_SCOPE",
     "UNIFIED_SESSION_KEY",
     "MemoryStore",
     "RedisSessionStore",

@@ -20,6 +20,7 @@ def encode_meta(session: Session) -> str:
             "updated_at": session.updated_at,
             "metadata": session.metadata,
             "last_consolidated": session.last_consolidated,
+            "scope": session.scope,
         }
     )
 
@@ -62,6 +63,7 @@ def decode_session(key: str, h: dict[str, str]) -> Session | None:
         updated_at=str(meta.get("updated_at", "")),
         metadata=meta.get("metadata") or {},
         last_consolidated=meta.get("last_consolidated", 0),
+        scope=str(meta.get("scope") or ""),
     )
-    session.mark_persisted(int(h.get("version", "0") or 0))
+    session.mark_persisted(int(h.get("version", "0") or 0), h.get("gen", ""))
     return session

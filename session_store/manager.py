@@ -72,11 +72,17 @@ class SessionManager:
             return cached
         return self._remember(await self.store.load(key) or Session(key=key))
 
-    async def load_for_turn(self, key: str, version: int) -> Session:
-        """The durable session at ``version`` (from the lease script): the cached object
-        when it is current, else a fresh load."""
+    async def load_for_turn(self, key: str, version: int, generation: str = "") -> Session:
+        """The durable session at ``version`` of hash ``generation`` (both from the lease
+        script): the cached object when it is current, else a fresh load. A session that
+        was deleted and re-created has another generation, so a stale copy is never used."""
         cached = self._cache.get(key)
-        if cached is not None and cached.version == version and not cached.unpersisted():
+        if (
+            cached is not None
+            and cached.version == version
+            and cached.generation == generation
+            and not cached.unpersisted()
+        ):
             self._cache.move_to_end(key)
             return cached
         loaded = await self.store.load(key) if version else None
@@ -108,5 +114,6 @@ class SessionManager:
         self.invalidate(key)
         return await self.store.delete(key)
 
-    async def list_sessions(self) -> list[SessionInfo]:
-        return await self.store.list_sessions()
+    async def list_sessions(self, scope: str | None = None) -> list[SessionInfo]:
+        """Stored sessions, newest first; with ``scope``, only that scope's."""
+        return await self.store.list_sessions(scope)

@@ -1,4 +1,4 @@
-"""MemoryStore: the durable long-term memory shared by all workers (one Redis hash)."""
+"""MemoryStore: long-term memory, one Redis hash per scope, shared by all workers."""
 
 from __future__ import annotations
 
@@ -6,34 +6,48 @@ from redis.asyncio import Redis
 
 from bus_redis.codec import text
 from bus_redis.keys import Keys
+from session_store.models import OWNER_SCOPE
 
 
 class MemoryStore:
-    """``write_memory`` / ``read_memory``; readers cache the text by version."""
+    """``write_memory`` / ``read_memory`` of one scope; readers cache the text by version.
+
+    Turns never write memory: consolidation appends to it with a fenced script
+    (``bus_redis/lua/consolidate.lua``). ``write_memory`` replaces it (administration).
+    """
 
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._cached: tuple[int, str] = (-1, "")
+        self._cached: dict[str, tuple[int, str]] = {}
 
-    async def write_memory(self, content: str) -> int:
+    def key(self, scope: str = OWNER_SCOPE) -> str:
+        return self.keys.memory(scope)
+
+    async def write_memory(self, content: str, scope: str = OWNER_SCOPE) -> int:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.memory, "content", content)
-            pipe.hincrby(self.keys.memory, "version", 1)
+            pipe.hset(self.key(scope), "content", content)
+            pipe.hincrby(self.key(scope), "version", 1)
             _, version = await pipe.execute()
-        self._cached = (int(version), content)
+        self._remember(scope, int(version), content)
         return int(version)
 
-    async def read_memory(self) -> str:
-        content, version = await self.redis.hmget(self.keys.memory, ["content", "version"])  # type: ignore[misc]
-        self._cached = (int(text(version) or 0), text(content))
-        return self._cached[1]
+    async def read_memory(self, scope: str = OWNER_SCOPE) -> str:
+        content, version = await self.redis.hmget(self.key(scope), ["content", "version"])  # type: ignore[misc]
+        return self._remember(scope, int(text(version) or 0), text(content))
 
-    async def read_cached(self, version: int) -> str:
+    async def read_cached(self, version: int, scope: str = OWNER_SCOPE) -> str:
         """The memory text at ``version`` (known from the lease script): no round trip
         unless it changed since the last read."""
         if version == 0:
             return ""
-        if self._cached[0] != version:
-            return await self.read_memory()
-        return self._cached[1]
+        cached = self._cached.get(scope)
+        if cached is None or cached[0] != version:
+            return await self.read_memory(scope)
+        return cached[1]
+
+    def _remember(self, scope: str, version: int, content: str) -> str:
+        if len(self._cached) > 1024:
+            self._cached.clear()
+        self._cached[scope] = (version, content)
+        return content

@@ -9,6 +9,7 @@ from itertools import accumulate
 from typing import Any
 
 UNIFIED_SESSION_KEY = "unified:default"
+OWNER_SCOPE = "unified/owner"  # single-owner mode: one memory, every session readable
 _REPLAY_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 DEFAULT_HISTORY_TOKENS = 16_000
 
@@ -55,8 +56,10 @@ class Session:
     updated_at: str = field(default_factory=now_iso)
     metadata: dict[str, Any] = field(default_factory=dict)
     last_consolidated: int = 0
+    scope: str = ""  # "<channel>/<name>": whose memory and sessions this session may see
     policy: SessionPolicy = field(default_factory=SessionPolicy)
     version: int = 0
+    generation: str = ""  # of its Redis hash: a re-created hash has a new one
     persisted_count: int = 0
     _replay: list[dict[str, Any] | None] = field(default_factory=list, repr=False)
     _seen_ids: set[str] = field(default_factory=set, repr=False)
@@ -91,9 +94,24 @@ class Session:
     def unpersisted(self) -> list[dict[str, Any]]:
         return self.messages[self.persisted_count :]
 
-    def mark_persisted(self, version: int) -> None:
+    def mark_persisted(self, version: int, generation: str | None = None) -> None:
         self.persisted_count = len(self.messages)
         self.version = version
+        if generation is not None:
+            self.generation = generation
+
+    def answer_to(self, message_id: str) -> str | None:
+        """The final answer given to the user row ``message_id``, if it is still here."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i].get("message_id") == message_id:
+                for row in self.messages[i + 1 :]:
+                    if row.get("role") == "user":
+                        return None
+                    if row.get("role") == "assistant" and not row.get("tool_calls"):
+                        content = row.get("content")
+                        return content if isinstance(content, str) else None
+                return None
+        return None
 
     def has_seen(self, message_id: str | None) -> bool:
         return bool(message_id) and message_id in self._seen_ids

@@ -9,6 +9,7 @@ from session_store.models import Session
 
 class SessionInfo(TypedDict):
     key: str
+    scope: str
     created_at: str
     updated_at: str
     title: str
@@ -28,6 +29,6 @@ class SessionStore(Protocol):
 
     async def update_metadata(self, key: str, updates: dict[str, Any]) -> bool: ...
 
-    async def list_sessions(self) -> list[SessionInfo]: ...
+    async def list_sessions(self, scope: str | None = None) -> list[SessionInfo]: ...
 
     async def version(self, key: str) -> int: ...

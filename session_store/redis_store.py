@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import time
 from typing import Any
 
@@ -9,7 +11,8 @@ from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from bus_redis.codec import text
-from bus_redis.keys import Keys
+from bus_redis.keys import Keys, channel_of, glob_escape
+from bus_redis.scripts import Scripts
 from session_store.codec import decode_meta, decode_session, dumps, encode_meta, encode_rows
 from session_store.models import Session
 from session_store.protocol import SessionInfo
@@ -20,9 +23,11 @@ class RedisSessionStore:
     ``commit`` script instead of :meth:`save`; :meth:`save` is the whole-session write
     for administration and tests (all-or-nothing, in one MULTI)."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, *, lock_ttl_ms: int = 10_000) -> None:
         self.redis = redis
         self.keys = keys
+        self.lock_ttl_ms = lock_ttl_ms
+        self._scripts = Scripts(redis)
 
     async def load(self, key: str) -> Session | None:
         raw = await self.redis.hgetall(self.keys.session(key))  # type: ignore[misc]
@@ -36,30 +41,53 @@ class RedisSessionStore:
         rows = encode_rows(session.messages)
         mapping: dict[str, Any] = {"meta": encode_meta(session), "count": len(rows)}
         mapping.update({f"m:{i}": row for i, row in enumerate(rows)})
+        generation = session.generation or secrets.token_hex(8)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     await pipe.watch(hkey)
                     old_count = int(text(await pipe.hget(hkey, "count")) or 0)  # type: ignore[misc]
+                    old_gen = text(await pipe.hget(hkey, "gen"))  # type: ignore[misc]
                     pipe.multi()
-                    pipe.hset(hkey, mapping=mapping)
+                    pipe.hset(hkey, mapping={**mapping, "gen": old_gen or generation})
                     stale = [f"m:{i}" for i in range(len(rows), old_count)]
                     if stale:
                         pipe.hdel(hkey, *stale)
                     pipe.hincrby(hkey, "version", 1)
-                    pipe.zadd(self.keys.sessions_index, {session.key: int(time.time() * 1000)})
+                    now = int(time.time() * 1000)
+                    pipe.zadd(self.keys.sessions_index(channel_of(session.key)), {session.key: now})
+                    if session.scope:
+                        pipe.zadd(self.keys.scope_sessions(session.scope), {session.key: now})
                     result = await pipe.execute()
                     break
                 except WatchError:
                     continue
-        session.mark_persisted(int(result[-2]))
+        version_at = -2 if session.scope else -1
+        session.mark_persisted(int(result[version_at - 1]), old_gen or generation)
 
-    async def delete(self, key: str) -> bool:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self.keys.session(key))
-            pipe.zrem(self.keys.sessions_index, key)
-            deleted, _ = await pipe.execute()
-        return bool(deleted)
+    async def delete(self, key: str, *, timeout_s: float = 30.0) -> bool:
+        """Delete a stored session under its lease: a running turn finishes (and commits)
+        first, and cannot re-create the hash afterwards from a stale copy."""
+        token = f"{secrets.token_hex(8)}|admin"
+        lease = self.keys.lease(key)
+        deadline = time.monotonic() + timeout_s
+        delay_s = 0.01
+        while not await self.redis.set(lease, token, nx=True, px=self.lock_ttl_ms):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"session {key!r} stayed busy for {timeout_s:.0f}s")
+            await asyncio.sleep(delay_s)  # back off while a turn holds the lease
+            delay_s = min(delay_s * 2, 0.5)
+        try:
+            meta = decode_meta(text(await self.redis.hget(self.keys.session(key), "meta")))  # type: ignore[misc]
+            keys = [lease, self.keys.session(key), self.keys.sessions_index(channel_of(key))]
+            scope = str(meta.get("scope") or "")
+            keys.append(self.keys.scope_sessions(scope) if scope else keys[-1])
+            deleted = int(text(await self._scripts.call("delete", keys, [token, key])))
+        finally:
+            k = self.keys
+            release = [lease, k.pending(key), k.ready(channel_of(key))]
+            await self._scripts.call("release", release, [token, key, 1_000_000])
+        return deleted > 0
 
     async def read(self, key: str) -> dict[str, Any] | None:
         session = await self.load(key)
@@ -70,6 +98,7 @@ class RedisSessionStore:
             "created_at": session.created_at,
             "updated_at": session.updated_at,
             "metadata": session.metadata,
+            "scope": session.scope,
             "messages": session.messages,
         }
 
@@ -100,8 +129,18 @@ class RedisSessionStore:
                 except WatchError:
                     continue
 
-    async def list_sessions(self) -> list[SessionInfo]:
-        keys = [text(k) for k in await self.redis.zrevrange(self.keys.sessions_index, 0, -1)]
+    async def _indexes(self) -> list[str]:
+        pattern = f"{glob_escape(self.keys.prefix)}:{{*}}:sessions"
+        return [text(k) async for k in self.redis.scan_iter(match=pattern, _type="zset")]
+
+    async def list_sessions(self, scope: str | None = None) -> list[SessionInfo]:
+        """Stored sessions, newest first: of one scope, or of every channel."""
+        indexes = [self.keys.scope_sessions(scope)] if scope else await self._indexes()
+        scored: dict[str, float] = {}
+        for index in indexes:
+            for k, score in await self.redis.zrevrange(index, 0, -1, withscores=True):
+                scored[text(k)] = float(score)
+        keys = sorted(scored, key=lambda k: -scored[k])
         async with self.redis.pipeline(transaction=False) as pipe:
             for k in keys:
                 pipe.hmget(self.keys.session(k), ["meta", "count"])
@@ -113,6 +152,7 @@ class RedisSessionStore:
             out.append(
                 SessionInfo(
                     key=k,
+                    scope=str(meta.get("scope") or ""),
                     created_at=str(meta.get("created_at", "")),
                     updated_at=str(meta.get("updated_at", "")),
                     title=str(md.get("title", "")) if isinstance(md, dict) else "",

@@ -11,6 +11,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from bus_redis import RedisBus
+from bus_redis.streams import Retention
 from worker.loop import AgentLoop
 from worker.providers import EchoProvider, LLMProvider, OpenAIProvider
 from worker.settings import Settings
@@ -36,7 +37,7 @@ def make_provider(settings: Settings) -> LLMProvider:
         return EchoProvider(settings.model or "echo-1")
     return OpenAIProvider(
         settings.model or DEFAULT_OPENAI_MODEL,
-        base_url=os.environ.get("OPENAI_BASE_URL") or None,
+        base_url=os.environ.get("OPENAI_BASE_URL", "").strip() or None,  # '' = the default
         api_key=os.environ.get("OPENAI_API_KEY") or None,
     )
 
@@ -52,12 +53,14 @@ def make_loop(
         settings.key_prefix,
         lock_ttl_ms=settings.lock_ttl_ms,
         owner_ttl_ms=settings.owner_ttl_ms,
+        retention=Retention(
+            settings.reply_maxlen, settings.reply_ttl_ms, settings.transient_reply_ttl_ms
+        ),
     )
     return AgentLoop(
         bus,
         provider or make_provider(settings),
         model=settings.model or None,
-        unified_session=settings.unified_session,
         jobs=jobs,
         config=settings.loop_config(),
     )

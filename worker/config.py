@@ -1,11 +1,17 @@
-"""LoopConfig: the tuning of one AgentLoop (built from Settings at the entry point)."""
+"""LoopConfig: the tuning of one AgentLoop, with every default in one place.
+
+``worker.settings.Settings`` extends it with the process-level settings and reads all of
+them from ``AGENT_*`` environment variables; embedding code builds a ``LoopConfig``.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from bus_redis.schema import DEFAULT_MAX_PAYLOAD_BYTES
 
@@ -14,17 +20,32 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-@dataclass(frozen=True, slots=True)
-class LoopConfig:
-    worker_id: str = field(default_factory=default_worker_id)
-    concurrency: int = 16
-    max_iterations: int = 20
-    max_deliveries: int = 5
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
-    shutdown_grace_s: float = 10.0
-    read_block_ms: int = 1000
-    history_tokens: int = 16_000
-    consolidate_above_tokens: int = 24_000
-    followup_mode: str = "inject"  # "inject": follow-ups join the running turn; "queue": own turns
-    followups_per_pull: int = 3
+class LoopConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    worker_id: str = Field(default_factory=default_worker_id, min_length=1)
+    concurrency: int = Field(default=16, ge=1, le=10_000)
+    lock_ttl_ms: int = Field(default=10_000, ge=300)
+    owner_ttl_ms: int = Field(default=15_000, ge=300)
+    unified_session: bool = False  # fold every durable session into unified:default
+    single_owner: bool = False  # one memory, every session readable (implied by unified)
+    channels: list[str] = Field(default_factory=list)  # served besides registered ones
+    max_iterations: int = Field(default=20, ge=1)
+    max_deliveries: int = Field(default=5, ge=1)
+    max_payload_bytes: int = Field(default=DEFAULT_MAX_PAYLOAD_BYTES, ge=256)
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    read_block_ms: int = Field(default=1000, ge=1)
+    sweep_interval_ms: int = Field(default=5000, ge=50)
+    reply_maxlen: int = Field(default=1000, ge=10)
+    reply_ttl_ms: int = Field(default=3_600_000, ge=1000)
+    transient_reply_ttl_ms: int = Field(default=60_000, ge=1000)
+    history_tokens: int = Field(default=16_000, ge=100)
+    consolidate_above_tokens: int = Field(default=24_000, ge=100)
+    followup_mode: Literal["inject", "queue"] = "inject"
+    followups_per_pull: int = Field(default=3, ge=1)
     stream_deltas: bool = False  # forward the provider's streamed text as `delta` events
+
+    @property
+    def owner_mode(self) -> bool:
+        """nanobot's single-owner behaviour: one memory, every session readable."""
+        return self.single_owner or self.unified_session

@@ -1,80 +1,98 @@
-"""Token-based consolidation: fold old messages of a durable session into memory.
+"""Token-based consolidation: fold old messages of a durable session into its scope's
+long-term memory.
 
 Runs in the background, deduplicated per session, never for transient sessions. The
-summary is made without the lease (the LLM call may be slow); the result is committed
-under the lease and only if nobody consolidated the same range meanwhile.
+summary is made without the lease (the LLM call may be slow); then, under the lease,
+``consolidate.lua`` appends it to the scope's memory and moves ``last_consolidated`` in
+one fenced step: a worker without the lease writes nothing, and two consolidations of
+the same scope both keep their facts (memory is appended, never read-modify-written).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING
 
-from bus_redis.results import CommitSpec
+from bus_redis.codec import safe
+from bus_redis.results import Acquired, Forward
 from session_store import Session
 from session_store.codec import encode_meta
-
-if TYPE_CHECKING:
-    from worker.loop import AgentLoop
+from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 KEEP_RECENT = 8
 PROMPT = "Summarise the facts worth remembering from this conversation in a few short lines."
-
-
 JOB_NAME = "consolidate"
 
 
 class Consolidator:
-    def __init__(self, loop: AgentLoop) -> None:
-        self.loop = loop
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
 
     async def maybe_consolidate_by_tokens(self, session: Session) -> bool:
         """Queue a consolidation job when the unconsolidated history is over budget
         (at most one per session at a time; never for transient sessions)."""
-        if not session.policy.persist:
+        if not session.policy.persist or not session.scope:
             return False
-        if session.token_count <= self.loop.config.consolidate_above_tokens:
+        if session.token_count <= self.rt.config.consolidate_above_tokens:
             return False
         end = len(session.messages) - KEEP_RECENT
         if end <= session.last_consolidated:
             return False
-        return await self.loop.jobs.enqueue(
+        return await self.rt.jobs.enqueue(
             JOB_NAME,
-            job_id=f"{self.loop.bus.keys.prefix}:{JOB_NAME}:{session.key}",
+            job_id=f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{session.key}",
             key=session.key,
             start=session.last_consolidated,
             end=end,
         )
 
     async def run_job(self, *, key: str, start: int, end: int) -> None:
-        """The job: summarise rows ``start:end`` of a stored session into memory."""
-        snapshot = await self.loop.sessions.store.load(key)
-        if snapshot is None or snapshot.last_consolidated != start:
+        """The job: summarise rows ``start:end`` of a stored session into its memory."""
+        snapshot = await self.rt.sessions.store.load(key)
+        if snapshot is None or snapshot.last_consolidated != start or not snapshot.scope:
             return  # gone, transient (never stored), or consolidated meanwhile
         text = "\n".join(
             f"{m.get('role')}: {m.get('content')}" for m in snapshot.messages[start:end]
         )
-        summary = await self.loop.provider.chat_with_retry(
+        summary = await self.rt.provider.chat_with_retry(
             messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
-            model=self.loop.model,
+            model=self.rt.model,
         )
         await self._commit(key, start, end, summary.content or "")
 
     async def _commit(self, key: str, start: int, end: int, summary: str) -> None:
-        acquired = await self.loop._acquire_blocking(key)
+        acquired = await self._acquire(key)
         try:
-            session = await self.loop.sessions.load_for_turn(key, acquired.version)
+            session = await self.rt.sessions.load_for_turn(
+                key, acquired.version, acquired.generation
+            )
             if session.last_consolidated != start or len(session.messages) < end:
                 return
-            memory = await self.loop.memory.read_memory()
-            await self.loop.memory.write_memory(f"{memory}\n{summary}".strip())
             session.last_consolidated = end
-            spec = CommitSpec(member=key, meta=encode_meta(session))
-            version, _ = await self.loop.bus.commit(
-                key, acquired.token, self.loop.worker_id, spec, select=None
+            result = await self.rt.bus.consolidate(
+                key,
+                acquired.token,
+                meta=encode_meta(session),
+                version=acquired.version,
+                summary=summary,
+                memory_key=self.rt.memory.key(session.scope),
             )
-            if version >= 0:
-                session.version = version
+            if result != "ok":
+                self.rt.sessions.invalidate(key)
+                log.warning("consolidation of %s not committed: %s", safe(key), result)
+            else:
+                self.rt.sessions.invalidate(key)  # reload: version and memory moved
         finally:
-            await self.loop.bus.release(key, acquired.token)
+            await self.rt.bus.release(key, acquired.token)
+
+    async def _acquire(self, key: str) -> Acquired:
+        delay_s = 0.005
+        while True:
+            result = await self.rt.bus.acquire(key, self.rt.worker_id, select=False)
+            if isinstance(result, Acquired):
+                return result
+            if isinstance(result, Forward):
+                raise RuntimeError("consolidation of a private session")
+            await asyncio.sleep(delay_s)  # the session's turn holds the lease: back off
+            delay_s = min(delay_s * 2, 0.1)

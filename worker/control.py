@@ -1,7 +1,10 @@
-"""The control subscription: pub/sub with an explicit reconnect loop.
+"""The control subscription: pattern pub/sub over every channel's control channel
+(``P:{C}:control``), with an explicit reconnect loop.
 
-Pub/sub is at-most-once; after every (re)subscription ``on_subscribed`` runs so the
-worker can look at the control flags it may have missed while disconnected.
+A control is taken only for a session of the channel it was published on (a frontend
+can publish on its own channel only). Pub/sub is at-most-once; after every
+(re)subscription ``on_subscribed`` runs so the worker can look for control markers it
+may have missed while disconnected.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from bus_redis import ControlMessage
-from bus_redis.codec import text
+from bus_redis import ControlMessage, Keys
+from bus_redis.codec import safe, text
+from bus_redis.keys import in_channel
 from worker.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -26,12 +30,12 @@ class ControlListener:
     def __init__(
         self,
         redis: Redis,
-        channel: str,
+        keys: Keys,
         on_control: Callable[[ControlMessage], None],
         on_subscribed: Callable[[], Awaitable[None]],
     ) -> None:
         self.redis = redis
-        self.channel = channel
+        self.keys = keys
         self.on_control = on_control
         self.on_subscribed = on_subscribed
         self.subscribed = asyncio.Event()
@@ -41,7 +45,7 @@ class ControlListener:
         while True:
             pubsub = self.redis.pubsub()
             try:
-                await pubsub.subscribe(self.channel)
+                await pubsub.psubscribe(self.keys.control_pattern)
                 await self.on_subscribed()
                 self.subscribed.set()
                 backoff.reset()
@@ -56,11 +60,15 @@ class ControlListener:
     async def _listen(self, pubsub: object) -> None:
         while True:
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)  # type: ignore[attr-defined]
-            if msg is None or msg.get("type") != "message":
+            if msg is None or msg.get("type") != "pmessage":
                 continue
+            channel = self.keys.channel_of_control(text(msg["channel"]))
             try:
                 control = ControlMessage.model_validate_json(text(msg["data"]))
             except ValidationError:
-                log.warning("ignored a malformed control message")
+                log.warning("ignored a malformed control message on %s", safe(msg["channel"]))
+                continue
+            if channel is None or not in_channel(control.session_key, channel):
+                log.warning("ignored a control for another channel on %s", safe(msg["channel"]))
                 continue
             self.on_control(control)

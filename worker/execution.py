@@ -1,20 +1,27 @@
 """TurnExecution: one message's turn while its session's lease is held: load the session,
-run the LLM/tool loop as its own task (so controls can cancel it), and turn the result
-(or the cancellation) into an Outcome the holder commits."""
+check scope and duplicates, run the LLM/tool loop as its own task (so controls can cancel
+it), and turn the result (or the cancellation) into an Outcome the holder commits."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
+from bus_redis.codec import safe
 from bus_redis.results import owner_member
 from session_store import UNIFIED_SESSION_KEY, Session
 from worker.followups import FollowUpPuller
-from worker.outcomes import SessionNotActiveError, TurnAbortedError, error, legal_prefix, reply
+from worker.outcomes import (
+    ScopeMismatchError,
+    SessionNotActiveError,
+    TurnAbortedError,
+    error,
+    legal_prefix,
+    reply,
+)
 from worker.providers import ProviderError
 from worker.tools import ToolContext
 from worker.turn import TurnState, user_row
@@ -35,44 +42,78 @@ class Outcome:
 class TurnExecution:
     def __init__(self, holder: SessionHolder) -> None:
         self.holder = holder
-        self.loop = holder.loop
+        self.rt = holder.rt
         self.key = holder.key
+        self.member = ""
 
     async def _session(self, msg: InboundMessage) -> Session:
         """The transient session this worker owns, or the durable session at the leased
         version. ``require_existing_session`` is met only by a live (transient) session:
         stored history is never a fallback, whichever worker runs the turn."""
-        sessions = self.loop.sessions
+        sessions = self.rt.sessions
         transient = sessions.get_cached(self.key) if sessions.is_transient(self.key) else None
         if transient is not None:
-            self.loop.owned.setdefault(self.key, owner_member(self.key, msg.channel, msg.chat_id))
+            if not self.rt.turns.owns(self.key):
+                self.rt.turns.own(self.key, owner_member(self.key, msg.channel, msg.chat_id))
             return transient
         if msg.require_existing_session:
             raise SessionNotActiveError(SESSION_NOT_ACTIVE)
-        return await sessions.load_for_turn(self.key, self.holder.version)
+        return await sessions.load_for_turn(self.key, self.holder.version, self.holder.generation)
+
+    def _check_scope(self, msg: InboundMessage, session: Session) -> None:
+        """A session belongs to one scope, fixed by its first message."""
+        wanted = self.rt.scope_for(msg.channel, msg.scope, msg.sender_id)
+        if not session.scope:
+            session.scope = wanted
+        elif wanted != session.scope and msg.is_user_input and not self.rt.config.owner_mode:
+            raise ScopeMismatchError(
+                "the message's scope does not match its session's scope (a frontend must "
+                "vouch the same scope for every sender of a shared session)"
+            )
+
+    async def _memory(self, session: Session) -> str | None:
+        if not session.policy.persist:
+            return None
+        if self.holder.memory_scope == session.scope:
+            return await self.rt.memory.read_cached(self.holder.memory_version, session.scope)
+        return await self.rt.memory.read_memory(session.scope)
+
+    def _duplicate(self, msg: InboundMessage, session: Session, reply_to: str) -> Outcome:
+        """A re-sent id: the original answer while it is known, else a ``duplicate`` error."""
+        log.info("duplicate message %s in %s answered again", safe(msg.id), safe(self.key))
+        answer = session.answer_to(reply_to)
+        if answer is None:
+            detail = "this message id was already processed; its answer is no longer kept"
+            return Outcome(
+                error(msg.channel, msg.chat_id, self.member, reply_to, "duplicate", detail)
+            )
+        meta = {**msg.metadata, "duplicate": True}
+        return Outcome(reply(msg, self.member, reply_to, answer, metadata=meta))
 
     async def run(
         self, msg: InboundMessage, *, reply_to: str, member: str, entry_id: str = ""
     ) -> Outcome:
+        self.member = member or self.key
         session = await self._session(msg)
-        if msg.id and session.has_seen(msg.id):
-            log.info("duplicate message %s in %s skipped", msg.id, self.key)
-            return Outcome(reply=None)
-        memory = None
-        if session.policy.persist:
-            memory = await self.loop.memory.read_cached(self.holder.memory_version)
+        self._check_scope(msg, session)
+        if session.has_seen(reply_to):
+            return self._duplicate(msg, session, reply_to)
+        memory = await self._memory(session)
         state = TurnState()
         ctx = ToolContext(
-            session, self.loop.sessions, emit=lambda text: self._emit(msg, reply_to, text)
+            session,
+            self.rt.sessions,
+            emit=lambda text: self._emit(msg, reply_to, text),
+            metadata=dict(msg.metadata),
         )
         row = user_row(msg, reply_to)
-        puller = self._puller(session, member, entry_id)
+        puller = self._puller(session, entry_id)
         on_delta = None
-        if self.loop.config.stream_deltas:
+        if self.rt.config.stream_deltas:
             on_delta = lambda text: self._emit(msg, reply_to, text, kind="delta")  # noqa: E731
-        turn = self.loop.runner.run(session, row, memory, ctx, state, puller, on_delta)
+        turn = self.rt.runner.run(session, row, memory, ctx, state, puller, on_delta)
         task = asyncio.create_task(turn)
-        reason = await self._await_turn(task, member, entry_id)
+        reason = await self._await_turn(task)
         outcome = await self._outcome(task, reason, msg, session, state, reply_to)
         if puller is not None and puller.injected:
             outcome.injected = puller.injected
@@ -80,37 +121,32 @@ class TurnExecution:
                 outcome.reply.covers = [reply_to, *(r for _, r in puller.injected)]
         return outcome
 
-    def _puller(self, session: Session, member: str, entry_id: str) -> FollowUpPuller | None:
-        cfg = self.loop.config
+    def _puller(self, session: Session, entry_id: str) -> FollowUpPuller | None:
+        cfg = self.rt.config
         if not entry_id or cfg.followup_mode != "inject":
             return None
         return FollowUpPuller(
-            self.loop.bus,
+            self.rt.bus,
             session,
-            member,
+            self.member,
             entry_id,
             max_bytes=cfg.max_payload_bytes,
             per_pull=cfg.followups_per_pull,
+            scope_of=lambda m: self.rt.scope_for(m.channel, m.scope, m.sender_id),
         )
 
-    async def _await_turn(self, task: asyncio.Task[str], member: str, entry_id: str) -> str | None:
-        loop = self.loop
-        loop.active_tasks.setdefault(self.key, set()).add(task)
-        loop.active_members[self.key] = member
-        loop.since_ms[self.key] = int(time.time() * 1000)
+    async def _await_turn(self, task: asyncio.Task[str]) -> str | None:
+        """Wait for the turn; a control that came while the session was loading cancels
+        it at once (``TurnRegistry.attach``). Returns the cancel reason, if any."""
+        turns = self.rt.turns
+        turns.attach(self.key, task)
         try:
             await asyncio.wait({task})
         except asyncio.CancelledError:
-            loop.cancel_reasons.setdefault(task, "shutdown")
+            turns.cancel_key(self.key, "shutdown")
             task.cancel()
             await asyncio.wait({task})
-        finally:
-            tasks = loop.active_tasks.get(self.key)
-            if tasks is not None:
-                tasks.discard(task)
-                if not tasks:
-                    loop.active_tasks.pop(self.key, None)
-        return loop.cancel_reasons.pop(task, None)
+        return turns.reason(self.key)
 
     async def _outcome(
         self,
@@ -121,31 +157,29 @@ class TurnExecution:
         state: TurnState,
         reply_to: str,
     ) -> Outcome:
-        key = self.key
+        key, member = self.key, self.member
         if task.cancelled() or reason in ("lease_lost", "shutdown"):
             if reason in (None, "lease_lost", "shutdown"):
                 raise TurnAbortedError(reason or "cancelled")
             if reason == "stop":
                 session.append_rows(legal_prefix(state.rows))
-            out = error(
-                msg.channel, msg.chat_id, key, reply_to, "cancelled", f"turn cancelled by {reason}"
-            )
+            detail = f"turn cancelled by {reason}"
+            out = error(msg.channel, msg.chat_id, member, reply_to, "cancelled", detail)
             return Outcome(out, session if reason == "stop" else None)
         exc = task.exception()
         if isinstance(exc, ProviderError):
             session.append_rows(state.rows[:1])
-            detail = exc if session.policy.log_content else type(exc.__cause__ or exc).__name__
-            log.warning("provider error in %s: %s", key, detail)
-            return Outcome(
-                error(msg.channel, msg.chat_id, key, reply_to, "provider_error", str(exc)), session
-            )
+            detail = str(exc) if session.policy.log_content else type(exc.__cause__ or exc).__name__
+            log.warning("provider error in %s: %s", safe(key), safe(detail))
+            out = error(msg.channel, msg.chat_id, member, reply_to, "provider_error", str(exc))
+            return Outcome(out, session)
         if exc is not None:
             raise exc
         session.append_rows(state.rows)
         if key == UNIFIED_SESSION_KEY:  # where the shared session last spoke, under the lease
             session.metadata["last_channel"] = f"{msg.channel}:{msg.chat_id}"
-        out = reply(msg, key, reply_to, task.result(), metadata={"worker": self.loop.worker_id})
-        return Outcome(out, session)
+        meta = {**msg.metadata, "worker": self.rt.worker_id}
+        return Outcome(reply(msg, member, reply_to, task.result(), metadata=meta), session)
 
     async def _emit(
         self, msg: InboundMessage, reply_to: str, text: str, *, kind: str = "progress"
@@ -155,12 +189,13 @@ class TurnExecution:
             type=kind,
             channel=msg.channel,
             chat_id=msg.chat_id,
-            session_key=self.key,
+            session_key=self.member,
             reply_to=reply_to,
             content=text,
             metadata={"tool": "message"} if kind == "progress" else {},
         )
-        if not await self.loop.bus.emit(
-            self.key, self.holder.token, msg.channel, out.model_dump_json(exclude_none=True)
-        ):
-            self.loop.metrics["fenced_writes_rejected"] += 1
+        payload = out.model_dump_json(exclude_none=True)
+        transient = self.holder.transient
+        bus, token = self.rt.bus, self.holder.token
+        if not await bus.emit(self.key, token, self.member, payload, transient=transient):
+            self.rt.turns.metrics["fenced_writes_rejected"] += 1

@@ -1,12 +1,14 @@
 """Mid-turn injection: messages of the same session that arrive while its turn runs are
 pulled into the turn between tool rounds (as the reference loop does), in publish order.
 
-The first entry that cannot join (unreadable, an ``open_transient`` op, a system message)
-stops the pull; it and everything after it get their own turns.
+The first entry that cannot join (unreadable, a control marker, an ``open_transient`` op,
+a system message, a message of another scope) stops the pull; it and everything after it
+get their own turns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bus_redis import InboundMessage, MessageRejectedError, RedisBus, decode_inbound
@@ -24,6 +26,7 @@ class FollowUpPuller:
         *,
         max_bytes: int,
         per_pull: int,
+        scope_of: Callable[[InboundMessage], str],
     ) -> None:
         self.bus = bus
         self.session = session
@@ -31,6 +34,7 @@ class FollowUpPuller:
         self.after_id = after_id
         self.max_bytes = max_bytes
         self.per_pull = per_pull
+        self.scope_of = scope_of
         self.injected: list[tuple[str, str]] = []  # (entry id, reply_to), consumed by the turn
         self._closed = False
 
@@ -48,15 +52,19 @@ class FollowUpPuller:
             reply_to = msg.id or entry_id
             self.injected.append((entry_id, reply_to))
             self.after_id = entry_id
-            if not self.session.has_seen(msg.id):
+            if not self.session.has_seen(reply_to):
                 rows.append(user_row(msg, reply_to))
         return rows
 
-    def _joinable(self, payload: str) -> InboundMessage | None:
+    def _joinable(self, payload: str | None) -> InboundMessage | None:
+        if payload is None:  # a control marker
+            return None
         try:
             msg = decode_inbound(payload, max_bytes=self.max_bytes)
         except MessageRejectedError:
             return None
         if not isinstance(msg, InboundMessage) or not msg.is_user_input:
+            return None
+        if msg.session_key != self.member or self.scope_of(msg) != self.session.scope:
             return None
         return msg

@@ -1,7 +1,8 @@
-"""SessionHolder: what a worker does while it holds one session's lease.
+"""SessionHolder: what a worker does while it holds one effective key's lease.
 
 drain():  step = acquire's first entry
           loop: Entry -> handle() -> fenced commit (+ select next / release)
+                ControlReached (discard marker) -> forget the session, next()
                 More  -> next() over the grown stream set
                 Released / Lost -> done
 """
@@ -9,8 +10,7 @@ drain():  step = acquire's first entry
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from bus_redis import (
     InboundMessage,
@@ -19,45 +19,61 @@ from bus_redis import (
     OutboundMessage,
     decode_inbound,
 )
-from bus_redis.results import Acquired, CommitSpec, Entry, Lost, More, Released, Step, owner_member
+from bus_redis.codec import safe
+from bus_redis.results import (
+    Acquired,
+    CommitSpec,
+    ControlReached,
+    Entry,
+    Lost,
+    More,
+    Released,
+    Step,
+    owner_member,
+)
 from session_store.codec import encode_meta, encode_rows
 from worker.execution import Outcome, TurnExecution
 from worker.faults import crash_point
 from worker.lease import Lease
 from worker.outcomes import (
+    ScopeMismatchError,
     SessionNotActiveError,
     TurnAbortedError,
-    cancelled_by_flag,
     dead_letter,
     error,
+    looks_private,
     rejection,
 )
-
-if TYPE_CHECKING:
-    from worker.loop import AgentLoop
+from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 
 class SessionHolder:
-    def __init__(self, loop: AgentLoop, key: str, acquired: Acquired, members: set[str]) -> None:
-        self.loop = loop
+    def __init__(
+        self, rt: Runtime, key: str, acquired: Acquired, members: set[str], memory_scope: str = ""
+    ) -> None:
+        self.rt = rt
         self.key = key
         self.token = acquired.token
         self.version = acquired.version
+        self.generation = acquired.generation
         self.memory_version = acquired.memory_version
+        self.memory_scope = memory_scope  # the scope whose memory version acquire read
         self.first: Step | None = acquired.step
         self.members = members
-        self.lease = Lease(loop.bus, key, acquired.token, on_lost=self._lease_lost)
+        self.lease = Lease(rt.bus, key, acquired.token, on_lost=self._lease_lost)
 
     def _lease_lost(self) -> None:
-        self.loop.metrics["leases_lost"] += 1
+        self.rt.turns.metrics["leases_lost"] += 1
         self.abort("lease_lost")
 
     def abort(self, reason: str) -> None:
-        for task in self.loop.active_tasks.get(self.key, ()):
-            self.loop.cancel_reasons.setdefault(task, reason)
-            task.cancel()
+        self.rt.turns.cancel_key(self.key, reason)
+
+    @property
+    def transient(self) -> bool:
+        return self.rt.sessions.is_transient(self.key)
 
     # --- the lease-holding loop ----------------------------------------------------------
     async def drain(self) -> None:
@@ -68,31 +84,46 @@ class SessionHolder:
                 if isinstance(step, Entry):
                     self.members.add(step.member)
                     step = await self._process(step)
+                elif isinstance(step, ControlReached):
+                    await self.discarded(step.member)
+                    step = await self._next()
                 elif isinstance(step, More):
                     self.members.update(step.members)
-                    step = await self.loop.bus.next(self.key, self.token, sorted(self.members))
+                    step = await self._next()
                 else:
                     if isinstance(step, Lost):
-                        log.warning("lease of %s was lost", self.key)
+                        log.warning("lease of %s was lost", safe(self.key))
                     break
         finally:
             await self.lease.stop()
-            self.loop.active_members.pop(self.key, None)
+
+    async def _next(self) -> Step:
+        return await self.rt.bus.next(self.key, self.token, sorted(self.members))
+
+    async def discarded(self, member: str) -> None:
+        """A discard reached stream ``member``: forget its session (a private one is gone)."""
+        owned = self.rt.turns.disown(member)
+        self.rt.sessions.invalidate(member)
+        if owned is not None:
+            await self.rt.registry.drop_owner(member, self.rt.worker_id, owned)
 
     async def _process(self, entry: Entry) -> Step:
+        self.rt.turns.begin(self.key, entry.member, entry.entry_id)
         try:
             spec = await self.handle(entry)
         except TurnAbortedError:
             if not self.lease.lost:  # shutdown: give the lease up now, re-notify the rest
-                await self.loop.bus.release(self.key, self.token)
+                await self.rt.bus.release(self.key, self.token)
             return Released()
+        finally:
+            self.rt.turns.end(self.key)
         if spec is None:  # the turn failed: try the entry again (counts a delivery)
-            return await self.loop.bus.next(self.key, self.token, sorted(self.members))
+            return await self._next()
         crash_point("before_commit")
-        if self.loop.stopping:  # shutting down: finish this entry, leave the rest to others
+        if self.rt.turns.stopping:  # shutting down: finish this entry, leave the rest
             await self.commit(spec, select=None)
             if not self.lease.lost:
-                await self.loop.bus.release(self.key, self.token)
+                await self.rt.bus.release(self.key, self.token)
             return Released()
         _, step = await self.commit(spec, select=sorted(self.members))
         crash_point("after_commit")
@@ -101,81 +132,109 @@ class SessionHolder:
     async def commit(
         self, spec: CommitSpec, *, select: list[str] | None
     ) -> tuple[int, Step | None]:
+        rt = self.rt
         try:
-            version, step = await self.loop.bus.commit(
-                self.key, self.token, self.loop.worker_id, spec, select=select
+            version, gen, step = await rt.bus.commit(
+                self.key, self.token, rt.worker_id, spec, select=select
             )
         except BaseException:
             # Unknown whether it landed: the next turn reloads the session from Redis.
-            if not self.loop.sessions.is_transient(self.key):
-                self.loop.sessions.invalidate(self.key)
+            if not self.transient:
+                rt.sessions.invalidate(self.key)
             raise
         if version < 0:
-            self.loop.metrics["fenced_writes_rejected"] += 1
-            if not self.loop.sessions.is_transient(self.key):
-                self.loop.sessions.invalidate(self.key)
-            log.warning("fenced commit of %s rejected: lease lost", self.key)
+            rt.turns.metrics["fenced_writes_rejected"] += 1
+            if not self.transient:
+                rt.sessions.invalidate(self.key)
+            log.warning("fenced commit of %s rejected: lease lost", safe(self.key))
             self.lease.lost = True
             return version, Lost()
         if spec.meta:
-            self.version = version
-            cached = self.loop.sessions.get_cached(self.key)
+            self.version, self.generation = version, gen
+            cached = rt.sessions.get_cached(self.key)
             if cached is not None:
-                cached.mark_persisted(version)
-                await self.loop.consolidator.maybe_consolidate_by_tokens(cached)
+                cached.mark_persisted(version, gen)
+                await rt.maybe_consolidate(cached)
         return version, step
 
     # --- one entry -------------------------------------------------------------------------
+    def _private(self, entry: Entry) -> bool:
+        sessions = self.rt.sessions
+        return self.transient or sessions.is_transient(entry.member) or looks_private(entry.payload)
+
     async def handle(self, entry: Entry) -> CommitSpec | None:
         """What one entry becomes: a rejection, a dead letter, a cancellation, an opened
         private session or a turn. ``None``: the turn failed and the entry is retried."""
-        spec = CommitSpec(member=entry.member, entry_ids=[entry.entry_id])
-        cfg = self.loop.config
+        rt = self.rt
+        spec = CommitSpec(member=entry.member, entry_ids=[entry.entry_id], transient=self.transient)
         try:
-            payload = decode_inbound(entry.payload, max_bytes=cfg.max_payload_bytes)
+            payload = decode_inbound(entry.payload, max_bytes=rt.config.max_payload_bytes)
+            if payload.session_key != entry.member:
+                raise MessageRejectedError(
+                    "invalid_message",
+                    "the payload names another session than the stream it was published on",
+                    channel=payload.channel,
+                    chat_id=payload.chat_id,
+                    message_id=payload.id,
+                )
         except MessageRejectedError as exc:
-            log.warning("rejected entry %s of %s: %s", entry.entry_id, entry.member, exc.code)
+            log.warning("rejected entry %s of %s: %s", entry.entry_id, safe(entry.member), exc.code)
             self._set_reply(spec, rejection(exc, entry))
-            spec.dead = dead_letter(entry, f"{exc.code}: {exc.detail}", self.loop.worker_id)
+            reason = f"{exc.code}: {exc.detail}"
+            spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
             return spec
         reply_to = payload.id or entry.entry_id
 
         def fail(code: str, detail: str) -> CommitSpec:
-            out = error(payload.channel, payload.chat_id, self.key, reply_to, code, detail)
+            out = error(payload.channel, payload.chat_id, entry.member, reply_to, code, detail)
             self._set_reply(spec, out)
             return spec
 
-        if entry.attempts > cfg.max_deliveries:
-            spec.dead = dead_letter(entry, "max deliveries exceeded", self.loop.worker_id)
+        if entry.attempts > rt.config.max_deliveries:
+            cause = await rt.registry.last_failure(entry.member, entry.entry_id)
+            reason = f"failed {entry.attempts - 1} times; last error: {cause or 'unknown'}"
+            spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
-        op = cancelled_by_flag(entry)
-        if op is not None:
-            if op == "discard":
-                self.loop.forget(self.key)
-            return fail("cancelled", f"cancelled by {op}")
+        if entry.covered_by:
+            if entry.covered_by == "discard":
+                await self.discarded(entry.member)
+            return fail("cancelled", f"cancelled by {entry.covered_by}")
         if isinstance(payload, OpenTransient):
             return self._open_transient(spec, payload, reply_to)
+        return await self._turn(entry, payload, spec, reply_to, fail)
+
+    async def _turn(
+        self,
+        entry: Entry,
+        msg: InboundMessage,
+        spec: CommitSpec,
+        reply_to: str,
+        fail: Callable[[str, str], CommitSpec],
+    ) -> CommitSpec | None:
         try:
             outcome = await self.run_message(
-                payload, reply_to=reply_to, member=entry.member, entry_id=entry.entry_id
+                msg, reply_to=reply_to, member=entry.member, entry_id=entry.entry_id
             )
         except SessionNotActiveError as exc:
             return fail("session_not_active", str(exc))
+        except ScopeMismatchError as exc:
+            return fail("invalid_message", str(exc))
         except TurnAbortedError:
             raise
-        except Exception:
-            if self.loop.sessions.is_transient(self.key):  # no traceback: it may quote content
-                log.error("turn of a transient session failed (attempt %d)", entry.attempts)
+        except Exception as exc:
+            if self._private(entry):  # no traceback: it may quote content
+                log.error("turn of a private session failed (attempt %d)", entry.attempts)
             else:
-                log.exception("turn of %s failed (attempt %d)", self.key, entry.attempts)
+                log.exception("turn of %s failed (attempt %d)", safe(self.key), entry.attempts)
+            await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
             return None
         self.fill_spec(spec, outcome)
         return spec
 
-    def _set_reply(self, spec: CommitSpec, out: OutboundMessage | None) -> None:
+    @staticmethod
+    def _set_reply(spec: CommitSpec, out: OutboundMessage | None) -> None:
         if out is not None:
             spec.reply = out.model_dump_json(exclude_none=True)
-            spec.reply_channel = out.channel
 
     def fill_spec(self, spec: CommitSpec, outcome: Outcome) -> None:
         self._set_reply(spec, outcome.reply)
@@ -184,14 +243,16 @@ class SessionHolder:
         if session is not None and session.policy.persist:
             spec.meta = encode_meta(session)
             spec.rows = encode_rows(session.unpersisted())
+            spec.scope = session.scope
 
     def _open_transient(self, spec: CommitSpec, op: OpenTransient, reply_to: str) -> CommitSpec:
         key = op.session_key
-        self.loop.sessions.get_or_create_transient(key, disabled_tools=op.disabled_tools)
+        session = self.rt.sessions.get_or_create_transient(key, disabled_tools=op.disabled_tools)
+        if op.scope is not None:
+            session.scope = self.rt.scope_for(op.channel, op.scope, op.sender_id)
         member = owner_member(key, op.channel, op.chat_id)
-        self.loop.owned[key] = member
-        self.loop.since_ms[key] = int(time.time() * 1000)
-        spec.owner_op, spec.owner_member = "set", member
+        self.rt.turns.own(key, member)
+        spec.owner_op, spec.owner_member, spec.transient = "set", member, True
         out = OutboundMessage(
             type="message",
             channel=op.channel,

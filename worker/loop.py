@@ -2,12 +2,13 @@
 
     run()
      ├── ControlListener        pub/sub controls (stop / discard) -> cancel turns
-     ├── _consume()             ready queue + own inbox -> one _serve() task each
+     ├── _consume()             channels' ready queues + own inbox -> one _serve() task each
      │     └── _serve()         acquire lease -> SessionHolder drains the session
-     └── Maintenance            heartbeats, owner renewal, dead-holder sweep
+     └── Maintenance            heartbeats, owners, channel discovery, sweeps
 
 The per-entry logic (decode, policy checks, the turn, the commit spec) is in
-``worker.holder``; this module owns lifecycle, concurrency and cancellation.
+``worker.holder``; in-flight state is owned by ``worker.turns.TurnRegistry``; this
+module owns lifecycle, concurrency and the wiring.
 """
 
 from __future__ import annotations
@@ -15,33 +16,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from bus_redis import SESSION_NOT_ACTIVE, ControlMessage, InboundMessage, OutboundMessage, RedisBus
-from bus_redis.results import Acquired, Busy, CommitSpec, Forward, Notification
-from session_store import (
-    UNIFIED_SESSION_KEY,
-    MemoryStore,
-    RedisSessionStore,
-    SessionManager,
-)
+from bus_redis.codec import safe
+from bus_redis.keys import UNIFIED_CHANNEL
+from bus_redis.registry import Registry
+from bus_redis.results import Acquired, CommitSpec, Forward, Notification, Private
+from session_store import UNIFIED_SESSION_KEY, MemoryStore, RedisSessionStore, SessionManager
 from worker.backoff import Backoff
 from worker.config import LoopConfig
 from worker.consolidator import JOB_NAME as CONSOLIDATE_JOB
 from worker.consolidator import Consolidator
-from worker.context import ContextBuilder
 from worker.control import ControlListener
 from worker.faults import crash_point
 from worker.holder import SessionHolder
 from worker.jobs import JobQueue, LocalJobQueue
 from worker.maintenance import Maintenance
 from worker.outcomes import SessionNotActiveError
+from worker.prompt import ContextBuilder
 from worker.providers import LLMProvider
+from worker.runtime import Runtime
 from worker.tools import ToolRegistry, default_registry
 from worker.turn import TurnRunner
+from worker.turns import TurnRegistry
 
 log = logging.getLogger(__name__)
 
@@ -55,49 +55,115 @@ class AgentLoop:
         sessions: SessionManager | None = None,
         memory: MemoryStore | None = None,
         model: str | None = None,
-        unified_session: bool = False,
+        unified_session: bool | None = None,
         tools: ToolRegistry | None = None,
         jobs: JobQueue | None = None,
         config: LoopConfig | None = None,
     ) -> None:
+        config = config or LoopConfig()
+        if unified_session is not None and unified_session != config.unified_session:
+            config = config.model_copy(update={"unified_session": unified_session})
+        self.config = config
         self.bus = bus
-        self.provider = provider
-        self.config = config or LoopConfig()
-        self.worker_id = self.config.worker_id
-        self.sessions = sessions or SessionManager(RedisSessionStore(bus.redis, bus.keys))
-        self.memory = memory or MemoryStore(bus.redis, bus.keys)
-        self.model = model or provider.get_default_model()
-        self.unified_session = unified_session
+        self.worker_id = config.worker_id
         self.tools = tools or default_registry()
-        self.context = ContextBuilder(self.tools.names, history_tokens=self.config.history_tokens)
-        self.runner = TurnRunner(
-            provider, self.tools, self.context, self.model, self.config.max_iterations
+        context = ContextBuilder(self.tools.names, history_tokens=config.history_tokens)
+        model = model or provider.get_default_model()
+        self.rt = Runtime(
+            config=config,
+            bus=bus,
+            registry=Registry(bus),
+            sessions=sessions
+            or SessionManager(RedisSessionStore(bus.redis, bus.keys, lock_ttl_ms=bus.lock_ttl_ms)),
+            memory=memory or MemoryStore(bus.redis, bus.keys),
+            provider=provider,
+            runner=TurnRunner(provider, self.tools, context, model, config.max_iterations),
+            jobs=jobs or LocalJobQueue(),
+            model=model,
+            turns=TurnRegistry(),
         )
-        self.consolidator = Consolidator(self)
-        self.jobs: JobQueue = jobs or LocalJobQueue()
-        self.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
-        self.active_tasks: dict[str, set[asyncio.Task[Any]]] = {}
-        self.cancel_reasons: dict[asyncio.Task[Any], str] = {}
-        self.active_members: dict[str, str] = {}  # effective key -> inbound stream being served
-        self.owned: dict[str, str] = {}  # transient key -> owners-registry member
-        self.since_ms: dict[str, int] = {}  # key -> when its turn / ownership began
+        self.consolidator = Consolidator(self.rt)
+        self.rt.maybe_consolidate = self.consolidator.maybe_consolidate_by_tokens
+        self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.holders: dict[str, SessionHolder] = {}
-        self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
         self._serving: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(self.config.concurrency)
+        self._slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._consumer: asyncio.Task[None] | None = None
-        self.maintenance = Maintenance(self)
+        self._streams: list[str] = []
+        self._new_streams: list[str] | None = None
+        self.maintenance = Maintenance(
+            self.rt,
+            dispatch=self.dispatch,
+            serving=lambda key: key in self.holders,
+            set_channels=self._set_channels,
+        )
 
-    # --- keys ------------------------------------------------------------------
-    def effective_key(self, session_key: str, *, direct: bool) -> str:
-        """Unified mode folds direct chats into one session; transient ones stay out."""
-        if self.unified_session and direct and not self.sessions.is_transient(session_key):
+    # --- the SPEC's in-process surface ---------------------------------------------
+    @property
+    def sessions(self) -> SessionManager:
+        return self.rt.sessions
+
+    @property
+    def memory(self) -> MemoryStore:
+        return self.rt.memory
+
+    @property
+    def turns(self) -> TurnRegistry:
+        return self.rt.turns
+
+    @property
+    def model(self) -> str:
+        return self.rt.model
+
+    @property
+    def unified_session(self) -> bool:
+        return self.config.unified_session
+
+    @property
+    def active_tasks(self) -> dict[str, asyncio.Task[Any]]:
+        """Effective key -> its running turn task."""
+        return self.rt.turns.active_tasks()
+
+    @property
+    def metrics(self) -> Any:
+        return self.rt.turns.metrics
+
+    # --- keys ------------------------------------------------------------------------
+    def effective_key(self, session_key: str) -> str:
+        """Unified mode folds every durable session into one; a private session (open
+        here, or found by acquire from its owner record) stays out."""
+        if self.config.unified_session and not self.sessions.is_transient(session_key):
             return UNIFIED_SESSION_KEY
         return session_key
 
-    def key_for(self, msg: InboundMessage) -> str:
-        return self.effective_key(msg.session_key, direct=msg.session_key_override is None)
+    def _memory_scope(self, key: str) -> str:
+        """The scope whose memory version acquire reads: the cached session's."""
+        if self.config.owner_mode:
+            from session_store import OWNER_SCOPE
+
+            return OWNER_SCOPE
+        cached = self.sessions.get_cached(key)
+        return cached.scope if cached is not None and cached.policy.persist else ""
+
+    async def _acquire(
+        self, key: str, *, member: str = "", select: bool = True, note: Notification | None = None
+    ) -> tuple[str, Any]:
+        """Acquire K (retrying with K = S when S turns out to be a private session)."""
+        while True:
+            scope = self._memory_scope(key)
+            result = await self.bus.acquire(
+                key,
+                self.worker_id,
+                member=member,
+                claim_owner=self.sessions.is_transient(key),
+                select=select,
+                note=note,
+                memory_key=self.memory.key(scope) if scope else "",
+            )
+            if not isinstance(result, Private):
+                return key, (result, scope)
+            key = member
 
     # --- in-process API ------------------------------------------------------------
     async def process_message(self, msg: InboundMessage) -> OutboundMessage | None:
@@ -106,50 +172,52 @@ class AgentLoop:
         Raises ``RuntimeError("required session is not active")`` when the message
         requires a live session this worker does not hold.
         """
-        key = self.key_for(msg)
+        key = self.effective_key(msg.session_key)
         if msg.require_existing_session and not self.sessions.is_transient(key):
             raise SessionNotActiveError(SESSION_NOT_ACTIVE)
-        acquired = await self._acquire_blocking(key)
-        holder = SessionHolder(self, key, acquired, set())
+        acquired, scope = await self._acquire_blocking(key, msg.session_key)
+        holder = SessionHolder(self.rt, key, acquired, set(), scope)
         holder.lease.start()
+        self.rt.turns.begin(key, msg.session_key, "")
         try:
-            outcome = await holder.run_message(msg, reply_to=msg.id or "", member=key)
-            spec = CommitSpec(member=key)
+            outcome = await holder.run_message(msg, reply_to=msg.id or "", member=msg.session_key)
+            spec = CommitSpec(member=msg.session_key, transient=holder.transient)
             holder.fill_spec(spec, outcome)
             spec.reply = ""  # returned to the caller, as the reference loop does
             await holder.commit(spec, select=None)
             return outcome.reply
         finally:
+            self.rt.turns.end(key)
             await holder.lease.stop()
             if not holder.lease.lost:
                 await self.bus.release(key, acquired.token)
 
-    async def _acquire_blocking(self, key: str) -> Acquired:
+    async def _acquire_blocking(self, key: str, member: str) -> tuple[Acquired, str]:
         delay_s = 0.005
         while True:
-            claim = self.sessions.is_transient(key)
-            result = await self.bus.acquire(key, self.worker_id, claim_owner=claim, select=False)
+            _, (result, scope) = await self._acquire(key, select=False)
             if isinstance(result, Acquired):
-                return result
+                return result, scope
             if isinstance(result, Forward):
                 raise SessionNotActiveError(f"session is owned by worker {result.owner}")
-            await asyncio.sleep(delay_s)
+            await asyncio.sleep(delay_s)  # another holder runs a turn: back off
             delay_s = min(delay_s * 2, 0.1)
 
     # --- the worker ------------------------------------------------------------------
     async def run(self) -> None:
         """Consume until :meth:`stop`; then drain within the grace period."""
         self._stopping.clear()
-        await self.bus.ensure_groups(self.worker_id)
-        listener = ControlListener(
-            self.bus.redis, self.bus.keys.control, self.on_control, self.check_flags
-        )
+        self.rt.turns.stopping = False
+        await self.maintenance.refresh_channels()
+        self._set_channels(self.maintenance.channels)
+        await self._apply_streams()
+        listener = ControlListener(self.bus.redis, self.bus.keys, self.on_control, self.check_flags)
         background = [
             asyncio.create_task(listener.run(), name="control"),
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
         ]
         try:
-            await self.jobs.start()
+            await self.rt.jobs.start()
             await asyncio.wait_for(listener.subscribed.wait(), timeout=30)
             self._consumer = asyncio.create_task(self._consume(), name="consume")
             with contextlib.suppress(asyncio.CancelledError):
@@ -159,9 +227,9 @@ class AgentLoop:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self.jobs.aclose()
+            await self.rt.jobs.aclose()
             await self.maintenance.leave()
-            log.info("worker %s stopped", self.worker_id)
+            log.info("worker %s stopped", safe(self.worker_id))
 
     @property
     def stopping(self) -> bool:
@@ -170,21 +238,35 @@ class AgentLoop:
     def stop(self) -> None:
         """Request a graceful stop (idempotent; safe from a signal handler)."""
         self._stopping.set()
+        self.rt.turns.stopping = True
         if self._consumer is not None and not self._consumer.done():
             self._consumer.cancel()
 
+    def _set_channels(self, channels: set[str]) -> None:
+        if self.config.unified_session:
+            channels = channels | {UNIFIED_CHANNEL}
+        self._new_streams = self.bus.note_streams(self.worker_id, channels)
+
+    async def _apply_streams(self) -> None:
+        if self._new_streams is not None and self._new_streams != self._streams:
+            await self.bus.ensure_groups(self._new_streams)
+            self._streams = self._new_streams
+        self._new_streams = None
+
     async def _consume(self) -> None:
-        backoff = Backoff("reading the ready queue", log)
+        backoff = Backoff("reading the ready queues", log)
         while not self._stopping.is_set():
             await self._slots.acquire()
             free = 1 + self._free_slots()
             try:
+                await self._apply_streams()
                 notes = await self.bus.read_notifications(
-                    self.worker_id, count=free, block_ms=self.config.read_block_ms
+                    self.worker_id, self._streams, count=free, block_ms=self.config.read_block_ms
                 )
             except (RedisError, OSError) as exc:
                 await backoff.after(exc)
-                await self._ensure_groups_quietly()
+                self._new_streams = self._new_streams or list(self._streams)
+                self._streams = []  # groups are re-created: the server may have lost them
                 continue
             finally:
                 self._slots.release()
@@ -193,17 +275,12 @@ class AgentLoop:
                 crash_point("after_read")
             self.dispatch(notes)
 
-    async def _ensure_groups_quietly(self) -> None:
-        """After an outage the server may have lost the groups (no persistence)."""
-        with contextlib.suppress(RedisError, OSError):
-            await self.bus.ensure_groups(self.worker_id)
-
     def _free_slots(self) -> int:
         return max(0, self.config.concurrency - len(self._serving) - 1)
 
     def dispatch(self, notes: list[Notification]) -> None:
         for note in notes:
-            task = asyncio.create_task(self._serve(note), name=f"serve:{note.session_key}")
+            task = asyncio.create_task(self._serve(note), name="serve")
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
@@ -214,30 +291,23 @@ class AgentLoop:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("serving %s failed", note.session_key)
+                log.exception("serving %s failed", safe(note.session_key))
 
     async def _serve_note(self, note: Notification) -> None:
-        key = (
-            note.session_key
-            if note.effective
-            else self.effective_key(note.session_key, direct=note.direct)
-        )
-        member = "" if note.effective else note.session_key
-        result = await self.bus.acquire(
-            key,
-            self.worker_id,
-            member=member,
-            claim_owner=self.sessions.is_transient(key),
-            ack=note,
-        )
+        if note.effective:
+            key, member = note.session_key, ""
+        else:
+            key, member = self.effective_key(note.session_key), note.session_key
+        key, (result, scope) = await self._acquire(key, member=member, note=note)
         crash_point("after_acquire")
         if isinstance(result, Forward):
             # A forward lost to a crash right here is recovered by the owner's own
-            # periodic check of its sessions (Maintenance.check_owned).
+            # periodic check of its sessions, or by the stranded-stream sweep.
             await self.bus.forward(result.owner, note)
-        if isinstance(result, Forward | Busy):
             return
-        holder = SessionHolder(self, key, result, {member} if member else set())
+        if not isinstance(result, Acquired):
+            return
+        holder = SessionHolder(self.rt, key, result, {member} if member else set(), scope)
         self.holders[key] = holder
         try:
             await holder.drain()
@@ -253,32 +323,32 @@ class AgentLoop:
             )
             for key, holder in list(self.holders.items()):
                 holder.abort("shutdown")
-                log.info("shutdown cancels the turn of %s", key)
+                log.info("shutdown cancels the turn of %s", safe(key))
             if pending:
                 await asyncio.wait(pending, timeout=5)
 
     # --- control -----------------------------------------------------------------------
     def on_control(self, control: ControlMessage) -> None:
-        """Cancel the running turn of the named session; discard also forgets it."""
+        """A stop / discard for session S: cancel its running turn once the marker is
+        confirmed queued after the running entry (a late pub/sub message of an earlier
+        control never cancels a newer turn); discard also forgets the session."""
         target = control.session_key
-        for key in [
-            k for k in self.active_tasks if k == target or self.active_members.get(k) == target
-        ]:
-            for task in self.active_tasks.get(key, ()):
-                self.cancel_reasons[task] = control.op
-                task.cancel()
+        running = {k: v for k, v in self.rt.turns.running().items() if target in (k, v[0])}
+        if running:
+            self.maintenance.spawn(self._confirm_and_cancel(running))
         if control.op == "discard":
-            self.forget(target)
+            self.maintenance.spawn(self._forget(target))
 
-    def forget(self, key: str) -> None:
-        transient = self.sessions.is_transient(key)
+    async def _confirm_and_cancel(self, running: dict[str, tuple[str, str]]) -> None:
+        for key, op in (await self.rt.registry.markers_after(running)).items():
+            self.rt.turns.cancel_key(key, op)
+
+    async def _forget(self, key: str) -> None:
+        member = self.rt.turns.disown(key)
         self.sessions.invalidate(key)
-        member = self.owned.pop(key, None)
-        if transient and member is not None:
-            self.maintenance.spawn(self.maintenance.drop_owner(key, member))
+        if member is not None:
+            await self.rt.registry.drop_owner(key, self.worker_id, member)
 
     async def check_flags(self) -> None:
         """After (re)subscribing: apply controls published while we were not listening."""
-        watched = set(self.active_members.values()) | set(self.active_tasks) | set(self.owned)
-        for key, op in (await self.maintenance.read_flags(sorted(watched))).items():
-            self.on_control(ControlMessage(op=op, session_key=key))  # type: ignore[arg-type]
+        await self._confirm_and_cancel(self.rt.turns.running())

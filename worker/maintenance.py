@@ -1,38 +1,47 @@
-"""Periodic work of a worker: heartbeat, transient-owner renewal, and recovery of
-sessions whose lease holder or transient owner died."""
+"""Periodic work of a worker: heartbeat, transient-owner renewal, channel discovery, and
+recovery of sessions whose notification, lease holder or transient owner was lost."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from redis.exceptions import RedisError
 
 from bus_redis import OutboundMessage
-from bus_redis.codec import parse_flag, text
 from bus_redis.results import Notification
-
-if TYPE_CHECKING:
-    from worker.loop import AgentLoop
+from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
+DEAD_WORKER_AFTER_TTLS = 6  # a worker silent for this many lease TTLs is forgotten
 
 
 class Maintenance:
-    def __init__(self, loop: AgentLoop) -> None:
-        self.loop = loop
-        self.bus = loop.bus
+    def __init__(
+        self,
+        rt: Runtime,
+        *,
+        dispatch: Callable[[list[Notification]], None],
+        serving: Callable[[str], bool],
+        set_channels: Callable[[set[str]], None],
+    ) -> None:
+        self.rt = rt
+        self.dispatch = dispatch
+        self.serving = serving  # whether a holder runs for this key here
+        self.set_channels = set_channels
+        self.channels: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started_ms = int(time.time() * 1000)
 
     @property
     def every_s(self) -> float:
-        return self.bus.lock_ttl_ms / 3000
+        return self.rt.bus.lock_ttl_ms / 3000
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
@@ -47,46 +56,66 @@ class Maintenance:
                 log.warning("maintenance skipped: %s", type(exc).__name__)
             await asyncio.sleep(self.every_s)
 
+    async def refresh_channels(self) -> set[str]:
+        found = await self.rt.registry.channels() | set(self.rt.config.channels)
+        if found != self.channels:
+            self.channels = found
+            self.set_channels(found)
+        return found
+
     async def tick(self) -> None:
-        loop = self.loop
+        rt = self.rt
+        await self.heartbeat()
+        await self.refresh_channels()
+        for key, member in rt.turns.owned().items():
+            if not await rt.registry.renew_owner(key, rt.worker_id, member):
+                log.warning("owner record of a transient session expired; session dropped")
+                rt.forget(key)
+        await self.check_owned()
+        await self.sweep()
+        streams = rt.bus.note_streams(rt.worker_id, self.channels)
+        stale = await rt.bus.claim_stale(rt.worker_id, streams, min_idle_ms=rt.bus.lock_ttl_ms)
+        if stale:
+            log.info("claimed %d notifications unacknowledged for a lease TTL", len(stale))
+            self.dispatch(stale)
+        for member in await rt.registry.due_owners(self.channels):
+            await rt.registry.report_owner_lost(member, self._lost_event(member))
+        await rt.registry.prune_dead_workers(
+            older_than_ms=rt.bus.lock_ttl_ms * DEAD_WORKER_AFTER_TTLS, streams=streams
+        )
+
+    async def heartbeat(self) -> None:
+        rt = self.rt
         info = {
             "host": socket.gethostname(),
             "pid": str(os.getpid()),
             "started_ms": str(self.started_ms),
-            "active": str(len(loop.active_tasks)),
-            "transient": str(len(loop.owned)),
-            **{name: str(count) for name, count in loop.metrics.items()},
+            "active": str(len(rt.turns)),
+            "transient": str(len(rt.turns.owned())),
+            **{name: str(count) for name, count in rt.turns.metrics.items()},
         }
-        await self.bus.heartbeat(loop.worker_id, info, ttl_ms=self.bus.lock_ttl_ms * 3)
-        for key, member in list(loop.owned.items()):
-            if not await self.bus.renew_owner(key, loop.worker_id, member):
-                log.warning("owner record of a transient session expired; session dropped")
-                loop.forget(key)
-        await self.check_owned()
-        for key in await self.bus.sweep():
-            log.info("lease of %s expired without release; re-notified", key)
-        stale = await self.bus.claim_stale(loop.worker_id, min_idle_ms=self.bus.lock_ttl_ms)
-        if stale:
-            log.info("claimed %d unacknowledged notifications of dead consumers", len(stale))
-            loop.dispatch(stale)
-        for member in await self.bus.due_owners():
-            await self.bus.report_owner_lost(member, self._lost_event(member))
+        await rt.registry.heartbeat(rt.worker_id, info, ttl_ms=rt.bus.lock_ttl_ms * 3)
+
+    async def sweep(self) -> None:
+        """Re-notify stranded sessions (one worker per sweep period does it)."""
+        rt = self.rt
+        if not await rt.registry.take_sweep_turn(rt.worker_id, rt.config.sweep_interval_ms):
+            return
+        for key in await rt.registry.sweep_stranded(unified=rt.config.unified_session):
+            log.info("queued entries of a session without a holder; re-notified")
+            del key
 
     async def check_owned(self) -> None:
         """Serve our transient sessions that have messages but no notification reached
         us (a forwarding worker died between its acquire and its forward)."""
-        inbox = self.bus.keys.inbox(self.loop.worker_id)
-        for key in await self.bus.unserved(list(self.loop.owned)):
-            if key not in self.loop.holders:
-                self.loop.dispatch([Notification(inbox, "", key)])
+        inbox = self.rt.bus.keys.inbox(self.rt.worker_id)
+        for key in await self.rt.registry.unserved(list(self.rt.turns.owned())):
+            if not self.serving(key):
+                self.dispatch([Notification(inbox, "", key)])
 
     @staticmethod
     def _lost_event(member: str) -> str:
-        import json
-
         key, channel, chat_id = json.loads(member)
-        if not channel:
-            return ""
         out = OutboundMessage(
             type="error",
             channel=channel,
@@ -97,37 +126,23 @@ class Maintenance:
         )
         return out.model_dump_json(exclude_none=True)
 
-    async def drop_owner(self, key: str, member: str) -> None:
-        await self.bus.drop_owner(key, self.loop.worker_id, member)
-
-    async def read_flags(self, keys: list[str]) -> dict[str, str]:
-        """Control flags newer than the turn (or ownership) they would cancel."""
-        if not keys:
-            return {}
-        raw = await self.bus.redis.mget([self.bus.keys.control_flag(k) for k in keys])
-        found: dict[str, str] = {}
-        for key, value in zip(keys, raw, strict=True):
-            flag = parse_flag(text(value))
-            if flag is not None and flag[2] >= self.loop.since_ms.get(key, 0):
-                found[key] = flag[0]
-        return found
-
     async def leave(self) -> None:
         """On shutdown: our transient sessions die with us; tell their frontends now."""
-        for key, member in list(self.loop.owned.items()):
+        rt = self.rt
+        for key, member in rt.turns.owned().items():
             try:
-                await self.bus.abandon_owner(key, self.loop.worker_id)
-                await self.bus.report_owner_lost(member, self._lost_event(member))
+                await rt.registry.abandon_owner(key, rt.worker_id)
+                await rt.registry.report_owner_lost(member, self._lost_event(member))
             except (RedisError, OSError):
                 log.warning("could not report a transient session as lost")
-            self.loop.sessions.invalidate(key)
-        self.loop.owned.clear()
+            rt.forget(key)
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=2)
+        streams = rt.bus.note_streams(rt.worker_id, self.channels)
         try:
-            handed = await self.bus.hand_back(self.loop.worker_id)
+            handed = await rt.bus.hand_back(rt.worker_id, streams)
             if handed:
                 log.info("handed %d unserved notifications back to the queue", handed)
-            await self.bus.leave(self.loop.worker_id)
+            await rt.registry.leave(rt.worker_id, streams)
         except (RedisError, OSError):
-            log.warning("could not deregister worker %s", self.loop.worker_id)
+            log.warning("could not deregister worker %s", rt.worker_id)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 from bus_redis import InboundMessage, MessageRejectedError, OutboundMessage
-from bus_redis.codec import parse_flag, parse_stream_id
+from bus_redis.codec import clean
+from bus_redis.keys import channel_of
 from bus_redis.results import Entry
 
 
@@ -16,6 +18,10 @@ class SessionNotActiveError(RuntimeError):
 
 class TurnAbortedError(Exception):
     """The turn ended without a result that may be written (lease lost, shutdown)."""
+
+
+class ScopeMismatchError(Exception):
+    """A user message asks for another scope than its session's."""
 
 
 def reply(
@@ -46,38 +52,45 @@ def error(
     )
 
 
-def rejection(exc: MessageRejectedError, entry: Entry) -> OutboundMessage | None:
-    """The error event of an unreadable payload, when its origin is readable."""
-    if not (exc.channel and exc.chat_id):
-        return None
-    key = exc.session_key or f"{exc.channel}:{exc.chat_id}"
-    return error(
-        exc.channel, exc.chat_id, key, exc.message_id or entry.entry_id, exc.code, exc.detail
+def rejection(exc: MessageRejectedError, entry: Entry) -> OutboundMessage:
+    """The error event of an unreadable payload, on the stream it came from."""
+    member = entry.member
+    chat_id = member.partition(":")[2]
+    if exc.chat_id and exc.channel == channel_of(member):
+        chat_id = clean(exc.chat_id)
+    reply_to = clean(exc.message_id) if exc.message_id else entry.entry_id
+    return error(channel_of(member), chat_id, member, reply_to, exc.code, clean(exc.detail))
+
+
+def dead_letter(entry: Entry, reason: str, worker_id: str, *, private: bool) -> str:
+    """A dead-letter record; a private session's keeps nothing of the text (size and a
+    hash only)."""
+    raw = entry.payload.encode("utf-8", "surrogateescape")
+    doc: dict[str, Any] = {
+        "session": entry.member,
+        "entry_id": entry.entry_id,
+        "reason": clean(reason),
+        "deliveries": entry.attempts,
+        "worker": worker_id,
+        "bytes": len(raw),
+        "sha256": hashlib.sha256(raw).hexdigest(),
+    }
+    if private:
+        doc["private"] = True
+    else:
+        doc["payload"] = clean(entry.payload)
+    return json.dumps(doc, ensure_ascii=False)
+
+
+def looks_private(payload: str) -> bool:
+    """Whether a (possibly invalid) payload belongs to a private session."""
+    try:
+        doc = json.loads(payload)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and (
+        doc.get("require_existing_session") is True or doc.get("op") == "open_transient"
     )
-
-
-def dead_letter(entry: Entry, reason: str, worker_id: str) -> str:
-    return json.dumps(
-        {
-            "session": entry.member,
-            "entry_id": entry.entry_id,
-            "payload": entry.payload,
-            "reason": reason,
-            "deliveries": entry.attempts,
-            "worker": worker_id,
-        },
-        ensure_ascii=False,
-    )
-
-
-def cancelled_by_flag(entry: Entry) -> str | None:
-    """The control op (``stop`` / ``discard``) that covers this entry, if any: entries up
-    to the flag's boundary id were queued when the control was published."""
-    flag = parse_flag(entry.flag)
-    if flag is None:
-        return None
-    op, boundary, _ = flag
-    return op if parse_stream_id(entry.entry_id) <= boundary else None
 
 
 def legal_prefix(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,36 +1,29 @@
-"""Settings: the process configuration, from ``AGENT_*`` environment variables (SPEC 1)."""
+"""Settings: the process configuration, from ``AGENT_*`` environment variables."""
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from bus_redis.schema import DEFAULT_MAX_PAYLOAD_BYTES
-from worker.config import LoopConfig, default_worker_id
+from bus_redis.keys import valid_channel
+from worker.config import LoopConfig
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="AGENT_", extra="ignore")
+class Settings(BaseSettings, LoopConfig):
+    """Everything of :class:`LoopConfig` plus what only a process needs."""
+
+    model_config = SettingsConfigDict(env_prefix="AGENT_", extra="ignore", frozen=True)
 
     redis_url: str = "redis://localhost:6379/0"
-    key_prefix: str = Field(default="agent", min_length=1)
+    key_prefix: str = Field(default="agent", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     provider: Literal["openai", "echo"] = "echo"
     model: str = ""
-    worker_id: str = Field(default_factory=default_worker_id)
-    concurrency: int = Field(default=16, ge=1, le=10_000)
-    lock_ttl_ms: int = Field(default=10_000, ge=300)
-    owner_ttl_ms: int = Field(default=15_000, ge=300)
-    unified_session: bool = False
-    max_deliveries: int = Field(default=5, ge=1)
-    max_payload_bytes: int = Field(default=DEFAULT_MAX_PAYLOAD_BYTES, ge=256)
-    shutdown_grace_s: float = Field(default=10.0, ge=0)
-    followup_mode: Literal["inject", "queue"] = "inject"
-    max_iterations: int = Field(default=20, ge=1)
-    stream_deltas: bool = False
     jobs: Literal["arq", "local"] = "arq"
     log_level: str = "INFO"
+    channels: Annotated[list[str], NoDecode] = Field(default_factory=list)  # "web,telegram"
 
     @field_validator("redis_url")
     @classmethod
@@ -39,14 +32,28 @@ class Settings(BaseSettings):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
 
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in logging.getLevelNamesMapping():
+            raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return level
+
+    @field_validator("channels", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [c.strip() for c in value.split(",") if c.strip()]
+        return value
+
+    @field_validator("channels")
+    @classmethod
+    def _channels(cls, value: list[str]) -> list[str]:
+        bad = [c for c in value if not valid_channel(c)]
+        if bad:
+            raise ValueError(f"invalid channel name {bad[0]!r}")
+        return value
+
     def loop_config(self) -> LoopConfig:
-        return LoopConfig(
-            worker_id=self.worker_id,
-            concurrency=self.concurrency,
-            max_iterations=self.max_iterations,
-            max_deliveries=self.max_deliveries,
-            max_payload_bytes=self.max_payload_bytes,
-            shutdown_grace_s=self.shutdown_grace_s,
-            followup_mode=self.followup_mode,
-            stream_deltas=self.stream_deltas,
-        )
+        return LoopConfig(**{name: getattr(self, name) for name in LoopConfig.model_fields})

@@ -11,7 +11,7 @@ from typing import Any
 from bus_redis import InboundMessage
 from session_store import Session
 from session_store.models import now_iso
-from worker.context import ContextBuilder
+from worker.prompt import ContextBuilder
 from worker.providers import LLMProvider, ToolCallRequest
 from worker.providers.base import DeltaCallback
 from worker.tools import ToolContext, ToolRegistry

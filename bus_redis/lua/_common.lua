@@ -1,7 +1,10 @@
 -- Shared prelude, prepended to the scripts that select the next entry or release a lease.
--- Not a script of its own. Stream "triples" are passed as KEYS (inbound stream, attempts
--- hash, control flag) with the matching session key (pending-set member) in ARGV.
+-- Not a script of its own. Each inbound stream S is passed as five KEYS (inbound stream,
+-- attempts hash, control hint, owner record, ready stream of S's channel) with S itself
+-- in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
+-- discard marker published by the frontend: it covers exactly the entries before it).
 local unpack = unpack or table.unpack
+local MARKER_SCAN = 1000  -- entries looked at to find the control marker after an entry
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -17,54 +20,93 @@ local function id_less(a, b)
   return tonumber(as) < tonumber(bs)
 end
 
--- streams: list of {stream, attempts, flag, member}
-local function triples(first_key, first_arg)
+local function field(fields, name)
+  for j = 1, #fields, 2 do
+    if fields[j] == name then return fields[j + 1] end
+  end
+  return nil
+end
+
+-- streams: list of {in, attempts, hint, owner, ready, member}
+local function streams_of(first_key, first_arg)
   local out = {}
   local n = 0
-  for i = first_key, #KEYS, 3 do
-    out[#out + 1] = {KEYS[i], KEYS[i + 1], KEYS[i + 2], ARGV[first_arg + n]}
+  for i = first_key, #KEYS, 5 do
+    out[#out + 1] = {KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], KEYS[i + 4], ARGV[first_arg + n]}
     n = n + 1
   end
   return out
 end
 
+-- The op of the first control marker after entry `id`, or '' (only looked for while the
+-- hint says markers may be queued; a hint with no marker left is deleted).
+local function covering_op(s, id)
+  local hint = tonumber(redis.call('GET', s[3]) or '0') or 0
+  if hint <= 0 then return '' end
+  local rest = redis.call('XRANGE', s[1], '(' .. id, '+', 'COUNT', MARKER_SCAN)
+  for _, e in ipairs(rest) do
+    local op = field(e[2], 'control')
+    if op then return op end
+  end
+  if #rest < MARKER_SCAN then redis.call('DEL', s[3]) end
+  return ''
+end
+
+-- Consume control markers at the head of a stream (everything before them is done).
+-- Returns the oldest real entry (or nil) and the op of a consumed discard marker.
+local function head(s)
+  local discarded = nil
+  while true do
+    local e = redis.call('XRANGE', s[1], '-', '+', 'COUNT', 1)[1]
+    if not e then return nil, discarded end
+    local op = field(e[2], 'control')
+    if not op then return e, discarded end
+    redis.call('XDEL', s[1], e[1])
+    if redis.call('DECR', s[3]) <= 0 then redis.call('DEL', s[3]) end
+    if op == 'discard' then discarded = op end
+  end
+end
+
 -- The oldest unprocessed entry over the given streams; counts one delivery attempt.
-local function select_next(streams)
+-- A stream that became a private session (owner record) while folded under another key K
+-- leaves K's pending set and is re-notified, so that its owner serves it.
+local function select_next(streams, key, pending, maxlen)
   local best, best_entry
   for i, s in ipairs(streams) do
-    local e = redis.call('XRANGE', s[1], '-', '+', 'COUNT', 1)[1]
-    if e and (not best_entry or id_less(e[1], best_entry[1])) then
-      best, best_entry = i, e
+    if s[6] ~= key and redis.call('EXISTS', s[4]) == 1 then
+      redis.call('SREM', pending, s[6])
+      redis.call('XADD', s[5], 'MAXLEN', '~', maxlen, '*', 'session', s[6])
+      s.skip = true
+    else
+      local e, discarded = head(s)
+      if discarded then return {'control', s[6], discarded} end
+      if e and (not best_entry or id_less(e[1], best_entry[1])) then
+        best, best_entry = i, e
+      end
     end
   end
   if not best then return nil end
   local s = streams[best]
   local attempts = redis.call('HINCRBY', s[2], best_entry[1], 1)
-  local flag = redis.call('GET', s[3]) or ''
-  local payload = ''
-  local fields = best_entry[2]
-  for j = 1, #fields, 2 do
-    if fields[j] == 'payload' then payload = fields[j + 1] end
-  end
-  return {'entry', s[4], best_entry[1], payload, attempts, flag}
+  local payload = field(best_entry[2], 'payload') or ''
+  return {'entry', s[6], best_entry[1], payload, attempts, covering_op(s, best_entry[1])}
 end
 
 -- Nothing left in the known streams: forget them; release the lease only when the
 -- pending set is empty (a stream notified meanwhile keeps the lease: 'more').
-local function try_release(lease, pending, registry, streams, key)
+local function try_release(lease, pending, streams)
   for _, s in ipairs(streams) do
-    if redis.call('XLEN', s[1]) == 0 then
-      redis.call('SREM', pending, s[4])
-      redis.call('DEL', s[1], s[2])
+    if not s.skip and redis.call('XLEN', s[1]) == 0 then
+      redis.call('SREM', pending, s[6])
+      redis.call('DEL', s[1], s[2], s[3])
     end
   end
   local left = redis.call('SMEMBERS', pending)
   if #left > 0 then return {'more', unpack(left)} end
-  redis.call('DEL', lease)
-  redis.call('ZREM', registry, key)
+  redis.call('DEL', lease, pending)
   return {'released'}
 end
 
-local function next_or_release(lease, pending, registry, streams, key)
-  return select_next(streams) or try_release(lease, pending, registry, streams, key)
+local function next_or_release(lease, pending, streams, key, maxlen)
+  return select_next(streams, key, pending, maxlen) or try_release(lease, pending, streams)
 end

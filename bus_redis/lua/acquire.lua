@@ -1,36 +1,58 @@
 -- acquire: take the lease of an effective session key K and select its first entry.
--- KEYS[1] lease        P:{K}:lease      "<epoch>|<worker>" with PX ttl
--- KEYS[2] epoch        P:{K}:epoch      fencing counter
--- KEYS[3] pending      P:{K}:pending    inbound streams the holder must drain
--- KEYS[4] owner        P:{K}:owner      transient owner record (hash: worker, ...)
--- KEYS[5] session      P:{K}:session    durable session hash (for its version)
--- KEYS[6] leases       P:leases         lease registry (K -> expiry ms)
--- KEYS[7] memory       P:memory         durable memory hash (for its version)
--- KEYS[8..]            stream triples: inbound stream, attempts hash, control flag
--- ARGV[1] worker id    ARGV[2] lease ttl ms    ARGV[3] K
--- ARGV[4] notified member S ('' when none)
+-- KEYS[1] lease    P:{C}:lease:K     "<nonce>|<worker>" with PX ttl
+-- KEYS[2] pending  P:{C}:pending:K   inbound streams the holder must drain (PX, renewed)
+-- KEYS[3] session  P:{C}:session:K   durable session hash (for its version and generation)
+-- KEYS[4] memory   memory hash of the cached session's scope (for its version), or KEYS[3]
+-- KEYS[5] owner    P:{C}:owner:S     transient owner record of the notified stream S
+-- KEYS[6] notes    the stream the notification came from (ready queue or inbox)
+-- KEYS[7..11]      stream keys of S (see _common.lua), only when selecting
+-- ARGV[1] worker id   ARGV[2] lease ttl ms   ARGV[3] K   ARGV[4] S ('' when none)
 -- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
--- ARGV[6] owner ttl ms
--- ARGV[7] '1' to select the first entry (or release at once), '0' to only take the lease
--- ARGV[8..] members (session keys) of the stream triples
--- returns {'forward', owner} | {'busy', holder}
---       | {'acquired', token, session version, memory version, <next_or_release result...>}
-local owner = redis.call('HGET', KEYS[4], 'worker')
-if owner and owner ~= ARGV[1] then return {'forward', owner} end
-if ARGV[4] ~= '' then redis.call('SADD', KEYS[3], ARGV[4]) end
-local holder = redis.call('GET', KEYS[1])
-if holder then return {'busy', holder} end
-if ARGV[5] == '1' and not owner then
-  redis.call('HSET', KEYS[4], 'worker', ARGV[1])
-  redis.call('PEXPIRE', KEYS[4], ARGV[6])
+-- ARGV[6] owner ttl ms   ARGV[7] '1' to select the first entry (or release at once)
+-- ARGV[8] lease nonce    ARGV[9] ready MAXLEN    ARGV[10] notification entry id ('' none)
+-- ARGV[11] consumer group   ARGV[12] S again (member of the stream keys)
+-- returns {'private'}                  S is an open private session but K ~= S: retry with K = S
+--       | {'forward', owner}           S belongs to another worker's private session
+--       | {'busy', holder}
+--       | {'acquired', token, version, generation, memory version, <next_or_release...>}
+-- S joins K's pending set before any forward, so a forward lost with its owner is found
+-- again by whoever acquires K next. The notification is acknowledged (and deleted) last,
+-- so a script that fails midway (e.g. OOM) leaves it pending for redelivery.
+local function ack()
+  if ARGV[10] ~= '' then
+    redis.call('XACK', KEYS[6], ARGV[11], ARGV[10])
+    redis.call('XDEL', KEYS[6], ARGV[10])
+  end
 end
-local epoch = redis.call('INCR', KEYS[2])
-local token = epoch .. '|' .. ARGV[1]
+
+if ARGV[4] ~= '' then
+  local owner = redis.call('HGET', KEYS[5], 'worker')
+  if owner and ARGV[3] ~= ARGV[4] then return {'private'} end
+  redis.call('SADD', KEYS[2], ARGV[4])
+  if owner and owner ~= ARGV[1] then
+    ack()
+    return {'forward', owner}
+  end
+end
+local holder = redis.call('GET', KEYS[1])
+if holder then
+  ack()
+  return {'busy', holder}
+end
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[5]) == 0 then
+  redis.call('HSET', KEYS[5], 'worker', ARGV[1])
+  redis.call('PEXPIRE', KEYS[5], ARGV[6])
+end
+local token = ARGV[8] .. '|' .. ARGV[1]
 local ttl = tonumber(ARGV[2])
 redis.call('SET', KEYS[1], token, 'PX', ttl)
-redis.call('ZADD', KEYS[6], now_ms() + ttl, ARGV[3])
-local version = redis.call('HGET', KEYS[5], 'version') or '0'
-local memory = redis.call('HGET', KEYS[7], 'version') or '0'
-if ARGV[7] ~= '1' then return {'acquired', token, version, memory} end
-local nxt = next_or_release(KEYS[1], KEYS[3], KEYS[6], triples(8, 8), ARGV[3])
-return {'acquired', token, version, memory, unpack(nxt)}
+redis.call('PEXPIRE', KEYS[2], 2 * ttl)
+local s = redis.call('HMGET', KEYS[3], 'version', 'gen')
+local memory = redis.call('HGET', KEYS[4], 'version') or '0'
+local head = {'acquired', token, s[1] or '0', s[2] or '', memory}
+if ARGV[7] == '1' then
+  local nxt = next_or_release(KEYS[1], KEYS[2], streams_of(7, 12), ARGV[3], ARGV[9])
+  for _, v in ipairs(nxt) do head[#head + 1] = v end
+end
+ack()
+return head

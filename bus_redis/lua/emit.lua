@@ -1,6 +1,8 @@
--- emit: a fenced non-terminal outbound event (progress, delta).
--- KEYS[1] lease  KEYS[2] out stream
--- ARGV[1] token  ARGV[2] payload JSON  ARGV[3] MAXLEN
+-- emit: a fenced non-terminal event (progress, delta) on the session's event stream.
+-- KEYS[1] lease  KEYS[2] out stream P:{C}:out:S
+-- ARGV[1] token  ARGV[2] payload JSON  ARGV[3] MAXLEN  ARGV[4] stream ttl ms
 -- returns the entry id, or false when the lease is lost
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
-return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'payload', ARGV[2])
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'payload', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return id

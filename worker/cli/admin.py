@@ -1,9 +1,10 @@
-"""Admin subcommands: ``status``, ``sessions``, ``memory``, ``dlq``."""
+"""Admin subcommands: ``status``, ``sessions``, ``memory``, ``dlq``, ``channels``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,37 +12,52 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from bus_redis import FrontendClient, Keys
+from bus_redis import FrontendClient, Keys, RedisBus
 from bus_redis.codec import fields, text
+from bus_redis.keys import glob_escape, valid_channel
+from bus_redis.registry import Registry
 from bus_redis.streams import WORKER_GROUP
-from session_store import MemoryStore, RedisSessionStore, SessionManager
+from session_store import OWNER_SCOPE, MemoryStore, RedisSessionStore, SessionManager
 from worker.app import make_redis
 from worker.settings import Settings
 
 
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser("status", help="workers seen, queue length, pending entries, active leases")
+    p = sub.add_parser("status", help="workers, queues, pending entries, active leases")
     common(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=status)
 
-    p = sub.add_parser("sessions", help="list | show KEY | delete KEY")
+    p = sub.add_parser("sessions", help="list | show KEY | delete KEY (delete waits for the lease)")
     common(p)
     p.add_argument("action", choices=["list", "show", "delete"])
     p.add_argument("key", nargs="?")
+    p.add_argument("--scope", help="list: only this scope's sessions (CHANNEL/NAME)")
     p.set_defaults(handler=sessions)
 
-    p = sub.add_parser("memory", help="show | set TEXT (the durable long-term memory)")
+    p = sub.add_parser("memory", help="show | set TEXT | clear: one scope's long-term memory")
     common(p)
-    p.add_argument("action", choices=["show", "set"])
+    p.add_argument("action", choices=["show", "set", "clear"])
     p.add_argument("text", nargs="?")
+    p.add_argument("--scope", default=OWNER_SCOPE, help=f"CHANNEL/NAME (default {OWNER_SCOPE})")
     p.set_defaults(handler=memory)
 
     p = sub.add_parser("dlq", help="dead letters: list | show ID | replay ID | purge")
     common(p)
     p.add_argument("action", choices=["list", "show", "replay", "purge"])
     p.add_argument("entry_id", nargs="?")
+    p.add_argument("--channel", help="only this channel's dead letters")
     p.set_defaults(handler=dlq)
+
+    p = sub.add_parser("channels", help="list | add NAME | remove NAME: channels workers serve")
+    common(p)
+    p.add_argument("action", choices=["list", "add", "remove"])
+    p.add_argument("name", nargs="?")
+    p.set_defaults(handler=channels)
+
+
+async def _channels(redis: aioredis.Redis, keys: Keys) -> list[str]:
+    return sorted(await Registry(RedisBus(redis, keys.prefix)).channels())
 
 
 async def collect_status(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
@@ -49,52 +65,44 @@ async def collect_status(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     workers = []
     for worker_id, seen in await redis.zrange(keys.workers, 0, -1, withscores=True):
         info = await redis.hgetall(keys.worker_info(worker_id))  # type: ignore[misc]
-        alive = bool(info)
         workers.append(
-            {"id": worker_id, "last_seen_ms_ago": now_ms - int(seen), "alive": alive, **info}
+            {"id": worker_id, "last_seen_ms_ago": now_ms - int(seen), "alive": bool(info), **info}
         )
-    try:
-        pending = await redis.xpending(keys.ready, WORKER_GROUP)
-        pending_count = int(pending["pending"])
-    except ResponseError:
-        pending_count = 0
-    leases = [
-        {"session": k, "expires_in_ms": int(score) - now_ms}
-        for k, score in await redis.zrange(keys.leases, 0, -1, withscores=True)
-    ]
-    return {
-        "redis": "up",
-        "workers": workers,
-        "ready_queue": await redis.xlen(keys.ready),
-        "pending_unacked": pending_count,
-        "active_leases": leases,
-        "transient_sessions": await redis.zcard(keys.owners),
-        "dead_letters": await redis.xlen(keys.dead),
-        "durable_sessions": await redis.zcard(keys.sessions_index),
-    }
+    per_channel = {}
+    for channel in await _channels(redis, keys):
+        try:
+            pending = int((await redis.xpending(keys.ready(channel), WORKER_GROUP))["pending"])
+        except ResponseError:
+            pending = 0
+        per_channel[channel] = {
+            "ready": await redis.xlen(keys.ready(channel)),
+            "unacked": pending,
+            "transient_sessions": await redis.zcard(keys.owners(channel)),
+            "dead_letters": await redis.xlen(keys.dead(channel)),
+            "durable_sessions": await redis.zcard(keys.sessions_index(channel)),
+        }
+    leases = []
+    pattern = f"{glob_escape(keys.prefix)}:{{*}}:lease:*"
+    async for key in redis.scan_iter(match=pattern, count=1000):
+        leases.append({"key": text(key), "expires_in_ms": int(await redis.pttl(key))})
+    return {"redis": "up", "workers": workers, "channels": per_channel, "active_leases": leases}
 
 
 async def status(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     try:
-        try:
-            await redis.ping()
-        except Exception as exc:
-            print(f"redis: DOWN ({settings.redis_url.split('@')[-1]}: {exc})")
-            return 1
         report = await collect_status(redis, Keys(settings.key_prefix))
     finally:
         await redis.aclose()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(
-        f"redis: up   ready queue: {report['ready_queue']}   unacked: {report['pending_unacked']}   "
-        f"dead letters: {report['dead_letters']}"
-    )
-    print(
-        f"durable sessions: {report['durable_sessions']}   transient sessions: {report['transient_sessions']}"
-    )
+    print(f"channels ({len(report['channels'])}):")
+    for name, c in report["channels"].items():
+        print(
+            f"  {name}: ready {c['ready']}  unacked {c['unacked']}  durable sessions "
+            f"{c['durable_sessions']}  transient {c['transient_sessions']}  dead letters {c['dead_letters']}"
+        )
     print(f"workers ({len(report['workers'])}):")
     for w in report["workers"]:
         state = "alive" if w["alive"] else "gone"
@@ -104,20 +112,24 @@ async def status(args: argparse.Namespace, settings: Settings) -> int:
         )
     print(f"active leases ({len(report['active_leases'])}):")
     for lease in report["active_leases"]:
-        print(f"  {lease['session']}  expires in {lease['expires_in_ms']} ms")
+        print(f"  {lease['key']}  expires in {lease['expires_in_ms']} ms")
     return 0
 
 
 async def sessions(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
-    manager = SessionManager(RedisSessionStore(redis, Keys(settings.key_prefix)))
+    keys = Keys(settings.key_prefix)
+    manager = SessionManager(RedisSessionStore(redis, keys, lock_ttl_ms=settings.lock_ttl_ms))
     try:
         if args.action == "list":
-            for info in await manager.list_sessions():
-                print(f"{info['key']}\t{info['messages']} messages\tupdated {info['updated_at']}")
+            for info in await manager.list_sessions(args.scope):
+                print(
+                    f"{info['key']}\t{info['scope']}\t{info['messages']} messages\t"
+                    f"updated {info['updated_at']}"
+                )
             return 0
         if not args.key:
-            print("agent-worker: sessions show/delete need a KEY")
+            print("agent-worker: sessions show/delete need a KEY", file=sys.stderr)
             return 2
         if args.action == "show":
             payload = await manager.read_session(args.key)
@@ -138,10 +150,16 @@ async def memory(args: argparse.Namespace, settings: Settings) -> int:
     store = MemoryStore(redis, Keys(settings.key_prefix))
     try:
         if args.action == "show":
-            print(await store.read_memory())
+            print(await store.read_memory(args.scope))
+        elif args.action == "set" and not args.text:
+            print(
+                "agent-worker: memory set needs TEXT (use 'memory clear' to empty it)",
+                file=sys.stderr,
+            )
+            return 2
         else:
-            version = await store.write_memory(args.text or "")
-            print(f"memory set (version {version})")
+            version = await store.write_memory(args.text or "", args.scope)
+            print(f"memory of {args.scope} {'set' if args.text else 'cleared'} (version {version})")
         return 0
     finally:
         await redis.aclose()
@@ -151,33 +169,75 @@ async def dlq(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     keys = Keys(settings.key_prefix)
     try:
+        names = [args.channel] if args.channel else await _channels(redis, keys)
         if args.action == "list":
-            for entry_id, raw in await redis.xrange(keys.dead):
-                doc = json.loads(fields(raw).get("entry", "{}"))
-                print(
-                    f"{entry_id}\t{doc.get('session')}\t{doc.get('deliveries')}x\t{doc.get('reason')}"
-                )
+            for channel in names:
+                for entry_id, raw in await redis.xrange(keys.dead(channel)):
+                    doc = json.loads(fields(raw).get("entry", "{}"))
+                    print(
+                        f"{entry_id}\t{doc.get('session')}\t{doc.get('deliveries')}x\t{doc.get('reason')}"
+                    )
             return 0
         if args.action == "purge":
-            count = await redis.xlen(keys.dead)
-            await redis.delete(keys.dead)
+            count = 0
+            for channel in names:
+                count += await redis.xlen(keys.dead(channel))
+                await redis.delete(keys.dead(channel))
             print(f"purged {count} dead letters")
             return 0
         if not args.entry_id:
-            print("agent-worker: dlq show/replay need an ENTRY_ID")
+            print("agent-worker: dlq show/replay need an ENTRY_ID", file=sys.stderr)
             return 2
-        found = await redis.xrange(keys.dead, args.entry_id, args.entry_id)
+        return await _dlq_one(redis, keys, names, args, settings)
+    finally:
+        await redis.aclose()
+
+
+async def _dlq_one(
+    redis: aioredis.Redis,
+    keys: Keys,
+    names: list[str],
+    args: argparse.Namespace,
+    settings: Settings,
+) -> int:
+    for channel in names:
+        found = await redis.xrange(keys.dead(channel), args.entry_id, args.entry_id)
         if not found:
-            print(f"no dead letter {args.entry_id}")
-            return 1
+            continue
         doc = json.loads(fields(found[0][1]).get("entry", "{}"))
         if args.action == "show":
             print(json.dumps(doc, indent=2, ensure_ascii=False))
             return 0
+        if "payload" not in doc:
+            print(
+                "agent-worker: a private session's dead letter keeps no text to replay",
+                file=sys.stderr,
+            )
+            return 1
         client = FrontendClient(redis, settings.key_prefix)
         new_id = await client.send_raw(text(doc.get("session")), text(doc.get("payload")))
-        await redis.xdel(keys.dead, args.entry_id)
+        await redis.xdel(keys.dead(channel), args.entry_id)
         print(f"replayed as {new_id}")
+        return 0
+    print(f"no dead letter {args.entry_id}")
+    return 1
+
+
+async def channels(args: argparse.Namespace, settings: Settings) -> int:
+    redis = make_redis(settings.redis_url)
+    keys = Keys(settings.key_prefix)
+    try:
+        if args.action == "list":
+            print("\n".join(await _channels(redis, keys)))
+            return 0
+        if not args.name or not valid_channel(args.name):
+            print("agent-worker: a channel NAME of letters, digits, '_' or '-'", file=sys.stderr)
+            return 2
+        if args.action == "add":
+            await redis.sadd(keys.channels, args.name)  # type: ignore[misc]
+        else:
+            await redis.srem(keys.channels, args.name)  # type: ignore[misc]
+        print(f"channel {args.name} {args.action}{'ed' if args.action == 'add' else 'd'}")
         return 0
     finally:
         await redis.aclose()

@@ -89,14 +89,6 @@ def _wait_port(port: int, timeout_s: float = 10) -> None:
 class _Script:
     def __init__(self, client: FrontendClient) -> None:
         self.client = client
-        self.replies: dict[str, asyncio.Future[OutboundMessage]] = {}
-
-    async def pump(self) -> None:
-        async with contextlib.aclosing(self.client.replies(CHANNEL, group="demo")) as events:
-            async for ev in events:
-                fut = self.replies.get(ev.reply_to or "")
-                if ev.is_terminal and fut is not None and not fut.done():
-                    fut.set_result(ev)
 
     async def say(self, chat_id: str, text: str, *, session: str | None = None) -> OutboundMessage:
         msg = InboundMessage(
@@ -108,14 +100,17 @@ class _Script:
             session_key_override=session,
             require_existing_session=session is not None,
         )
-        self.replies[msg.id or ""] = asyncio.get_running_loop().create_future()
         print(f"  you  > {text}")
-        await self.client.send(msg)
-        ev = await asyncio.wait_for(self.replies[msg.id or ""], 60)
+        ev = await self.client.ask(msg, timeout_s=60)
         who = f"    (worker {ev.metadata['worker']})" if "worker" in ev.metadata else ""
         shown = ev.content if ev.type == "message" else f"[{ev.code}] {ev.content}"
         print(f"  bot  < {shown}{who}")
         return ev
+
+    async def opened(self, key: str, reply_to: str) -> None:
+        async for ev in self.client.events([key], after="0"):
+            if ev.reply_to == reply_to and ev.is_terminal:
+                return
 
 
 async def _conversation(script: _Script, loops: list[AgentLoop], redis_url: str) -> None:
@@ -135,8 +130,7 @@ async def _conversation(script: _Script, loops: list[AgentLoop], redis_url: str)
         session_key=f"{CHANNEL}:alice-private",
         disabled_tools={"create_goal", "update_goal"},
     )
-    script.replies[opened] = asyncio.get_running_loop().create_future()
-    await asyncio.wait_for(script.replies[opened], 30)
+    await asyncio.wait_for(script.opened(key, opened), 30)
     owner = next(loop.worker_id for loop in loops if loop.sessions.is_transient(key))
     print(f"  opened {key}, owned by worker {owner}")
     await script.say("alice", "A secret only this worker may know.", session=key)
@@ -167,7 +161,13 @@ async def demo(args: argparse.Namespace, settings: Settings) -> int:
     with embedded_redis() as (url, kind):
         print(f"Redis: {kind} at {url}; provider: {provider}; two workers")
         base = settings.model_copy(
-            update={"redis_url": url, "key_prefix": "demo", "provider": provider, "jobs": "local"}
+            update={
+                "redis_url": url,
+                "key_prefix": "demo",
+                "provider": provider,
+                "jobs": "local",
+                "channels": [CHANNEL],
+            }
         )
         clients = [make_redis(url) for _ in range(3)]
         loops = [
@@ -176,17 +176,15 @@ async def demo(args: argparse.Namespace, settings: Settings) -> int:
         ]
         runs = [asyncio.create_task(loop.run()) for loop in loops]
         script = _Script(FrontendClient(clients[2], "demo"))
-        pump = asyncio.create_task(script.pump())
         try:
             await _conversation(script, loops, url)
             if args.keep:
                 print("running; Ctrl-C to stop")
                 await asyncio.Event().wait()
         finally:
-            pump.cancel()
             for loop in loops:
                 loop.stop()
-            await asyncio.gather(*runs, pump, return_exceptions=True)
+            await asyncio.gather(*runs, return_exceptions=True)
             for c in clients:
                 await c.aclose()
     return 0

@@ -14,8 +14,6 @@ from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from worker.app import make_redis
 from worker.settings import Settings
 
-CLI_GROUP = "agent-worker-cli"
-
 
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("send", help="publish one message and print the reply")
@@ -53,26 +51,6 @@ def _print_event(ev: OutboundMessage) -> None:
         print(ev.content)
 
 
-async def wait_reply(
-    client: FrontendClient, channel: str, reply_to: str, timeout_s: float
-) -> OutboundMessage | None:
-    async def first_terminal() -> OutboundMessage | None:
-        async with contextlib.aclosing(
-            client.replies(channel, group=CLI_GROUP, consumer="cli")
-        ) as events:
-            async for ev in events:
-                if ev.reply_to == reply_to or reply_to in (ev.covers or []):
-                    if ev.is_terminal:
-                        return ev
-                    _print_event(ev)
-        return None
-
-    try:
-        return await asyncio.wait_for(first_terminal(), timeout_s)
-    except TimeoutError:
-        return None
-
-
 async def send(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     try:
@@ -86,9 +64,9 @@ async def send(args: argparse.Namespace, settings: Settings) -> int:
             session_key_override=args.session,
             require_existing_session=args.require_existing,
         )
-        reply_to = await client.send(msg)
-        ev = await wait_reply(client, args.channel, reply_to, args.timeout)
-        if ev is None:
+        try:
+            ev = await client.ask(msg, timeout_s=args.timeout, on_event=_print_event)
+        except TimeoutError:
             print(
                 f"agent-worker: no reply within {args.timeout:g}s (is a worker running?)",
                 file=sys.stderr,
@@ -123,9 +101,10 @@ class _Chat:
     def session_key(self) -> str:
         return self.transient or f"{self.channel}:{self.chat_id}"
 
-    async def print_replies(self) -> None:
-        events = self.client.replies(self.channel, group=CLI_GROUP, consumer="chat")
-        async with contextlib.aclosing(events):
+    async def print_replies(self, session_key: str, after: str = "$") -> None:
+        """Events of this window's session only (another window's never show here)."""
+        events = self.client.events([session_key], after=after)
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
             async for ev in events:
                 _print_event(ev)
 
@@ -163,13 +142,20 @@ async def chat(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     await redis.ping()
     session = _Chat(FrontendClient(redis, settings.key_prefix), args.channel, args.chat_id)
-    printer = asyncio.create_task(session.print_replies())
+    printer = asyncio.create_task(session.print_replies(session.session_key))
     print(f"chatting as {session.session_key}; /temp opens a private session, /quit leaves")
     try:
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
+            before = session.session_key
             if not line or not await session.handle(line.strip()):
                 break
+            if session.session_key != before:  # /temp, /durable, /discard: follow the session
+                printer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await printer
+                after = "0" if session.transient else "$"  # a new private session: all of it
+                printer = asyncio.create_task(session.print_replies(session.session_key, after))
     finally:
         printer.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -7,6 +7,7 @@ import asyncio
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import ValidationError
 from redis.exceptions import AuthenticationError, RedisError
@@ -27,7 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from worker.cli import admin, demo, frontend, runner
+    from worker.cli import acl, admin, demo, frontend, runner
 
     parser = argparse.ArgumentParser(
         prog="agent-worker",
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Configuration comes from AGENT_* environment variables; options override them.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (runner, frontend, admin, demo):
+    for module in (runner, frontend, admin, acl, demo):
         module.register(sub, _common)
     return parser
 
@@ -47,6 +48,17 @@ def load_settings(args: argparse.Namespace) -> Settings:
         if getattr(args, name, None) is not None
     }
     return Settings(**overrides)
+
+
+def redact_url(url: str) -> str:
+    """The Redis URL without its password (never printed or logged)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _config_error(exc: ValidationError) -> str:
@@ -69,12 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except AuthenticationError as exc:
         print(
-            f"agent-worker: Redis refused the credentials at {settings.redis_url}: {exc}",
+            f"agent-worker: Redis refused the credentials at {redact_url(settings.redis_url)}: {exc}",
             file=sys.stderr,
         )
         return 1
     except (RedisConnectionError, ConnectionRefusedError, OSError) as exc:
-        print(f"agent-worker: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
+        where = redact_url(settings.redis_url)
+        print(f"agent-worker: cannot reach Redis at {where}: {exc}", file=sys.stderr)
         return 1
     except RedisError as exc:
         print(f"agent-worker: Redis error: {exc}", file=sys.stderr)

@@ -49,6 +49,8 @@ def _settings_epilog() -> str:
 async def run(args: argparse.Namespace, settings: Settings) -> int:
     import asyncio
 
+    from worker.cli.main import redact_url
+
     setup_logging(settings.log_level)
     redis = make_redis(settings.redis_url)
     await redis.ping()
@@ -59,7 +61,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     log.info(
         "worker %s started: redis=%s prefix=%s provider=%s concurrency=%d unified=%s",
         loop.worker_id,
-        settings.redis_url.split("@")[-1],
+        redact_url(settings.redis_url),
         settings.key_prefix,
         settings.provider,
         settings.concurrency,

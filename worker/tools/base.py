@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from session_store import Session, SessionManager
@@ -21,6 +21,12 @@ class ToolContext:
     session: Session
     sessions: SessionManager
     emit: Emit  # send a non-terminal message to the session's frontend
+    metadata: dict[str, Any] = field(default_factory=dict)  # the inbound message's metadata
+
+    @property
+    def scope(self) -> str:
+        """Session tools and memory never leave this scope."""
+        return self.session.scope
 
 
 class Tool(Protocol):

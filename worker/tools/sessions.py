@@ -1,4 +1,5 @@
-"""read_session and search_sessions: read persisted conversations (read-only)."""
+"""read_session and search_sessions: read persisted conversations of the session's own
+scope (read-only). A session of another scope is answered exactly like a missing one."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class ReadSessionTool:
         if not session_key or session_key == ctx.session.key:
             return as_text(_public(ctx.session.messages, limit))
         payload = await ctx.sessions.read_session(session_key)
-        if payload is None:
+        if payload is None or not ctx.scope or payload.get("scope") != ctx.scope:
             return f"No stored session {session_key!r}"
         return as_text(_public(payload["messages"], limit))
 
@@ -43,8 +44,13 @@ class SearchSessionsTool:
     async def execute(self, ctx: ToolContext, query: str, max_sessions: int = 20) -> str:
         needle = query.casefold()
         hits: list[dict[str, str]] = []
-        for info in (await ctx.sessions.list_sessions())[: max(1, min(max_sessions, 100))]:
+        if not ctx.scope:
+            return f"No session mentions {query!r}"
+        scoped = await ctx.sessions.list_sessions(scope=ctx.scope)
+        for info in scoped[: max(1, min(max_sessions, 100))]:
             payload = await ctx.sessions.read_session(info["key"])
+            if payload is None or payload.get("scope") != ctx.scope:
+                continue
             for row in (payload or {}).get("messages", [])[-200:]:
                 content = row.get("content")
                 if isinstance(content, str) and needle in content.casefold():

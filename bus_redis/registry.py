@@ -1,0 +1,185 @@
+"""Registry: the periodic, worker-side bookkeeping on Redis.
+
+Channels (registered and discovered), transient owner records, the stranded-stream sweep,
+control markers missed while unsubscribed, worker heartbeats and clean-up of dead
+workers' inboxes and consumers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+
+from bus_redis.codec import fields, text, texts
+from bus_redis.keys import UNIFIED_CHANNEL, channel_of, valid_channel
+from bus_redis.streams import WORKER_GROUP, RedisBus
+
+SCAN_COUNT = 1000
+MARKER_SCAN = 1000
+
+
+class Registry:
+    def __init__(self, bus: RedisBus) -> None:
+        self.bus = bus
+        self.redis = bus.redis
+        self.keys = bus.keys
+        self._cursor = 0  # of the stranded-stream sweep, kept across ticks
+
+    # --- channels -------------------------------------------------------------------
+    async def register_channel(self, channel: str) -> None:
+        await self.redis.sadd(self.keys.channels, channel)  # type: ignore[misc]
+
+    async def channels(self) -> set[str]:
+        """Registered channels and channels whose ready queue exists."""
+        found = {text(c) for c in await self.redis.smembers(self.keys.channels)}  # type: ignore[misc]
+        async for key in self.redis.scan_iter(
+            match=self.keys.ready_pattern, count=SCAN_COUNT, _type="stream"
+        ):
+            channel = self.keys.channel_of_ready(text(key))
+            if channel is not None:
+                found.add(channel)
+        return {c for c in found if valid_channel(c)}
+
+    # --- transient owners -----------------------------------------------------------
+    async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:
+        keys = [self.keys.owner(key), self.keys.owners(channel_of(key))]
+        args = ["renew", worker_id, member, self.bus.owner_ttl_ms]
+        return bool(await self.bus.scripts.call("owner", keys, args))
+
+    async def drop_owner(self, key: str, worker_id: str, member: str) -> None:
+        keys = [self.keys.owner(key), self.keys.owners(channel_of(key))]
+        await self.bus.scripts.call("owner", keys, ["drop", worker_id, member, 0])
+
+    async def abandon_owner(self, key: str, worker_id: str) -> None:
+        """Delete our owner record but keep its registry entry, so that
+        :meth:`report_owner_lost` tells the frontend."""
+        keys = [self.keys.owner(key), self.keys.owners(channel_of(key))]
+        await self.bus.scripts.call("owner", keys, ["abandon", worker_id, "", 0])
+
+    async def due_owners(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
+        now_ms = int(time.time() * 1000)
+        due: list[str] = []
+        for channel in channels:
+            members = await self.redis.zrangebyscore(
+                self.keys.owners(channel), "-inf", now_ms, 0, limit
+            )
+            due += texts(members)
+        return due
+
+    async def report_owner_lost(self, member: str, event_json: str) -> bool:
+        key = json.loads(member)[0]
+        k = self.keys
+        keys = [k.owner(key), k.owners(channel_of(key)), k.out(key), k.ready(channel_of(key))]
+        retention = self.bus.retention
+        args = [member, event_json, key, retention.maxlen, retention.transient_ttl_ms]
+        return bool(await self.bus.scripts.call("owner_lost", keys, args))
+
+    async def unserved(self, keys: Sequence[str]) -> list[str]:
+        """Those of ``keys`` with queued inbound entries and no lease holder."""
+        if not keys:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.xlen(self.keys.inbound(key))
+                pipe.exists(self.keys.lease(key))
+            res = await pipe.execute()
+        return [k for i, k in enumerate(keys) if int(res[2 * i]) > 0 and not int(res[2 * i + 1])]
+
+    # --- failed deliveries --------------------------------------------------------------
+    async def note_failure(self, member: str, entry_id: str, cause: str) -> None:
+        """Remember why a turn failed, for the dead letter written after the last attempt."""
+        await self.redis.hset(self.keys.attempts(member), f"{entry_id}:error", cause[:200])  # type: ignore[misc]
+
+    async def last_failure(self, member: str, entry_id: str) -> str:
+        return text(await self.redis.hget(self.keys.attempts(member), f"{entry_id}:error"))  # type: ignore[misc]
+
+    # --- sweeps ---------------------------------------------------------------------
+    async def take_sweep_turn(self, worker_id: str, period_ms: int) -> bool:
+        """One worker per period runs the stranded-stream sweep."""
+        return bool(await self.redis.set(self.keys.sweeper, worker_id, nx=True, px=period_ms))
+
+    async def sweep_stranded(self, *, unified: bool, count: int = SCAN_COUNT) -> list[str]:
+        """Re-notify sessions that have queued entries and nobody serving them (a lost or
+        trimmed notification, a dead holder). One SCAN step per call; a full pass over
+        the keyspace is one sweep period."""
+        self._cursor, found = await self.redis.scan(
+            self._cursor, match=self.keys.inbound_pattern, count=count, _type="stream"
+        )
+        sessions = [s for s in (self.keys.session_of_inbound(text(k)) for k in found) if s]
+        if not sessions:
+            return []
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for s in sessions:
+                pipe.exists(k.owner(s))
+                pipe.exists(k.lease(s))
+            pipe.exists(k.lease(f"{UNIFIED_CHANNEL}:default"))
+            res = await pipe.execute()
+        unified_held = bool(res[-1])
+        stranded = []
+        for i, s in enumerate(sessions):
+            private, held = bool(res[2 * i]), bool(res[2 * i + 1])
+            if not held and (private or not unified or not unified_held):
+                stranded.append(s)
+        for s in stranded:
+            await self.bus.notify(s)
+        return stranded
+
+    async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
+        """For running turns ``{K: (S, entry id)}``: the op of a control marker queued
+        after the running entry (published while we were not subscribed)."""
+        found: dict[str, str] = {}
+        for key, (member, entry_id) in running.items():
+            if int(text(await self.redis.get(self.keys.control_hint(member))) or 0) <= 0:
+                continue
+            start = f"({entry_id}" if entry_id else "-"
+            entries = await self.redis.xrange(
+                self.keys.inbound(member), start, "+", count=MARKER_SCAN
+            )
+            for _eid, raw in entries:
+                op = fields(raw).get("control")
+                if op in ("stop", "discard"):
+                    found[key] = op
+                    break
+        return found
+
+    # --- workers --------------------------------------------------------------------
+    async def heartbeat(self, worker_id: str, info: dict[str, str], ttl_ms: int) -> None:
+        now_ms = int(time.time() * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.keys.workers, {worker_id: now_ms})
+            pipe.hset(self.keys.worker_info(worker_id), mapping=info)
+            pipe.pexpire(self.keys.worker_info(worker_id), ttl_ms)
+            await pipe.execute()
+
+    async def leave(self, worker_id: str, streams: Sequence[str]) -> None:
+        """Deregister: heartbeat record, inbox, and our consumer in every group."""
+        for stream in streams:
+            if stream != self.keys.inbox(worker_id):
+                await self._delete_consumer(stream, worker_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.workers, worker_id)
+            pipe.delete(self.keys.worker_info(worker_id), self.keys.inbox(worker_id))
+            await pipe.execute()
+
+    async def prune_dead_workers(self, *, older_than_ms: int, streams: Sequence[str]) -> list[str]:
+        """Forget workers whose heartbeat stopped: their inbox, heartbeat entry and idle
+        consumers without pending entries (entries still pending are claimed first)."""
+        cutoff = int(time.time() * 1000) - older_than_ms
+        dead = texts(await self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff))
+        for worker_id in dead:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.keys.workers, worker_id)
+                pipe.delete(self.keys.inbox(worker_id), self.keys.worker_info(worker_id))
+                await pipe.execute()
+        for stream in streams:
+            if ":worker:" in stream:
+                continue
+            for c in await self.redis.xinfo_consumers(stream, WORKER_GROUP):
+                if int(c["pending"]) == 0 and int(c["idle"]) > older_than_ms:
+                    await self._delete_consumer(stream, text(c["name"]))
+        return dead
+
+    async def _delete_consumer(self, stream: str, consumer: str) -> None:
+        await self.redis.xgroup_delconsumer(stream, WORKER_GROUP, consumer)

@@ -1,0 +1,58 @@
+"""Runtime: the narrow context a worker's parts share (instead of the whole AgentLoop).
+
+Holders, turn executions, maintenance and consolidation read what they need from here;
+per-turn state goes through ``turns`` (its one owner). Nothing below ``worker.loop``
+imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus_redis import RedisBus
+from bus_redis.registry import Registry
+from session_store import OWNER_SCOPE, MemoryStore, Session, SessionManager
+from worker.config import LoopConfig
+from worker.jobs import JobQueue
+from worker.providers import LLMProvider
+from worker.turn import TurnRunner
+from worker.turns import TurnRegistry
+
+
+@dataclass(slots=True)
+class Runtime:
+    config: LoopConfig
+    bus: RedisBus
+    registry: Registry
+    sessions: SessionManager
+    memory: MemoryStore
+    provider: LLMProvider
+    runner: TurnRunner
+    jobs: JobQueue
+    model: str
+    turns: TurnRegistry
+    # queues a consolidation job when a committed session is over budget (Consolidator)
+    maybe_consolidate: Callable[[Session], Awaitable[Any]] = field(default=lambda _s: _noop())
+
+    @property
+    def worker_id(self) -> str:
+        return self.config.worker_id
+
+    def scope_for(self, channel: str, vouched: str | None, sender_id: str) -> str:
+        """The scope a message asks for: the frontend's vouched scope within its channel,
+        else its sender alone (two senders never share a scope by accident); one scope
+        for everything in single-owner mode."""
+        if self.config.owner_mode:
+            return OWNER_SCOPE
+        return f"{channel}/{vouched}" if vouched else f"{channel}/sender:{sender_id}"
+
+    def forget(self, key: str) -> None:
+        """Drop a session from this worker's memory (discard, lost ownership)."""
+        self.sessions.invalidate(key)
+        self.turns.disown(key)
+
+
+async def _noop() -> None:
+    return None

@@ -1,0 +1,108 @@
+"""TurnRegistry: the one owner of a worker's in-flight state.
+
+Per effective key K: the holder draining it, the entry being handled (stream S and entry
+id, registered *before* the session is loaded), the turn task once it exists, and a
+cancel reason. A control that arrives at any point of that sequence is kept and applied
+as soon as there is a task to cancel, so it can never miss a turn being set up. Also the
+transient sessions this worker owns, and the worker's counters. Everything is removed
+when its session ends; nothing else below the loop keeps per-session state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Slot:
+    """What is going on for one effective key."""
+
+    key: str
+    member: str = ""  # stream S of the entry being handled
+    entry_id: str = ""
+    task: asyncio.Task[Any] | None = None
+    reason: str | None = None  # why the turn is (to be) cancelled
+    since_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+
+
+class TurnRegistry:
+    def __init__(self) -> None:
+        self._slots: dict[str, Slot] = {}
+        self._owned: dict[str, str] = {}  # transient key -> owners-registry member
+        self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
+        self.stopping = False
+
+    # --- entries and turns ----------------------------------------------------------
+    def begin(self, key: str, member: str, entry_id: str) -> Slot:
+        """An entry of K is being handled (before its session is loaded)."""
+        slot = Slot(key, member, entry_id)
+        self._slots[key] = slot
+        return slot
+
+    def attach(self, key: str, task: asyncio.Task[Any]) -> None:
+        """The turn task of K exists; a control that came meanwhile cancels it now."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return
+        slot.task = task
+        if slot.reason is not None:
+            task.cancel()
+
+    def reason(self, key: str) -> str | None:
+        slot = self._slots.get(key)
+        return slot.reason if slot else None
+
+    def end(self, key: str) -> str | None:
+        """The entry of K is done; returns the cancel reason, if any."""
+        slot = self._slots.pop(key, None)
+        return slot.reason if slot else None
+
+    def cancel(self, target: str, reason: str) -> int:
+        """Cancel the turn of K == target, or of the entry of stream S == target."""
+        n = 0
+        for slot in list(self._slots.values()):
+            if target in (slot.key, slot.member):
+                n += self._cancel(slot, reason)
+        return n
+
+    def cancel_key(self, key: str, reason: str) -> int:
+        slot = self._slots.get(key)
+        return self._cancel(slot, reason) if slot else 0
+
+    @staticmethod
+    def _cancel(slot: Slot, reason: str) -> int:
+        if slot.reason is None:
+            slot.reason = reason
+        if slot.task is not None and not slot.task.done():
+            slot.task.cancel()
+        return 1
+
+    def running(self) -> dict[str, tuple[str, str]]:
+        """``{K: (S, entry id)}`` of every entry being handled."""
+        return {k: (s.member, s.entry_id) for k, s in self._slots.items() if s.member}
+
+    def active_tasks(self) -> dict[str, asyncio.Task[Any]]:
+        return {k: s.task for k, s in self._slots.items() if s.task is not None}
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    # --- transient sessions this worker owns -------------------------------------------
+    def own(self, key: str, member: str) -> None:
+        self._owned[key] = member
+
+    def disown(self, key: str) -> str | None:
+        return self._owned.pop(key, None)
+
+    def owned(self) -> dict[str, str]:
+        return dict(self._owned)
+
+    def owns(self, key: str) -> bool:
+        return key in self._owned
+
+    def empty(self) -> bool:
+        return not self._slots and not self._owned
