@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from replies import TEST_CHANNELS
 from servers import RedisServer, in_ci, redis_server_binary
 
 RedisFactory = Callable[[], aioredis.Redis]
@@ -51,6 +52,8 @@ async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[RedisFa
             return client
 
         await make().flushall()
+    # as an operator would (agent-worker acl frontend / channels add): the test channels
+    await make().sadd("agent:channels", *TEST_CHANNELS)
     yield make
     for client in clients:
         await client.aclose()
@@ -65,6 +68,7 @@ async def redis(redis_factory: RedisFactory) -> aioredis.Redis:
 async def real_redis(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.from_url(redis_server.url, decode_responses=True)
     await client.flushall()
+    await client.sadd("agent:channels", *TEST_CHANNELS)
     yield client
     await client.aclose()
 

@@ -1,51 +1,50 @@
-"""Reading replies in tests: wait for terminal events by ``reply_to``."""
+"""Reading events in tests: wait for terminal events by ``reply_to``."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import weakref
 from collections.abc import Awaitable, Callable
 
 from bus_redis import FrontendClient, OutboundMessage
+from bus_redis.keys import glob_escape
 
-_SEEN: weakref.WeakKeyDictionary[FrontendClient, dict[str, dict[str, list[OutboundMessage]]]] = (
-    weakref.WeakKeyDictionary()
-)
+TEST_CHANNELS = ("web", "cli", "telegram", "bench", "system", "other")
+
+
+async def channel_events(client: FrontendClient, channel: str) -> list[OutboundMessage]:
+    """Every event still kept in the sessions of ``channel`` (events are not consumed by
+    reading, so this may be called again and again)."""
+    pattern = f"{glob_escape(client.keys.prefix)}:{{{channel}}}:out:*"
+    events: list[OutboundMessage] = []
+    async for stream in client.redis.scan_iter(match=pattern, count=1000):
+        for eid, raw in await client.redis.xrange(stream):
+            fields = raw if isinstance(raw, dict) else {}
+            try:
+                ev = OutboundMessage.model_validate_json(fields.get("payload", ""))
+            except ValueError:
+                continue
+            ev.entry_id = eid
+            events.append(ev)
+    return events
 
 
 async def collect(
     client: FrontendClient, channel: str, want: set[str], *, timeout_s: float = 30
 ) -> dict[str, list[OutboundMessage]]:
-    """Events of ``channel`` until every id in ``want`` got a terminal event.
-
-    Events read by an earlier call with the same client are remembered (reading acks and
-    deletes them), so consecutive calls never lose one another's replies.
-    """
-    got = _SEEN.setdefault(client, {}).setdefault(channel, {})
-
-    def missing() -> set[str]:
-        return {rid for rid in want if not any(ev.is_terminal for ev in got.get(rid, []))}
-
-    async def read() -> None:
-        if not missing():
-            return
-        async with contextlib.aclosing(
-            client.replies(channel, group="tests", block_ms=200)
-        ) as events:
-            async for ev in events:
-                for rid in [ev.reply_to or "", *(ev.covers or [])]:
-                    got.setdefault(rid, []).append(ev)
-                if not missing():
-                    return
-
-    try:
-        await asyncio.wait_for(read(), timeout_s)
-    except TimeoutError:
-        raise AssertionError(
-            f"no terminal reply for {sorted(missing())[:5]} within {timeout_s}s"
-        ) from None
-    return {rid: list(evs) for rid, evs in got.items()}
+    """Events of ``channel`` by reply id, once every id in ``want`` got a terminal event."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        got: dict[str, list[OutboundMessage]] = {}
+        for ev in await channel_events(client, channel):
+            for rid in {ev.reply_to or "", *(ev.covers or [])}:
+                got.setdefault(rid, []).append(ev)
+        missing = {rid for rid in want if not any(e.is_terminal for e in got.get(rid, []))}
+        if not missing:
+            return got
+        if loop.time() > deadline:
+            raise AssertionError(f"no terminal reply for {sorted(missing)[:5]} within {timeout_s}s")
+        await asyncio.sleep(0.02)  # poll: the events live in another task or process
 
 
 async def wait_until_async(predicate: Callable[[], Awaitable[bool]], *, timeout_s: float) -> bool:

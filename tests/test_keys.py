@@ -1,11 +1,11 @@
-"""Key encoding is injective and keeps every key of a session under one hash tag."""
+"""Key encoding is injective; every key of a session carries its channel's hash tag."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bus_redis.keys import Keys, decode_session, encode_session
+from bus_redis.keys import Keys, decode_session, encode_session, in_channel, valid_channel
 
 _PIECES = st.sampled_from(
     ["{", "}", "%", ":", "a", "Z", "0", "é", "\x00", "\x1f", "\x7f", "%7B", "%25", " "]
@@ -34,23 +34,44 @@ def test_encoded_key_has_no_braces_or_controls(key: str) -> None:
 
 
 @given(HOSTILE)
-def test_all_session_keys_share_one_hash_tag(key: str) -> None:
+def test_all_keys_of_a_session_share_its_channel_tag(rest: str) -> None:
     k = Keys("p")
+    key = f"web:{rest}"
     names = [
         k.inbound(key),
         k.session(key),
         k.lease(key),
-        k.epoch(key),
         k.pending(key),
         k.owner(key),
-        k.control_flag(key),
+        k.control_hint(key),
         k.attempts(key),
+        k.out(key),
+        k.ready("web"),
+        k.owners("web"),
+        k.dead("web"),
+        k.sessions_index("web"),
+        k.memory("web/alice"),
     ]
     tags = {n[n.index("{") + 1 : n.index("}")] for n in names}
-    assert tags == {encode_session(key)}
+    assert tags == {"web"}
+    assert k.session_of_inbound(k.inbound(key)) == (key if rest else None)
+
+
+@given(HOSTILE)
+def test_a_session_key_belongs_to_exactly_its_channel(rest: str) -> None:
+    assert in_channel(f"web:{rest}", "web") == bool(rest)
+    assert not in_channel(f"web:{rest}", "we")
+    assert not in_channel(f"webx:{rest}", "web")
+
+
+def test_channel_names_are_safe_in_acl_patterns() -> None:
+    for bad in ["", "a:b", "a*", "a?", "a[b]", "a{b}", "unified", "x" * 65, "a b", "é"]:
+        assert not valid_channel(bad)
+    assert valid_channel("web") and valid_channel("tele-gram_2")
 
 
 def test_examples() -> None:
     assert encode_session("telegram:42") == "telegram:42"
     assert encode_session("a{b}%c\n") == "a%7Bb%7D%25c%0A"
-    assert Keys("agent").inbound("web:{x}") == "agent:{web:%7Bx%7D}:in"
+    assert Keys("agent").inbound("web:{x}") == "agent:{web}:in:web:%7Bx%7D"
+    assert Keys("agent").out("web:42") == "agent:{web}:out:web:42"

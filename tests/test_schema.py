@@ -1,4 +1,5 @@
-"""Wire schema: validation, limits, reserved metadata, origin of rejected payloads."""
+"""Wire schema (v2): validation, limits, reserved metadata, channel of overrides, origin
+of rejected payloads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from bus_redis import InboundMessage, MessageRejectedError, OpenTransient, decod
 
 def _doc(**kw: object) -> str:
     base: dict[str, object] = {
-        "v": 1,
+        "v": 2,
         "channel": "web",
         "sender_id": "u",
         "chat_id": "c1",
@@ -25,13 +26,27 @@ def test_valid_message_and_session_key() -> None:
     msg = decode_inbound(_doc())
     assert isinstance(msg, InboundMessage)
     assert msg.session_key == "web:c1"
-    assert decode_inbound(_doc(session_key_override="thread:9")).session_key == "thread:9"
+    assert decode_inbound(_doc(session_key_override="web:thread-9")).session_key == "web:thread-9"
 
 
-def test_reserved_metadata_keys_are_stripped_before_the_turn() -> None:
+def test_an_override_outside_the_channel_is_invalid() -> None:
+    with pytest.raises(MessageRejectedError) as info:
+        decode_inbound(_doc(session_key_override="telegram:alice"))
+    assert info.value.code == "invalid_message"
+    assert "must start with 'web:'" in info.value.detail
+
+
+def test_reserved_metadata_keys_are_stripped_when_decoded() -> None:
     msg = decode_inbound(_doc(metadata={"_runtime_control": "session_discard", "lang": "en"}))
     assert isinstance(msg, InboundMessage)
-    assert msg.public_metadata() == {"lang": "en"}
+    assert msg.metadata == {"lang": "en"}
+
+
+def test_bytes_that_are_not_utf8_are_invalid() -> None:
+    raw = _doc(content="x").encode().replace(b'"x"', b'"' + bytes([0xFF, 0xFE]) + b'"')
+    with pytest.raises(MessageRejectedError) as info:
+        decode_inbound(raw.decode("utf-8", "surrogateescape"))
+    assert (info.value.code, info.value.detail) == ("invalid_message", "payload is not valid UTF-8")
 
 
 @pytest.mark.parametrize(
@@ -39,11 +54,12 @@ def test_reserved_metadata_keys_are_stripped_before_the_turn() -> None:
     [
         ("not json", "invalid_message", None),
         ("[1,2]", "invalid_message", None),
-        (_doc(v=2), "invalid_message", "web"),
+        (_doc(v=1), "invalid_message", "web"),
+        (_doc(channel="a:b"), "invalid_message", "a:b"),
         (_doc(chat_id=5), "invalid_message", "web"),
         (_doc(channel=""), "invalid_message", None),
         (
-            json.dumps({"v": 1, "op": "discard", "channel": "web", "chat_id": "c"}),
+            json.dumps({"v": 2, "op": "discard", "channel": "web", "chat_id": "c"}),
             "invalid_message",
             "web",
         ),
@@ -61,7 +77,7 @@ def test_open_transient() -> None:
     op = decode_inbound(
         json.dumps(
             {
-                "v": 1,
+                "v": 2,
                 "op": "open_transient",
                 "channel": "web",
                 "chat_id": "c",

@@ -1,27 +1,67 @@
-"""The Lua scripts on fakeredis and on a real redis-server: loading, fencing, idempotency,
-the release-vs-new-message race."""
+"""The Lua scripts on fakeredis and on a real redis-server: each one runs, fencing,
+idempotency, the release-vs-new-message race, control markers, acknowledgement inside
+acquire."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
-from bus_redis.results import Acquired, Busy, CommitSpec, Entry, Forward, Lost, More, Released
-from bus_redis.scripts import SCRIPT_NAMES, script_source
+from bus_redis.results import (
+    Acquired,
+    Busy,
+    CommitSpec,
+    ControlReached,
+    Entry,
+    Forward,
+    Lost,
+    More,
+    Notification,
+    Private,
+    Released,
+)
+from bus_redis.scripts import SCRIPT_NAMES, Scripts
 
 K = "web:s"
 
 
-async def test_every_script_loads(redis: aioredis.Redis) -> None:
-    for name in SCRIPT_NAMES:
-        sha = await redis.script_load(script_source(name))
-        assert len(sha) == 40
+async def test_every_script_runs(redis: aioredis.Redis) -> None:
+    """Each script is executed (fakeredis only hashes a script on SCRIPT LOAD, so loading
+    alone would check nothing there)."""
+    bus = RedisBus(redis)
+    k = bus.keys
+    scripts = Scripts(redis)
+    stream = [k.inbound(K), k.attempts(K), k.control_hint(K), k.owner(K), k.ready("web")]
+    calls = {
+        "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), *stream],
+                    ["w", 1000, K, K, "0", 1000, "1", "n", 100, "", "workers", K]),
+        "next": ([k.lease(K), k.pending(K), *stream], ["n|w", K, 100, K]),
+        "commit": ([k.lease(K), k.session(K), *stream[:2], k.out(K), k.sessions_index("web"),
+                    k.sessions_index("web"), k.owner(K), k.owners("web"), k.pending(K), k.dead("web")],
+                   ["n|w", "", "", 100, 1000, "", K, "", "w", "", 1000, "", "0", "g", 0]),
+        "release": ([k.lease(K), k.pending(K), k.ready("web")], ["n|w", K, 100]),
+        "renew": ([k.lease(K), k.pending(K)], ["x", 1000]),
+        "emit": ([k.lease(K), k.out(K)], ["x", "{}", 100, 1000]),
+        "owner": ([k.owner(K), k.owners("web")], ["renew", "w", "m", 1000]),
+        "owner_lost": ([k.owner(K), k.owners("web"), k.out(K), k.ready("web")],
+                       ["m", "{}", K, 100, 1000]),
+        "consolidate": ([k.lease(K), k.session(K), k.memory("web/a")], ["x", "{}", 0, "s"]),
+        "delete": ([k.lease(K), k.session(K), k.sessions_index("web"), k.sessions_index("web")],
+                   ["x", K]),
+    }  # fmt: skip
+    assert set(calls) == set(SCRIPT_NAMES)
+    for name, (keys, args) in calls.items():
+        await scripts.call(name, keys, args)  # a Lua error (or a missing key) raises here
 
 
-async def _queued(redis: aioredis.Redis, *texts: str) -> RedisBus:
+async def _queued(redis: aioredis.Redis, *texts: str, chat: str = "s") -> RedisBus:
     client = FrontendClient(redis)
     for t in texts:
-        await client.send(InboundMessage(channel="web", sender_id="u", chat_id="s", content=t))
+        await client.send(InboundMessage(channel="web", sender_id="u", chat_id=chat, content=t))
     return RedisBus(redis, lock_ttl_ms=5000)
 
 
@@ -33,10 +73,11 @@ async def test_acquire_selects_then_commit_releases_when_empty(redis: aioredis.R
     assert isinstance(await bus.acquire(K, "w2", member=K), Busy)
 
     spec = CommitSpec(member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"role":"user"}'])
-    version, step = await bus.commit(K, got.token, "w1", spec, select=[K])
-    assert version == 1
+    version, gen, step = await bus.commit(K, got.token, "w1", spec, select=[K])
+    assert version == 1 and gen
     assert isinstance(step, Released)
-    assert not await redis.exists(bus.keys.lease(K), bus.keys.inbound(K), bus.keys.pending(K))
+    left = [bus.keys.lease(K), bus.keys.inbound(K), bus.keys.pending(K), bus.keys.attempts(K)]
+    assert not await redis.exists(*left)
 
 
 async def test_commit_is_idempotent_under_a_client_retry(redis: aioredis.Redis) -> None:
@@ -45,18 +86,14 @@ async def test_commit_is_idempotent_under_a_client_retry(redis: aioredis.Redis) 
     assert isinstance(got, Acquired)
     assert isinstance(got.step, Entry)
     spec = CommitSpec(
-        member=K,
-        entry_ids=[got.step.entry_id],
-        meta="{}",
-        rows=['{"r":1}'],
-        reply='{"x":1}',
-        reply_channel="web",
+        member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"r":1}'], reply='{"x":1}'
     )
     await bus.commit(K, got.token, "w1", spec, select=None)
     await bus.commit(K, got.token, "w1", spec, select=None)  # the retry
 
     assert await redis.hget(bus.keys.session(K), "count") == "1"
-    assert await redis.xlen(bus.keys.out("web")) == 1
+    assert await redis.xlen(bus.keys.out(K)) == 1
+    assert 0 < await redis.pttl(bus.keys.out(K)) <= bus.retention.ttl_ms  # kept, bounded
     assert await redis.xlen(bus.keys.inbound(K)) == 1  # "two" is still queued
 
 
@@ -66,23 +103,23 @@ async def test_a_stale_token_writes_nothing(redis: aioredis.Redis) -> None:
     assert isinstance(got, Acquired)
     assert isinstance(got.step, Entry)
     await redis.delete(bus.keys.lease(K))  # the lease expired
-    again = await bus.acquire(K, "w2", member=K)
+    again = await bus.acquire(K, "w1", member=K)  # even the same worker gets a new token
     assert isinstance(again, Acquired)
     assert again.token != got.token
 
     spec = CommitSpec(
-        member=K,
-        entry_ids=[got.step.entry_id],
-        meta="{}",
-        rows=['{"r":1}'],
-        reply="{}",
-        reply_channel="web",
+        member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"r":1}'], reply="{}"
     )
-    version, step = await bus.commit(K, got.token, "w1", spec, select=[K])
-    assert (version, step) == (-1, Lost())
+    assert await bus.commit(K, got.token, "w1", spec, select=[K]) == (-1, "", Lost())
     assert not await bus.renew(K, got.token)
-    assert not await bus.emit(K, got.token, "web", "{}")
-    assert not await redis.exists(bus.keys.session(K), bus.keys.out("web"))
+    assert not await bus.emit(K, got.token, K, "{}", transient=False)
+    assert (
+        await bus.consolidate(
+            K, got.token, meta="{}", version=0, summary="s", memory_key=bus.keys.memory("web/a")
+        )
+        == "lost"
+    )
+    assert not await redis.exists(bus.keys.session(K), bus.keys.out(K), bus.keys.memory("web/a"))
     assert await redis.xlen(bus.keys.inbound(K)) == 1
 
 
@@ -91,14 +128,12 @@ async def test_a_message_arriving_during_release_keeps_the_lease(redis: aioredis
     got = await bus.acquire(K, "w1", member=K)
     assert isinstance(got, Acquired)
     assert isinstance(got.step, Entry)
-    # another chat of the same effective key is notified while we work
-    await FrontendClient(redis).send(
-        InboundMessage(channel="web", sender_id="u", chat_id="t", content="x")
-    )
+    # another stream of the same effective key is notified while we work
+    await _queued(redis, "x", chat="t")
     assert isinstance(await bus.acquire(K, "w2", member="web:t"), Busy)
 
     spec = CommitSpec(member=K, entry_ids=[got.step.entry_id])
-    _, step = await bus.commit(K, got.token, "w1", spec, select=[K])
+    _, _, step = await bus.commit(K, got.token, "w1", spec, select=[K])
     assert step == More(("web:t",))
     step = await bus.next(K, got.token, [K, "web:t"])
     assert isinstance(step, Entry)
@@ -111,35 +146,80 @@ async def test_transient_owner_gets_the_forward(redis: aioredis.Redis) -> None:
     assert isinstance(got, Acquired)
     assert await bus.release(K, got.token)
     assert await bus.acquire(K, "other", member=K) == Forward("owner")
+    assert await redis.sismember(bus.keys.pending(K), K)  # joined before the forward
+    assert await bus.acquire("unified:default", "other", member=K) == Private()
     assert isinstance(await bus.acquire(K, "owner", member=K, claim_owner=True), Acquired)
 
 
-async def test_replies_redeliver_what_a_named_consumer_never_acknowledged(
-    redis: aioredis.Redis,
-) -> None:
-    import json
+async def test_a_stop_marker_covers_exactly_the_messages_before_it(redis: aioredis.Redis) -> None:
+    bus = await _queued(redis, "before-1", "before-2")
+    await FrontendClient(redis).stop(K)
+    await _queued(redis, "after")
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    steps = [got.step]
+    while isinstance(steps[-1], Entry):
+        entry = steps[-1]
+        spec = CommitSpec(member=K, entry_ids=[entry.entry_id])
+        steps.append((await bus.commit(K, got.token, "w1", spec, select=[K]))[2])
+    covered = [
+        (json.loads(s.payload)["content"], s.covered_by) for s in steps if isinstance(s, Entry)
+    ]
+    assert covered == [("before-1", "stop"), ("before-2", "stop"), ("after", "")]
+    assert isinstance(steps[-1], Released)
+    assert not await redis.exists(bus.keys.control_hint(K), bus.keys.inbound(K))
 
-    client = FrontendClient(redis)
-    out = RedisBus(redis).keys.out("web")
-    for i in range(3):
-        doc = {
-            "v": 1,
-            "type": "message",
-            "channel": "web",
-            "chat_id": "c",
-            "session_key": "web:c",
-            "reply_to": f"r{i}",
-            "content": str(i),
-        }
-        await redis.xadd(out, {"payload": json.dumps(doc)})
-    await redis.xadd(out, {"payload": "not json"})
 
-    first = client.replies("web", group="g", consumer="gw-1", count=10)
-    assert (await anext(first)).reply_to == "r0"
-    await first.aclose()  # stops mid-batch: r0 (yielded) is acknowledged, r1 and r2 stay pending
+async def test_a_discard_marker_reached_at_the_head_is_reported(redis: aioredis.Redis) -> None:
+    bus = await _queued(redis)
+    await FrontendClient(redis).discard(K)
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert got.step == ControlReached(K, "discard")
+    assert isinstance(await bus.next(K, got.token, [K]), Released)
 
-    again = client.replies("web", group="g", consumer="gw-1", count=10)
-    seen = [(await anext(again)).reply_to, (await anext(again)).reply_to]
-    await again.aclose()
-    assert seen == ["r1", "r2"]
-    assert await redis.xlen(out) == 1  # only the malformed entry is left, pending
+
+async def test_acquire_acknowledges_its_notification_itself(redis: aioredis.Redis) -> None:
+    await _queued(redis, "one")
+    bus = RedisBus(redis)
+    streams = bus.note_streams("w1", ["web"])
+    await bus.ensure_groups(streams)
+    notes = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+    assert [n.session_key for n in notes] == [K]
+    assert isinstance(await bus.acquire(K, "w1", member=K, note=notes[0]), Acquired)
+    assert await redis.xlen(bus.keys.ready("web")) == 0
+    assert (await redis.xpending(bus.keys.ready("web"), "workers"))["pending"] == 0
+
+
+@pytest.mark.real_redis
+async def test_a_failed_acquire_leaves_its_notification_pending(real_redis: aioredis.Redis) -> None:
+    """Over maxmemory the script fails before its acknowledgement: the notification stays
+    pending and is redelivered (XAUTOCLAIM) once memory is back."""
+    await _queued(real_redis, "one")
+    bus = RedisBus(real_redis)
+    streams = bus.note_streams("w1", ["web"])
+    await bus.ensure_groups(streams)
+    note = (await bus.read_notifications("w1", streams, count=10, block_ms=10))[0]
+    used = int((await real_redis.info("memory"))["used_memory"])
+    await real_redis.config_set("maxmemory", str(used - 1024))
+    try:
+        with pytest.raises(ResponseError, match="maxmemory"):
+            await bus.acquire(K, "w1", member=K, note=note)
+    finally:
+        await real_redis.config_set("maxmemory", "0")
+    assert (await real_redis.xpending(bus.keys.ready("web"), "workers"))["pending"] == 1
+    again = await bus.claim_stale("w2", streams, min_idle_ms=0)
+    assert [n.session_key for n in again] == [K]
+    assert isinstance(await bus.acquire(K, "w2", member=K, note=again[0]), Acquired)
+
+
+async def test_a_notification_for_another_channel_is_dropped(redis: aioredis.Redis) -> None:
+    bus = RedisBus(redis)
+    streams = bus.note_streams("w1", ["web"])
+    await bus.ensure_groups(streams)
+    await redis.xadd(bus.keys.ready("web"), {"session": "telegram:alice"})  # forged
+    await redis.xadd(bus.keys.ready("web"), {"session": "web:ok"})
+    notes = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+    assert [n.session_key for n in notes] == ["web:ok"]
+    assert await redis.xlen(bus.keys.ready("web")) == 1  # the forged one is gone
+    assert notes[0] == Notification(bus.keys.ready("web"), notes[0].entry_id, "web:ok")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import redis.asyncio as aioredis
 
 from bus_redis import Keys
@@ -27,7 +29,7 @@ async def test_save_load_read_roundtrip(redis: aioredis.Redis) -> None:
     assert loaded.has_seen("m1")
     payload = await store.read("web:a")
     assert payload is not None
-    assert set(payload) == {"key", "created_at", "updated_at", "metadata", "messages"}
+    assert set(payload) == {"key", "created_at", "updated_at", "metadata", "scope", "messages"}
     assert await store.read("web:missing") is None
     assert await store.load("web:missing") is None
 
@@ -71,16 +73,52 @@ async def test_cache_is_used_only_at_the_current_version(redis: aioredis.Redis) 
     s = await manager.get_or_create("web:v")
     s.add_message("user", "one")
     await manager.save(s)
-    assert await manager.load_for_turn("web:v", s.version) is s  # no reload
+    assert await manager.load_for_turn("web:v", s.version, s.generation) is s  # no reload
 
     other = await store.load("web:v")  # another worker writes a newer version
     assert other is not None
     other.add_message("user", "two")
     await store.save(other)
 
-    fresh = await manager.load_for_turn("web:v", other.version)
+    fresh = await manager.load_for_turn("web:v", other.version, other.generation)
     assert fresh is not s
     assert [m["content"] for m in fresh.messages] == ["one", "two"]
+
+
+async def test_a_deleted_and_recreated_session_never_validates_a_stale_copy(
+    redis: aioredis.Redis,
+) -> None:
+    """Versions restart when a hash is re-created; its generation does not repeat."""
+    store = _store(redis)
+    manager = SessionManager(store)
+    stale = await manager.get_or_create("web:d")
+    stale.add_message("user", "deleted secret")
+    await manager.save(stale)
+    assert await store.delete("web:d")  # another process deletes it (under the lease)
+
+    again = Session(key="web:d")
+    again.add_message("user", "new")
+    await store.save(again)  # re-created: version 1 again
+    assert again.version == stale.version == 1
+    assert again.generation != stale.generation
+
+    loaded = await manager.load_for_turn("web:d", again.version, again.generation)
+    assert [m["content"] for m in loaded.messages] == ["new"]
+
+
+async def test_delete_waits_for_the_lease_holder(redis: aioredis.Redis) -> None:
+    store = _store(redis)
+    session = Session(key="web:busy")
+    session.add_message("user", "x")
+    await store.save(session)
+    await redis.set(store.keys.lease("web:busy"), "n|worker", px=60_000)
+    with pytest.raises(TimeoutError, match="stayed busy"):
+        await store.delete("web:busy", timeout_s=0.2)
+    assert await store.load("web:busy") is not None  # untouched while the turn holds it
+    await redis.delete(store.keys.lease("web:busy"))
+    assert await store.delete("web:busy")
+    assert await store.load("web:busy") is None
+    assert not await redis.exists(store.keys.lease("web:busy"))
 
 
 async def test_transient_sessions_are_pinned_and_never_saved(redis: aioredis.Redis) -> None:
