@@ -239,7 +239,7 @@ class RedisBus:
         )
         out: list[tuple[str, str | None]] = []
         for eid, raw in entries or []:
-            pairs = dict(zip(raw[::2], raw[1::2], strict=True))
+            pairs = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
             payload = pairs.get(b"payload")
             out.append((text(eid), None if payload is None else payload_text(payload)))
         return out

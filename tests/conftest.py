@@ -99,6 +99,7 @@ def spawn_workers(
             "AGENT_MODEL": "fake-model",
             "OPENAI_BASE_URL": fake_llm.base_url,
             "OPENAI_API_KEY": "test",  # type: ignore[attr-defined]
+            "AGENT_CHANNELS": ",".join(TEST_CHANNELS),
         }
         procs = [
             WorkerProcess(

@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from helpers import ScriptedProvider
 from replies import collect, wait_until_async
 
-from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from session_store.codec import decode_meta
 from worker import AgentLoop, LoopConfig
 from worker.consolidator import KEEP_RECENT
 from worker.jobs.arq_queue import ArqJobQueue
-from worker.providers import EchoProvider
+from worker.providers import EchoProvider, LLMResponse
 
 LOW = LoopConfig(consolidate_above_tokens=60, read_block_ms=100)
 
@@ -25,12 +27,12 @@ def _m(i: int) -> InboundMessage:
     )
 
 
-async def _last_consolidated(redis: aioredis.Redis) -> int:
-    return int(
-        decode_meta(await redis.hget("agent:{web:long}:session", "meta")).get(
-            "last_consolidated", 0
-        )
-    )
+SCOPE = "web/sender:u"  # no vouched scope: the sender's own
+
+
+async def _last_consolidated(redis: aioredis.Redis, key: str = "web:long") -> int:
+    meta = decode_meta(await redis.hget(Keys().session(key), "meta"))
+    return int(meta.get("last_consolidated", 0))
 
 
 async def test_long_durable_session_is_folded_into_memory(redis: aioredis.Redis) -> None:
@@ -44,8 +46,36 @@ async def test_long_durable_session_is_folded_into_memory(redis: aioredis.Redis)
     assert stored is not None
     assert folded > 0
     assert folded <= len(stored["messages"]) - KEEP_RECENT
-    assert "fact number 0" in await loop.memory.read_memory()
+    assert "fact number 0" in await loop.memory.read_memory(SCOPE)
+    assert await loop.memory.read_memory("web/sender:someone-else") == ""
     assert len(stored["messages"]) == 12  # nothing is deleted, the offset moves
+
+
+async def test_two_consolidations_of_one_scope_keep_both_summaries(redis: aioredis.Redis) -> None:
+    """Both summaries are made at the same time; memory is appended under each session's
+    lease, never read-modify-written, so neither overwrites the other."""
+    both = asyncio.Barrier(2)
+
+    async def summarise(**kw: Any) -> LLMResponse:
+        text = kw["messages"][-1]["content"]
+        if kw.get("tools") is None and "Summarise" in kw["messages"][0]["content"]:
+            await both.wait()
+            return LLMResponse(content=f"summary of {text.split()[1]}")
+        return LLMResponse(content="ok")
+
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=summarise), config=LOW)
+    for chat in ("a", "b"):
+        for i in range(6):
+            msg = InboundMessage(
+                channel="web", sender_id="u", chat_id=chat, content=f"{chat}{i} " * 9
+            )
+            await loop.process_message(msg)
+    await loop.jobs.aclose()
+
+    memory = await loop.memory.read_memory(SCOPE)
+    assert "summary of a0" in memory and "summary of b0" in memory
+    assert await _last_consolidated(redis, "web:a") > 0
+    assert await _last_consolidated(redis, "web:b") > 0
 
 
 async def test_transient_sessions_are_never_consolidated(redis: aioredis.Redis) -> None:
@@ -55,6 +85,7 @@ async def test_transient_sessions_are_never_consolidated(redis: aioredis.Redis) 
     assert not await loop.consolidator.maybe_consolidate_by_tokens(session)
     await loop.consolidator.run_job(key="web:private", start=0, end=1)  # a forged job does nothing
     assert await loop.memory.read_memory() == ""
+    assert await loop.memory.read_memory(SCOPE) == ""
 
 
 @pytest.mark.real_redis
@@ -79,7 +110,7 @@ async def test_consolidation_runs_as_a_deduplicated_arq_job(
             return await _last_consolidated(real_redis) > 0
 
         assert await wait_until_async(folded, timeout_s=20)
-        assert "fact number 0" in await loop.memory.read_memory()
+        assert "fact number 0" in await loop.memory.read_memory(SCOPE)
     finally:
         loop.stop()
         await asyncio.wait_for(task, 20)

@@ -68,7 +68,7 @@ async def test_durable_session_gets_memory_tools_persistence_and_consolidation(
     """The contrast case: the same turn on a durable session does all the transient one must not."""
     provider = ScriptedProvider(["durable answer"])
     loop = _loop(redis, provider)
-    await loop.memory.write_memory("shared durable memory")
+    await loop.memory.write_memory("shared durable memory", "websocket/sender:user")
     loop.consolidator.maybe_consolidate_by_tokens = AsyncMock()  # type: ignore[method-assign]
     msg = InboundMessage(
         channel="websocket", sender_id="user", chat_id="durable", content="durable question"

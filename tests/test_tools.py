@@ -128,4 +128,4 @@ async def test_follow_up_is_injected_between_tool_rounds(redis_factory) -> None:
         "user",
         "assistant",
     ]
-    assert await client.redis.xlen("agent:{web:i}:in") == 0
+    assert await client.redis.xlen(client.keys.inbound("web:i")) == 0

@@ -39,8 +39,8 @@ class LoopConfig(BaseModel):
     reply_maxlen: int = Field(default=1000, ge=10)
     reply_ttl_ms: int = Field(default=3_600_000, ge=1000)
     transient_reply_ttl_ms: int = Field(default=60_000, ge=1000)
-    history_tokens: int = Field(default=16_000, ge=100)
-    consolidate_above_tokens: int = Field(default=24_000, ge=100)
+    history_tokens: int = Field(default=16_000, ge=1)
+    consolidate_above_tokens: int = Field(default=24_000, ge=1)
     followup_mode: Literal["inject", "queue"] = "inject"
     followups_per_pull: int = Field(default=3, ge=1)
     stream_deltas: bool = False  # forward the provider's streamed text as `delta` events

@@ -83,7 +83,7 @@ class AgentLoop:
             turns=TurnRegistry(),
         )
         self.consolidator = Consolidator(self.rt)
-        self.rt.maybe_consolidate = self.consolidator.maybe_consolidate_by_tokens
+        self.rt.maybe_consolidate = lambda s: self.consolidator.maybe_consolidate_by_tokens(s)
         self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.holders: dict[str, SessionHolder] = {}
         self._serving: set[asyncio.Task[None]] = set()
@@ -107,6 +107,10 @@ class AgentLoop:
     @property
     def memory(self) -> MemoryStore:
         return self.rt.memory
+
+    @property
+    def jobs(self) -> JobQueue:
+        return self.rt.jobs
 
     @property
     def turns(self) -> TurnRegistry:
