@@ -1,71 +1,122 @@
-"""The frontend ACL of docs/ACL.md, applied to a real redis-server: what it allows and refuses."""
+"""The generated ACLs (``agent-worker acl``) applied to a real redis-server: a frontend of
+channel web can send, stop/discard and read its events, and gets NOPERM (or no effect)
+for everything else: other channels' queues, streams, controls and replies, sessions,
+memory, leases, dead letters, its own queued entries, and Lua. Workers run under theirs."""
 
 from __future__ import annotations
 
 import asyncio
-import re
-from pathlib import Path
+from collections.abc import Awaitable
 
 import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from redis.exceptions import NoPermissionError
-from replies import collect
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from worker import AgentLoop, LoopConfig
+from worker.acl import frontend_acl, worker_acl
 from worker.providers import LLMResponse
 
 pytestmark = pytest.mark.real_redis
-DOC = Path(__file__).resolve().parents[1] / "docs" / "ACL.md"
 
 
-def _acl_words() -> list[str]:
-    block = re.search(r"```\n(ACL SETUSER.*?)```", DOC.read_text(), re.S)
-    assert block is not None
-    return block.group(1).replace(">CHANGE-ME", ">s3cret").split()
+async def _user(admin: aioredis.Redis, url: str, lines: list[str], name: str) -> aioredis.Redis:
+    for line in lines:
+        await admin.execute_command(*line.split())
+    return aioredis.from_url(
+        url.replace("redis://", f"redis://{name}:s3cret-pw@"), decode_responses=True
+    )
 
 
-async def test_frontend_acl_allows_the_protocol_and_nothing_more(
+async def test_generated_acls_confine_a_frontend_to_its_channel(
     real_redis: aioredis.Redis, redis_server
 ) -> None:  # type: ignore[no-untyped-def]
-    words = _acl_words()
-    assert words[:2] == ["ACL", "SETUSER"]
-    await real_redis.execute_command(*words)
-    url = redis_server.url.replace("redis://", "redis://frontend-web:s3cret@")
-    frontend_redis = aioredis.from_url(url, decode_responses=True)
+    url = redis_server.url
+    web = await _user(real_redis, url, frontend_acl("web", "s3cret-pw"), "frontend-web")
+    worker_redis = await _user(real_redis, url, worker_acl("s3cret-pw"), "agent-worker")
+    seen: list[str] = []
 
     async def answer(**kw: object) -> LLMResponse:
+        seen.append(str(kw["messages"]))
         return LLMResponse(content="ok")
 
     loop = AgentLoop(
-        RedisBus(real_redis), ScriptedProvider(handler=answer), config=LoopConfig(read_block_ms=100)
+        RedisBus(worker_redis),
+        ScriptedProvider(handler=answer),
+        config=LoopConfig(read_block_ms=100),
     )
     task = asyncio.create_task(loop.run())
-    try:
-        client = FrontendClient(frontend_redis)
-        mid = await client.send(
-            InboundMessage(id="a1", channel="web", sender_id="u", chat_id="1", content="hi")
+    other = FrontendClient(real_redis)  # telegram's traffic, published by its own frontend
+    await other.send(
+        InboundMessage(
+            channel="telegram", sender_id="alice", chat_id="alice", content="my PIN is 4711"
         )
-        _, opened = await client.open_transient("web", "2", session_key="web:2-private")
-        got = await collect(client, "web", {mid, opened})
-        assert got[mid][-1].content == "ok"
+    )
+    try:
+        client = FrontendClient(web)
+        ev = await client.ask(
+            InboundMessage(channel="web", sender_id="u", chat_id="1", content="hi"), timeout_s=10
+        )
+        assert ev.content == "ok"
+        key, _ = await client.open_transient("web", "2", session_key="web:2-private")
+        private = InboundMessage(
+            channel="web",
+            sender_id="u",
+            chat_id="2",
+            content="psst",
+            session_key_override=key,
+            require_existing_session=True,
+        )
+        assert (await client.ask(private, timeout_s=10)).content == "ok"
         assert await client.stop("web:1") >= 1
+        assert await client.discard(key) >= 1
 
-        keys = Keys()
-        for forbidden in (
-            frontend_redis.hgetall(keys.session("web:1")),
-            frontend_redis.hget(keys.memory, "content"),
-            frontend_redis.get(keys.lease("web:1")),
-            frontend_redis.xrange(keys.dead),
-            frontend_redis.xrange(keys.out("other-channel")),
-            frontend_redis.xrange(keys.ready),
-            frontend_redis.publish("somewhere-else", "x"),
-        ):
+        # a payload in its own stream naming telegram's session is refused, never run
+        forged = '{"v":2,"channel":"web","sender_id":"u","chat_id":"1","session_key_override":"telegram:alice"}'
+        await client.send_raw("web:1", forged)
+        refused = await client.ask(
+            InboundMessage(channel="web", sender_id="u", chat_id="1", content="after"), timeout_s=10
+        )
+        assert refused.content == "ok"
+        events = [e async for e in _first(client.events(["web:1"], after="0"), 10)]
+        assert "invalid_message" in [e.code for e in events]
+
+        k = Keys()
+        forbidden: list[Awaitable[object]] = [
+            web.xrange(k.inbound("telegram:alice")),  # read another channel's queue
+            web.xrevrange(k.inbound("web:1")),  # even its own queued entries (private text)
+            web.xdel(k.inbound("telegram:alice"), "0-1"),
+            web.set(k.control_hint("telegram:alice"), "9"),
+            web.xadd(k.inbound("telegram:alice"), {"control": "stop"}),
+            web.xadd(k.ready("telegram"), {"session": "telegram:alice"}, maxlen=0),
+            web.xrange(k.out("telegram:alice")),
+            web.publish(k.control("telegram"), "{}"),
+            web.hgetall(k.session("web:1")),
+            web.hgetall(k.memory("web/sender:u")),
+            web.get(k.lease("web:1")),
+            web.xrange(k.dead("web")),
+            web.smembers(k.channels),
+            web.eval("while true do end", 0),
+            web.scan(0),
+        ]
+        for call in forbidden:
             with pytest.raises(NoPermissionError):
-                await forbidden
+                await call
     finally:
         loop.stop()
         await asyncio.wait_for(task, 10)
-        await frontend_redis.aclose()
-        await real_redis.execute_command("ACL", "DELUSER", "frontend-web")
+        await web.aclose()
+        await worker_redis.aclose()
+        for user in ("frontend-web", "agent-worker"):
+            await real_redis.execute_command("ACL", "DELUSER", user)
+
+
+async def _first(events, timeout_s: float):  # type: ignore[no-untyped-def]
+    """Events already kept, then stop (a bounded read of a never-ending iterator)."""
+    it = events.__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(it.__anext__(), 0.5)
+        except TimeoutError:
+            return

@@ -29,11 +29,39 @@ def test_bad_configuration_is_one_line() -> None:
     assert "Traceback" not in res.stderr
 
 
-def test_unreachable_redis_is_one_line() -> None:
-    res = _run("send", "hi", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--timeout", "1")
-    assert res.returncode == 1
-    assert "cannot reach Redis" in res.stderr
-    assert "Traceback" not in res.stderr
+def test_unreachable_redis_is_one_line_without_the_password() -> None:
+    url = f"redis://app:hunter2-secret@127.0.0.1:{free_port()}/0"
+    for command in (["send", "hi", "--timeout", "1"], ["run"], ["status"]):
+        res = _run(*command, "--redis-url", url)
+        assert res.returncode == 1, command
+        assert "hunter2" not in res.stdout + res.stderr, command
+        assert "Traceback" not in res.stderr, command
+    assert (
+        "cannot reach Redis at redis://app:***@127.0.0.1"
+        in _run("send", "x", "--redis-url", url).stderr
+    )
+
+
+def test_a_bad_log_level_is_one_line() -> None:
+    res = _run("run", env={"AGENT_LOG_LEVEL": "LOUD"})
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        "agent-worker: bad configuration: AGENT_LOG_LEVEL: Value error, must be one of "
+        "DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    )
+
+
+def test_acl_prints_the_lines_for_one_channel() -> None:
+    res = _run("acl", "frontend", "--channel", "web", "--password", "s3cret-pw")
+    assert res.returncode == 0
+    setuser, register = res.stdout.strip().splitlines()
+    assert setuser.startswith("ACL SETUSER frontend-web reset on >s3cret-pw -@all ")
+    assert "~agent:{web}:out:*" in setuser
+    assert "eval" not in setuser
+    assert register == "SADD agent:channels web"
+    bad = _run("acl", "frontend", "--channel", "we:b", "--password", "s3cret-pw")
+    assert bad.returncode == 2
+    assert "invalid channel name" in bad.stderr
 
 
 @pytest.mark.real_redis
@@ -47,6 +75,11 @@ def test_status_and_sessions_against_a_real_server(redis_server) -> None:  # typ
         _run("memory", "show", "--redis-url", redis_server.url).stdout.strip()
         == "remember the milk"
     )
+    empty = _run("memory", "set", "--redis-url", redis_server.url)  # no TEXT: refused
+    assert empty.returncode == 2
+    assert "memory clear" in empty.stderr
+    shown = _run("memory", "show", "--redis-url", redis_server.url).stdout.strip()
+    assert shown == "remember the milk"
 
 
 def test_status_reports_an_outage() -> None:
@@ -67,21 +100,26 @@ def test_dlq_list_show_replay_purge(redis_server) -> None:  # type: ignore[no-un
     letter = {
         "session": "web:x",
         "entry_id": "1-0",
-        "payload": '{"v":1}',
+        "payload": '{"v":2}',
         "reason": "too bad",
         "deliveries": 6,
     }
-    entry_id = r.xadd("agent:dead", {"entry": json.dumps(letter)})
+    entry_id = r.xadd("agent:{web}:dead", {"entry": json.dumps(letter)})
 
     listed = _run("dlq", "list", "--redis-url", url)
     assert entry_id in listed.stdout
     assert "too bad" in listed.stdout
     assert json.loads(_run("dlq", "show", entry_id, "--redis-url", url).stdout)["deliveries"] == 6
     assert _run("dlq", "replay", entry_id, "--redis-url", url).returncode == 0
-    assert r.xlen("agent:dead") == 0
-    assert r.xrange("agent:{web:x}:in")[0][1]["payload"] == '{"v":1}'
-    r.xadd("agent:dead", {"entry": json.dumps(letter)})
-    assert "purged 1" in _run("dlq", "purge", "--redis-url", url).stdout
+    assert r.xlen("agent:{web}:dead") == 0
+    assert r.xrange("agent:{web}:in:web:x")[0][1]["payload"] == '{"v":2}'
+    r.xadd("agent:{web}:dead", {"entry": json.dumps(letter)})
+    private = {k: v for k, v in letter.items() if k != "payload"} | {"private": True}
+    kept = r.xadd("agent:{web}:dead", {"entry": json.dumps(private)})
+    refused = _run("dlq", "replay", kept, "--redis-url", url)
+    assert refused.returncode == 1
+    assert "keeps no text" in refused.stderr
+    assert "purged 2" in _run("dlq", "purge", "--redis-url", url).stdout
     r.close()
 
 

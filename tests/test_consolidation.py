@@ -73,7 +73,8 @@ async def test_two_consolidations_of_one_scope_keep_both_summaries(redis: aiored
     await loop.jobs.aclose()
 
     memory = await loop.memory.read_memory(SCOPE)
-    assert "summary of a0" in memory and "summary of b0" in memory
+    assert "summary of a0" in memory
+    assert "summary of b0" in memory
     assert await _last_consolidated(redis, "web:a") > 0
     assert await _last_consolidated(redis, "web:b") > 0
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import redis.asyncio as aioredis
-from replies import collect, wait_until_async
+from replies import channel_events, collect, wait_until_async
 from servers import RedisServer
 
 from bus_redis import FrontendClient, InboundMessage, Keys
@@ -140,9 +140,10 @@ async def test_dead_transient_owner_is_reported_and_fails_closed(
 
 async def _first_event(client: FrontendClient, *, code: str):  # type: ignore[no-untyped-def]
     async def read():  # type: ignore[no-untyped-def]
-        async for ev in client.replies("web", group="tests", block_ms=200):
-            if ev.code == code:
-                return ev
-        return None
+        while True:
+            for ev in await channel_events(client, "web"):
+                if ev.code == code:
+                    return ev
+            await asyncio.sleep(0.05)  # poll: the event comes from another process
 
     return await asyncio.wait_for(read(), 20)

@@ -74,7 +74,8 @@ async def test_acquire_selects_then_commit_releases_when_empty(redis: aioredis.R
 
     spec = CommitSpec(member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"role":"user"}'])
     version, gen, step = await bus.commit(K, got.token, "w1", spec, select=[K])
-    assert version == 1 and gen
+    assert version == 1
+    assert gen
     assert isinstance(step, Released)
     left = [bus.keys.lease(K), bus.keys.inbound(K), bus.keys.pending(K), bus.keys.attempts(K)]
     assert not await redis.exists(*left)

@@ -37,7 +37,8 @@ async def test_durable_two_turn_history_lands_in_the_session_hash(
     h = await real_redis.hgetall(Keys().session("web:alice"))
     assert h["count"] == "4"
     assert "what is my name" in h["m:2"]
-    assert await real_redis.zscore(Keys().sessions_index, "web:alice") is not None
+    assert await real_redis.zscore(Keys().sessions_index("web"), "web:alice") is not None
+    assert await real_redis.zscore(Keys().scope_sessions("web/sender:u"), "web:alice") is not None
 
 
 async def test_transient_content_never_reaches_redis_or_logs(
@@ -45,18 +46,20 @@ async def test_transient_content_never_reaches_redis_or_logs(
 ) -> None:  # type: ignore[no-untyped-def]
     workers = spawn_workers(2)
     client = FrontendClient(real_redis)
-    await real_redis.hset(Keys().memory, mapping={"content": "durable memory text", "version": 1})
+    memory = {"content": "durable memory text", "version": 1}
+    await real_redis.hset(Keys().memory("web/sender:u"), mapping=memory)  # type: ignore[arg-type]
     key, opened = await client.open_transient(
         "web", "bob", session_key="web:bob-private", disabled_tools={"create_goal"}
     )
     await collect(client, "web", {opened})
-    ids = [
-        await client.send(_msg("bob", t, session_key_override=key, require_existing_session=True))
+    answers = [  # ask() deletes a private session's events once it has read them
+        await client.ask(
+            _msg("bob", t, session_key_override=key, require_existing_session=True), timeout_s=20
+        )
         for t in ("private alpha", "private beta")
     ]
-    got = await collect(client, "web", set(ids))
 
-    assert [got[i][-1].content for i in ids] == ["re: private alpha", "re: private beta"]
+    assert [a.content for a in answers] == ["re: private alpha", "re: private beta"]
     prompts = [str(r["messages"]) for r in fake_llm.requests]
     assert "re: private alpha" in prompts[-1]  # in-memory history
     assert all("durable memory text" not in p for p in prompts)

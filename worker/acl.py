@@ -12,8 +12,8 @@ from __future__ import annotations
 from bus_redis.keys import Keys, valid_channel
 
 FRONTEND_COMMANDS = (
-    "+ping", "+multi", "+exec", "+discard", "+xadd", "+incr", "+publish",
-    "+xread", "+xrevrange", "+xdel", "+client|setinfo",
+    "+ping", "+multi", "+exec", "+discard", "+xadd", "+incrby", "+publish",
+    "+xread", "+xrevrange", "+xdel",
 )  # fmt: skip
 
 
@@ -30,7 +30,7 @@ def frontend_acl(
     grants = [
         f"%W~{tag}:in:*",  # publish messages and control markers; never read them back
         f"%W~{k.ready(channel)}",
-        f"~{tag}:ctl:*",  # INCR reads and writes
+        f"~{tag}:ctl:*",  # INCRBY reads and writes
         f"~{tag}:out:*",  # read its sessions' events; delete a private session's
         f"&{k.control(channel)}",
     ]
@@ -43,7 +43,8 @@ def worker_acl(password: str, *, prefix: str = "agent", user: str = "agent-worke
     """Workers: every key and pub/sub channel of the prefix (and arq's), no admin commands."""
     _check_password(password)
     parts = ["ACL", "SETUSER", user, "reset", "on", f">{password}", "+@all", "-@dangerous"]
-    parts += ["+info", f"~{prefix}:*", "~arq:*", f"&{prefix}:*"]
+    # PSUBSCRIBE needs its pattern granted literally (Redis matches patterns exactly)
+    parts += ["+info", f"~{prefix}:*", "~arq:*", f"&{prefix}:*", f"&{Keys(prefix).control_pattern}"]
     return [" ".join(parts)]
 
 

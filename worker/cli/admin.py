@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from bus_redis import FrontendClient, Keys, RedisBus
 from bus_redis.codec import fields, text
@@ -19,6 +19,7 @@ from bus_redis.registry import Registry
 from bus_redis.streams import WORKER_GROUP
 from session_store import OWNER_SCOPE, MemoryStore, RedisSessionStore, SessionManager
 from worker.app import make_redis
+from worker.cli.main import redact_url
 from worker.settings import Settings
 
 
@@ -60,6 +61,17 @@ async def _channels(redis: aioredis.Redis, keys: Keys) -> list[str]:
     return sorted(await Registry(RedisBus(redis, keys.prefix)).channels())
 
 
+async def _dead_channels(redis: aioredis.Redis, keys: Keys) -> list[str]:
+    """Channels that have dead letters (served or not any more)."""
+    head, tail = f"{keys.prefix}:{{", "}:dead"
+    found = set()
+    async for key in redis.scan_iter(match=f"{glob_escape(keys.prefix)}:{{*}}:dead", count=1000):
+        name = text(key)
+        if name.startswith(head) and name.endswith(tail):
+            found.add(name[len(head) : -len(tail)])
+    return sorted(found)
+
+
 async def collect_status(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     now_ms = int(time.time() * 1000)
     workers = []
@@ -91,13 +103,18 @@ async def collect_status(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
 async def status(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     try:
+        try:
+            await redis.ping()
+        except (RedisError, OSError) as exc:
+            print(f"redis: DOWN ({redact_url(settings.redis_url)}: {type(exc).__name__})")
+            return 1
         report = await collect_status(redis, Keys(settings.key_prefix))
     finally:
         await redis.aclose()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"channels ({len(report['channels'])}):")
+    print(f"redis: up   channels ({len(report['channels'])}):")
     for name, c in report["channels"].items():
         print(
             f"  {name}: ready {c['ready']}  unacked {c['unacked']}  durable sessions "
@@ -169,7 +186,7 @@ async def dlq(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     keys = Keys(settings.key_prefix)
     try:
-        names = [args.channel] if args.channel else await _channels(redis, keys)
+        names = [args.channel] if args.channel else await _dead_channels(redis, keys)
         if args.action == "list":
             for channel in names:
                 for entry_id, raw in await redis.xrange(keys.dead(channel)):

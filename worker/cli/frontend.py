@@ -104,9 +104,12 @@ class _Chat:
     async def print_replies(self, session_key: str, after: str = "$") -> None:
         """Events of this window's session only (another window's never show here)."""
         events = self.client.events([session_key], after=after)
+        private = session_key == self.transient
         async with contextlib.aclosing(events):  # type: ignore[type-var]
             async for ev in events:
                 _print_event(ev)
+                if private and ev.entry_id:  # a private session's events go once shown
+                    await self.client.redis.xdel(self.client.keys.out(session_key), ev.entry_id)
 
     async def handle(self, line: str) -> bool:
         if line in ("/quit", "/exit"):
