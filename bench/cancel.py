@@ -49,7 +49,7 @@ async def run(url: str, turns: int) -> list[float]:
     loop = AgentLoop(
         RedisBus(aioredis.from_url(url, decode_responses=True)),
         provider,  # type: ignore[arg-type]
-        config=LoopConfig(worker_id="cancel-bench", read_block_ms=100),
+        config=LoopConfig(worker_id="cancel-bench", read_block_ms=100, channels=["bench"]),
     )
     frontend = FrontendClient(aioredis.from_url(url, decode_responses=True))
     task = asyncio.create_task(loop.run())
@@ -60,7 +60,7 @@ async def run(url: str, turns: int) -> list[float]:
             InboundMessage(channel="bench", sender_id="u", chat_id=f"c{i}", content="go")
         )
         await provider.started.get()
-        turn = next(iter(loop.active_tasks[key]))
+        turn = loop.active_tasks[key]
         done = asyncio.get_running_loop().create_future()
         turn.add_done_callback(lambda _t, f=done: f.done() or f.set_result(time.perf_counter()))
         t0 = time.perf_counter()
@@ -79,10 +79,10 @@ async def across_processes(url: str, turns: int) -> list[float]:
         "OPENAI_API_KEY": "x",
         "AGENT_LOG_LEVEL": "WARNING",
         "AGENT_MODEL": "m",
+        "AGENT_CHANNELS": "proc",
     }
     worker = WorkerProcess(url, worker_id="cancel-proc", env={**os.environ, **env})
     frontend = FrontendClient(aioredis.from_url(url, decode_responses=True))
-    replies = frontend.replies("proc", block_ms=100)
     samples: list[float] = []
     try:
         for i in range(turns):
@@ -92,6 +92,7 @@ async def across_processes(url: str, turns: int) -> list[float]:
             )
             while len(llm.requests) <= i:  # noqa: ASYNC110 - the server counts in its own thread
                 await asyncio.sleep(0.001)
+            replies = frontend.events([key], after="0", block_ms=100)
             t0 = time.perf_counter()
             await frontend.stop(key)
             ev = await anext(replies)

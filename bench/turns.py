@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from _common import CountingRedis, RedisServer, summary
 from workers import WorkerProcess  # tests/ is on sys.path (see _common)
 
-from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.codec import stream_id_ms
 from session_store import Session
 from worker import AgentLoop, LoopConfig
@@ -32,7 +32,9 @@ async def throughput(url: str, sessions: int, messages: int, workers: int) -> No
         AgentLoop(
             RedisBus(CountingRedis.from_url(url, decode_responses=True)),
             EchoProvider(),
-            config=LoopConfig(worker_id=f"bench-{i}", concurrency=64, read_block_ms=100),
+            config=LoopConfig(
+                worker_id=f"bench-{i}", concurrency=64, read_block_ms=100, channels=["bench"]
+            ),
         )
         for i in range(workers)
     ]
@@ -46,10 +48,7 @@ async def throughput(url: str, sessions: int, messages: int, workers: int) -> No
     rt0, cpu0, t0 = CountingRedis.round_trips, time.process_time(), time.perf_counter()
     runs = [asyncio.create_task(loop.run()) for loop in loops]
     answered: set[str] = set()
-    async for ev in frontend.replies("bench", block_ms=200, count=1000):
-        answered.add(ev.reply_to or "")
-        if len(answered) == total:
-            break
+    await _read_all(frontend, "bench", sessions, messages, answered)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     rts = CountingRedis.round_trips - rt0
@@ -62,6 +61,30 @@ async def throughput(url: str, sessions: int, messages: int, workers: int) -> No
     print(f"  {total / wall:.0f} turns/s wall   {wall:.2f} s")
     print(f"  {cpu / total * 1000:.3f} ms CPU per turn (workers + reply reader, one process)")
     print(f"  {rts / total:.2f} worker round trips per turn (incl. queue reads, heartbeats)")
+
+
+async def _read_all(
+    frontend: FrontendClient, channel: str, sessions: int, messages: int, answered: set[str]
+) -> float:
+    """Read every session's event stream (XREAD from the last id seen) until each has
+    ``messages`` answers; a complete session is no longer read, as a frontend stops
+    following a finished chat. Returns the time of the first answer."""
+    keys = Keys()
+    position = {keys.out(f"{channel}:c{s}"): "0" for s in range(sessions)}
+    per: dict[str, int] = dict.fromkeys(position, 0)
+    first = 0.0
+    while position:
+        reply = await frontend.redis.xread(position, count=1000, block=200)  # type: ignore[arg-type]
+        for stream, batch in reply or []:
+            for eid, fields in batch:
+                first = first or time.perf_counter()
+                ev = json.loads(fields["payload"])
+                answered.add(ev.get("reply_to") or "")
+                position[stream] = eid
+                per[stream] += ev["type"] in ("message", "error")
+            if per[stream] >= messages:
+                del position[stream]
+    return first
 
 
 async def throughput_processes(url: str, sessions: int, messages: int, workers: int) -> None:
@@ -82,17 +105,13 @@ async def throughput_processes(url: str, sessions: int, messages: int, workers: 
         "AGENT_LOG_LEVEL": "WARNING",
         "AGENT_CONCURRENCY": "64",
         "AGENT_JOBS": "local",
+        "AGENT_CHANNELS": "procs",
     }
     procs = [WorkerProcess(url, worker_id=f"bench-p{i}", env=env) for i in range(workers)]
     answered: set[str] = set()
     t0 = 0.0
     try:
-        async for ev in frontend.replies("procs", block_ms=200, count=1000):
-            if not answered:
-                t0 = time.perf_counter()  # from the first reply: process start-up excluded
-            answered.add(ev.reply_to or "")
-            if len(answered) == total:
-                break
+        t0 = await _read_all(frontend, "procs", sessions, messages, answered)
         wall = time.perf_counter() - t0
     finally:
         for p in procs:
@@ -110,12 +129,12 @@ async def latency(url: str, turns: int) -> None:
     loop = AgentLoop(
         RedisBus(aioredis.from_url(url, decode_responses=True)),
         EchoProvider(),
-        config=LoopConfig(worker_id="lat", read_block_ms=100),
+        config=LoopConfig(worker_id="lat", read_block_ms=100, channels=["lat"]),
     )
     run = asyncio.create_task(loop.run())
     await asyncio.sleep(0.2)
     samples: list[float] = []
-    replies = frontend.replies("lat", block_ms=200)
+    replies = frontend.events(["lat:one"], block_ms=200)
     for i in range(turns):
         entry = await frontend.send(
             InboundMessage(channel="lat", sender_id="u", chat_id="one", content=f"q{i}")
@@ -130,7 +149,7 @@ async def latency(url: str, turns: int) -> None:
 
 
 async def _reply_ms(redis: aioredis.Redis) -> int:
-    info = await redis.xinfo_stream("agent:out:lat")
+    info = await redis.xinfo_stream(Keys().out("lat:one"))
     return stream_id_ms(str(info["last-generated-id"]))
 
 
@@ -160,7 +179,7 @@ async def history_cost(url: str, sizes: list[int], turns: int) -> None:
         cpu_ms = (time.process_time() - cpu0) / turns * 1000
         wall_ms = (time.perf_counter() - t0) / turns * 1000
         rts = (CountingRedis.round_trips - rt0) / turns
-        hash_len = await redis.hlen("agent:{bench:h}:session")
+        hash_len = await redis.hlen(Keys().session("bench:h"))
         print(
             f"  history {size:>6}: {cpu_ms:.3f} ms CPU/turn  {wall_ms:.3f} ms wall/turn  {rts:.1f} RT/turn  "
             f"(hash fields {hash_len})"

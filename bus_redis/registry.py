@@ -11,12 +11,13 @@ import json
 import time
 from collections.abc import Iterable, Sequence
 
-from bus_redis.codec import fields, text, texts
+from bus_redis.codec import fields, stream_id_ms, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, valid_channel
 from bus_redis.streams import WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000
 MARKER_SCAN = 1000
+IN_FLIGHT_MS = 1000  # a younger queued entry is assumed to have its notification on the way
 
 
 class Registry:
@@ -114,12 +115,18 @@ class Registry:
             for s in sessions:
                 pipe.exists(k.owner(s))
                 pipe.exists(k.lease(s))
+                pipe.xrange(k.inbound(s), "-", "+", count=1)
             pipe.exists(k.lease(f"{UNIFIED_CHANNEL}:default"))
+            pipe.time()
             res = await pipe.execute()
-        unified_held = bool(res[-1])
+        seconds, micros = res[-1]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        unified_held = bool(res[-2])
         stranded = []
         for i, s in enumerate(sessions):
-            private, held = bool(res[2 * i]), bool(res[2 * i + 1])
+            private, held, first = bool(res[3 * i]), bool(res[3 * i + 1]), res[3 * i + 2]
+            if not first or stream_id_ms(text(first[0][0])) > now_ms - IN_FLIGHT_MS:
+                continue
             if not held and (private or not unified or not unified_held):
                 stranded.append(s)
         for s in stranded:

@@ -52,6 +52,12 @@ class Scripts:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
 
+    async def load_all(self) -> None:
+        """SCRIPT LOAD every script once (at start), so that concurrent first calls do not
+        each pay a NOSCRIPT round trip."""
+        for name in SCRIPT_NAMES:
+            await self.redis.script_load(script_source(name))
+
     async def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run a script; its reply is returned undecoded (bytes)."""
         argv = [len(keys), *keys, *args]

@@ -23,6 +23,7 @@ class SessionManager:
         self._cache: OrderedDict[str, Session] = OrderedDict()
         self._transient: dict[str, Session] = {}
         self._cache_size = cache_size
+        self._scopes: OrderedDict[str, str] = OrderedDict()  # key -> scope, outlives the cache
 
     # --- cache (plain methods: no I/O) -------------------------------------------------
     def get_cached(self, key: str) -> Session | None:
@@ -58,7 +59,19 @@ class SessionManager:
         self._cache.pop(key, None)
         self._transient.pop(key, None)
 
+    def scope_hint(self, key: str) -> str:
+        """The scope of a durable session seen before (even if evicted since), or ''."""
+        cached = self._cache.get(key)
+        if cached is not None and cached.scope:
+            return cached.scope
+        return self._scopes.get(key, "")
+
     def _remember(self, session: Session) -> Session:
+        if session.scope:
+            self._scopes[session.key] = session.scope
+            self._scopes.move_to_end(session.key)
+            while len(self._scopes) > 64 * self._cache_size:
+                self._scopes.popitem(last=False)
         self._cache[session.key] = session
         self._cache.move_to_end(session.key)
         while len(self._cache) > self._cache_size:

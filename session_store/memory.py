@@ -46,6 +46,10 @@ class MemoryStore:
             return await self.read_memory(scope)
         return cached[1]
 
+    def version(self, scope: str = OWNER_SCOPE) -> int:
+        """The version of the last read of ``scope`` (-1 when never read)."""
+        return self._cached.get(scope, (-1, ""))[0]
+
     def _remember(self, scope: str, version: int, content: str) -> str:
         if len(self._cached) > 1024:
             self._cached.clear()

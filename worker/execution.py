@@ -72,11 +72,17 @@ class TurnExecution:
             )
 
     async def _memory(self, session: Session) -> str | None:
+        """The scope's memory at the version acquire read (no round trip while cached);
+        read once per lease when acquire did not know the scope (the session was not
+        cached), then the rest of the holder's turns use that version, as they would."""
         if not session.policy.persist:
             return None
-        if self.holder.memory_scope == session.scope:
-            return await self.rt.memory.read_cached(self.holder.memory_version, session.scope)
-        return await self.rt.memory.read_memory(session.scope)
+        holder, memory = self.holder, self.rt.memory
+        if holder.memory_scope == session.scope:
+            return await memory.read_cached(holder.memory_version, session.scope)
+        text = await memory.read_memory(session.scope)
+        holder.memory_scope, holder.memory_version = session.scope, memory.version(session.scope)
+        return text
 
     def _duplicate(self, msg: InboundMessage, session: Session, reply_to: str) -> Outcome:
         """A re-sent id: the original answer while it is known, else a ``duplicate`` error."""

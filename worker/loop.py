@@ -147,8 +147,9 @@ class AgentLoop:
             from session_store import OWNER_SCOPE
 
             return OWNER_SCOPE
-        cached = self.sessions.get_cached(key)
-        return cached.scope if cached is not None and cached.policy.persist else ""
+        if self.sessions.is_transient(key):
+            return ""
+        return self.sessions.scope_hint(key)
 
     async def _acquire(
         self, key: str, *, member: str = "", select: bool = True, note: Notification | None = None
@@ -212,6 +213,7 @@ class AgentLoop:
         """Consume until :meth:`stop`; then drain within the grace period."""
         self._stopping.clear()
         self.rt.turns.stopping = False
+        await self.bus.scripts.load_all()
         await self.maintenance.refresh_channels()
         self._set_channels(self.maintenance.channels)
         await self._apply_streams()
