@@ -2,7 +2,8 @@
 
 It answers ``re: <last user text>``. A user text ``[tag] ...`` marks the session ``tag``:
 two requests of one tag in flight at once are counted as an overlap. ``block`` in the
-text holds the request until ``release()``; ``fail`` answers HTTP 500.
+text holds the request until ``release()``; ``midway`` streams the first two pieces of
+the answer, then holds the rest until ``release()``; ``fail`` answers HTTP 500.
 """
 
 from __future__ import annotations
@@ -106,7 +107,12 @@ class FakeLLM:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
-                for piece in [*pieces, None]:
+                midway = "midway" in text
+                for n, piece in enumerate([*pieces, None]):
+                    if midway and n == 2:
+                        self.wfile.flush()
+                        fake.started.set()
+                        fake._release.wait(30)
                     delta = {"content": piece} if piece is not None else {}
                     finish = "stop" if piece is None else None
                     chunk = {

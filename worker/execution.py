@@ -24,7 +24,7 @@ from worker.outcomes import (
 )
 from worker.providers import ProviderError
 from worker.tools import ToolContext
-from worker.turn import TurnState, user_row
+from worker.turn import TurnState, is_duplicate, message_key, user_row
 
 if TYPE_CHECKING:
     from worker.holder import SessionHolder
@@ -84,10 +84,12 @@ class TurnExecution:
         holder.memory_scope, holder.memory_version = session.scope, memory.version(session.scope)
         return text
 
-    def _duplicate(self, msg: InboundMessage, session: Session, reply_to: str) -> Outcome:
+    def _duplicate(
+        self, msg: InboundMessage, session: Session, reply_to: str, row_id: str
+    ) -> Outcome:
         """A re-sent id: the original answer while it is known, else a ``duplicate`` error."""
         log.info("duplicate message %s in %s answered again", safe(msg.id), safe(self.key))
-        answer = session.answer_to(reply_to)
+        answer = session.answer_to(row_id)
         if answer is None:
             detail = "this message id was already processed; its answer is no longer kept"
             return Outcome(
@@ -102,8 +104,9 @@ class TurnExecution:
         self.member = member or self.key
         session = await self._session(msg)
         self._check_scope(msg, session)
-        if session.has_seen(reply_to):
-            return self._duplicate(msg, session, reply_to)
+        row_id = message_key(msg, reply_to, folded=self.member != self.key)
+        if is_duplicate(msg, session, row_id):
+            return self._duplicate(msg, session, reply_to, row_id)
         memory = await self._memory(session)
         state = TurnState()
         ctx = ToolContext(
@@ -112,7 +115,7 @@ class TurnExecution:
             emit=lambda text: self._emit(msg, reply_to, text),
             metadata=dict(msg.metadata),
         )
-        row = user_row(msg, reply_to)
+        row = user_row(msg, row_id)
         puller = self._puller(session, entry_id)
         on_delta = None
         if self.rt.config.stream_deltas:
@@ -139,6 +142,7 @@ class TurnExecution:
             max_bytes=cfg.max_payload_bytes,
             per_pull=cfg.followups_per_pull,
             scope_of=lambda m: self.rt.scope_for(m.channel, m.scope, m.sender_id),
+            folded=self.member != self.key,
         )
 
     async def _await_turn(self, task: asyncio.Task[str]) -> str | None:

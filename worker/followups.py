@@ -13,7 +13,7 @@ from typing import Any
 
 from bus_redis import InboundMessage, MessageRejectedError, RedisBus, decode_inbound
 from session_store import Session
-from worker.turn import user_row
+from worker.turn import is_duplicate, message_key, user_row
 
 
 class FollowUpPuller:
@@ -27,6 +27,7 @@ class FollowUpPuller:
         max_bytes: int,
         per_pull: int,
         scope_of: Callable[[InboundMessage], str],
+        folded: bool = False,
     ) -> None:
         self.bus = bus
         self.session = session
@@ -35,6 +36,7 @@ class FollowUpPuller:
         self.max_bytes = max_bytes
         self.per_pull = per_pull
         self.scope_of = scope_of
+        self.folded = folded
         self.injected: list[tuple[str, str]] = []  # (entry id, reply_to), consumed by the turn
         self._closed = False
 
@@ -52,8 +54,9 @@ class FollowUpPuller:
             reply_to = msg.id or entry_id
             self.injected.append((entry_id, reply_to))
             self.after_id = entry_id
-            if not self.session.has_seen(reply_to):
-                rows.append(user_row(msg, reply_to))
+            row_id = message_key(msg, reply_to, folded=self.folded)
+            if not is_duplicate(msg, self.session, row_id):
+                rows.append(user_row(msg, row_id))
         return rows
 
     def _joinable(self, payload: str | None) -> InboundMessage | None:

@@ -20,7 +20,7 @@ class TurnAbortedError(Exception):
     """The turn ended without a result that may be written (lease lost, shutdown)."""
 
 
-class ScopeMismatchError(Exception):
+class ScopeMismatchError(ValueError):
     """A user message asks for another scope than its session's."""
 
 

@@ -29,7 +29,19 @@ class TurnState:
     final: str | None = None
 
 
-def user_row(msg: InboundMessage, reply_to: str) -> dict[str, Any]:
+def message_key(msg: InboundMessage, reply_to: str, *, folded: bool) -> str:
+    """What a user row remembers as its ``message_id``: the client id (or the entry id),
+    qualified by the session key when several streams share one session (unified mode),
+    since neither client ids nor entry ids are unique across streams."""
+    return f"{msg.session_key}|{reply_to}" if folded else reply_to
+
+
+def is_duplicate(msg: InboundMessage, session: Session, key: str) -> bool:
+    """A re-sent client ``id``; messages without one are never duplicates."""
+    return bool(msg.id) and session.has_seen(key)
+
+
+def user_row(msg: InboundMessage, message_id: str) -> dict[str, Any]:
     content = (
         msg.content if msg.is_user_input else f"[system message from {msg.sender_id}] {msg.content}"
     )
@@ -37,7 +49,7 @@ def user_row(msg: InboundMessage, reply_to: str) -> dict[str, Any]:
         "role": "user",
         "content": content,
         "timestamp": now_iso(),
-        "message_id": reply_to,
+        "message_id": message_id,
     }
     if msg.media:
         row["media"] = list(msg.media)
