@@ -4,6 +4,7 @@ leave no text behind, and folding in unified mode is the worker's decision."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -120,11 +121,10 @@ async def test_a_private_sessions_bad_messages_leave_no_text_in_redis(
         ScriptedProvider(handler=handler),
         config=LoopConfig(read_block_ms=50, max_deliveries=2, max_payload_bytes=2048),
     )
-    import asyncio
 
     task = asyncio.create_task(loop.run())
     client = FrontendClient(redis_factory())
-    key, opened = await client.open_transient("web", "p", session_key="web:p-private")
+    key, _ = await client.open_transient("web", "p", session_key="web:p-private")
     private = {"session_key_override": key, "require_existing_session": True}
     try:
         msgs = [
