@@ -100,7 +100,9 @@ class Registry:
         """One worker per period runs the stranded-stream sweep."""
         return bool(await self.redis.set(self.keys.sweeper, worker_id, nx=True, px=period_ms))
 
-    async def sweep_stranded(self, *, unified: bool, count: int = SCAN_COUNT) -> list[str]:
+    async def sweep_stranded(
+        self, *, unified: bool, count: int = SCAN_COUNT, in_flight_ms: int = IN_FLIGHT_MS
+    ) -> list[str]:
         """Re-notify sessions that have queued entries and nobody serving them (a lost or
         trimmed notification, a dead holder). One SCAN step per call; a full pass over
         the keyspace is one sweep period."""
@@ -125,7 +127,7 @@ class Registry:
         stranded = []
         for i, s in enumerate(sessions):
             private, held, first = bool(res[3 * i]), bool(res[3 * i + 1]), res[3 * i + 2]
-            if not first or stream_id_ms(text(first[0][0])) > now_ms - IN_FLIGHT_MS:
+            if not first or stream_id_ms(text(first[0][0])) > now_ms - in_flight_ms:
                 continue
             if not held and (private or not unified or not unified_held):
                 stranded.append(s)

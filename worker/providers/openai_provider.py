@@ -32,6 +32,9 @@ _RETRYABLE = (
 )
 
 
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+
+
 class OpenAIProvider:
     def __init__(
         self,
@@ -49,7 +52,11 @@ class OpenAIProvider:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.client = AsyncOpenAI(
-            base_url=base_url, api_key=api_key or "not-needed", timeout=timeout_s, max_retries=0
+            # explicit: an empty OPENAI_BASE_URL in the environment would otherwise win
+            base_url=base_url or DEFAULT_BASE_URL,
+            api_key=api_key or "not-needed",
+            timeout=timeout_s,
+            max_retries=0,
         )
 
     def get_default_model(self) -> str:

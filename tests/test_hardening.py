@@ -1,0 +1,222 @@
+"""Nothing lost, nothing unfenced, nothing left behind: one test per defect of the
+hardening issue (each fails on the code before it), on fakeredis and a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from itertools import permutations
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from replies import collect
+
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from bus_redis.registry import Registry
+from bus_redis.results import Acquired, Entry, Forward
+from session_store import RedisSessionStore, Session, SessionManager
+from worker import AgentLoop, LoopConfig
+from worker.providers import LLMResponse, ToolCallRequest
+
+K = "web:h"
+
+
+def _m(chat: str, text: str, **kw: Any) -> InboundMessage:
+    return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, **kw)
+
+
+async def _until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10) -> None:
+    """Poll a condition that another task brings about (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = predicate()
+        if result if isinstance(result, bool) else await result:
+            return
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def make_loop(redis_factory) -> AsyncIterator[Callable[..., AgentLoop]]:  # type: ignore[no-untyped-def]
+    """Starts AgentLoops on the test's server; stops them afterwards."""
+    started: list[tuple[AgentLoop, asyncio.Task[None]]] = []
+
+    def make(provider: Any, **config: Any) -> AgentLoop:
+        kw = {"read_block_ms": 50, **config}
+        sessions = kw.pop("sessions", None)
+        loop = AgentLoop(
+            RedisBus(redis_factory()), provider, sessions=sessions, config=LoopConfig(**kw)
+        )
+        started.append((loop, asyncio.create_task(loop.run())))
+        return loop
+
+    yield make
+    for loop, task in started:
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_bytes_that_are_not_utf8_behind_a_running_turn_cost_nobody_else(
+    redis_factory, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """The follow-up pull meets the bad entry while a turn runs: the pull stops there, the
+    running turn ends normally, the bad entry gets invalid_message once, the next runs."""
+    client = FrontendClient(redis_factory())
+    bad = b'{"v":2,"channel":"web","sender_id":"u","chat_id":"h","content":"\xff\xfe"}'
+    calls = 0
+
+    async def handler(**kw: Any) -> LLMResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # while the first turn runs, the bad entry and a good one arrive
+            await client.send_raw(K, bad)
+            await client.send(_m("h", "after", id="good"))
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "create_goal", {"title": "g"})])
+        last = kw["messages"][-1]
+        return LLMResponse(content="done" if last["role"] == "tool" else f"re: {last['content']}")
+
+    make_loop(ScriptedProvider(handler=handler))
+    first = await client.send(_m("h", "first", id="first"))
+    got = await collect(client, "web", {first, "good"})
+    terminal = [e for evs in got.values() for e in evs if e.is_terminal]
+    codes = sorted((e.reply_to, e.code or e.content) for e in terminal)
+    assert ("first", "done") in codes
+    assert ("good", "re: after") in codes
+    assert [c for _, c in codes].count("invalid_message") == 1
+    assert len(terminal) == 3
+
+
+async def test_a_stop_while_the_session_loads_cancels_the_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    loading, proceed = asyncio.Event(), asyncio.Event()
+
+    class SlowLoad(SessionManager):
+        async def load_for_turn(self, key: str, version: int, generation: str = "") -> Session:
+            loading.set()
+            await proceed.wait()
+            return await super().load_for_turn(key, version, generation)
+
+    redis = redis_factory()
+    provider = ScriptedProvider(handler=_echo)
+    loop = make_loop(provider, sessions=SlowLoad(RedisSessionStore(redis, Keys())))
+    client = FrontendClient(redis_factory())
+    mid = await client.send(_m("l", "long"))
+    await asyncio.wait_for(loading.wait(), 10)
+    await client.stop("web:l")
+    await _until(lambda: loop.turns.reason("web:l") == "stop")  # the control is recorded
+    proceed.set()
+    got = await collect(client, "web", {mid})
+    assert got[mid][-1].code == "cancelled"
+    assert provider.calls == []  # the LLM was never called
+
+
+async def test_the_sweep_serves_a_message_whose_notification_was_lost(
+    redis_factory, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """A message in its stream with no notification (never written, or trimmed away) is
+    served within one sweep period (plus the in-flight grace)."""
+    redis = redis_factory()
+    make_loop(ScriptedProvider(handler=_echo), sweep_interval_ms=100, lock_ttl_ms=300)
+    k = Keys()
+    payload = _m("lost", "no notification", id="lost").model_dump_json()
+    await redis.xadd(k.inbound("web:lost"), {"payload": payload})  # the MULTI's second half lost
+    client = FrontendClient(redis_factory())
+    trimmed = await client.send(_m("trim", "trimmed", id="trimmed"))
+    await redis.xtrim(k.ready("web"), maxlen=0)  # a frontend wiped its own ready queue
+    got = await collect(client, "web", {"lost", trimmed}, timeout_s=15)
+    assert got["lost"][-1].content == "re: no notification"
+    assert got[trimmed][-1].content == "re: trimmed"
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(order=st.sampled_from(list(permutations(["publish", "forward", "death"]))))
+async def test_a_message_for_a_private_session_survives_its_owners_death(
+    redis: aioredis.Redis, order: tuple[str, ...]
+) -> None:
+    """Any interleaving of publish / forward by another worker / owner death: afterwards
+    the sweep and one acquire by a live worker select the message (so it is answered,
+    session_not_active), never strand it."""
+    await redis.flushall()
+    bus, key = RedisBus(redis), "web:p"
+    client, registry = FrontendClient(redis), Registry(bus)
+    await bus.ensure_groups(bus.note_streams("w2", ["web"]))
+    got = await bus.acquire(key, "w1", claim_owner=True, select=False)
+    assert isinstance(got, Acquired)
+    await bus.release(key, got.token)
+    for step in order:
+        if step == "publish":
+            await client.send(
+                _m("p", "hello", session_key_override=key, require_existing_session=True)
+            )
+        elif step == "forward":  # another worker takes the notification and forwards it
+            for note in await bus.read_notifications(
+                "w2", bus.note_streams("w2", ["web"]), count=10, block_ms=1
+            ):
+                result = await bus.acquire(key, "w2", member=key, note=note)
+                if isinstance(result, Forward):
+                    await bus.forward(result.owner, note)
+                elif isinstance(result, Acquired):
+                    await bus.release(key, result.token)
+        else:  # the owner is gone: its record lapses
+            await redis.delete(bus.keys.owner(key))
+    await registry.sweep_stranded(unified=False, in_flight_ms=0)
+    notes = await bus.read_notifications(
+        "w2", bus.note_streams("w2", ["web"]), count=10, block_ms=1
+    )
+    assert notes, order  # the sweep (or the original notification) names the session
+    result = await bus.acquire(key, "w2", member=key, note=notes[0])
+    assert isinstance(result, Acquired), (order, result)
+    assert isinstance(result.step, Entry), (order, result.step)
+
+
+async def test_a_dead_workers_leftovers_are_pruned(redis: aioredis.Redis) -> None:
+    bus = RedisBus(redis, lock_ttl_ms=300)
+    registry = Registry(bus)
+    streams = bus.note_streams("dead", ["web"])
+    await bus.ensure_groups(streams)
+    await bus.read_notifications("dead", streams, count=1, block_ms=1)  # creates its consumer
+    await registry.heartbeat("dead", {"pid": "1"}, ttl_ms=900)
+    await redis.xadd(bus.keys.inbox("dead"), {"session": "web:x"})
+    await redis.zadd(bus.keys.workers, {"dead": 1})  # last seen long ago
+    assert await registry.prune_dead_workers(older_than_ms=0, streams=streams) == ["dead"]
+    assert not await redis.exists(bus.keys.inbox("dead"), bus.keys.worker_info("dead"))
+    assert await redis.zcard(bus.keys.workers) == 0
+    assert await redis.xinfo_consumers(bus.keys.ready("web"), "workers") == []
+
+
+async def test_wire_values_are_escaped_in_logs(
+    redis_factory, make_loop, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO)
+    make_loop(ScriptedProvider(handler=_echo))
+    client = FrontendClient(redis_factory())
+    forged = "x\n2026-11-30 00:00:00 ERROR forged line"
+    await client.send_raw(f"web:{forged}", "not json")
+    ok = await client.send(_m("ok", "fine"))
+    await collect(client, "web", {ok})
+    assert "forged line" in caplog.text  # it was logged ...
+    assert "\nforged" not in caplog.text  # ... escaped, on one line
+    assert not any("\n" in r.getMessage() for r in caplog.records)
+
+
+def test_an_empty_openai_base_url_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.app import make_provider
+    from worker.settings import Settings
+
+    monkeypatch.setenv("OPENAI_BASE_URL", "")  # what docker-compose passes when unset
+    monkeypatch.setenv("OPENAI_API_KEY", "k")
+    provider = make_provider(Settings(provider="openai"))
+    assert str(provider.client.base_url) == "https://api.openai.com/v1/"  # type: ignore[attr-defined]
+
+
+async def _echo(**kw: Any) -> LLMResponse:
+    return LLMResponse(content=f"re: {kw['messages'][-1]['content']}")
