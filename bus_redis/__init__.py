@@ -1,11 +1,13 @@
-"""bus_redis: the Redis wire protocol of redis-agent-worker.
+"""bus_redis: the Redis wire protocol of redis-agent-worker (v2).
 
-schema   the v1 JSON documents (inbound, open_transient, control, outbound)
-keys     every key name, with the injective session-key encoding
-client   FrontendClient: publish messages and controls, read replies
-streams  RedisBus: the worker side (ready queue, fenced leases, commits)
-control  pub/sub subscription with reconnect
-scripts  the Lua scripts in lua/, one file each
+schema    the JSON documents (inbound, open_transient, control, outbound)
+keys      every key name: channel hash tags, the injective session-key encoding
+client    FrontendClient: publish messages and controls, read a session's events
+streams   RedisBus: the worker side (ready queues, fenced leases, commits)
+registry  channels, owner records, sweeps, worker clean-up
+results   typed script results and the commit request
+scripts   the Lua scripts in lua/, one file each
+codec     decoding of redis-py replies; escaping for logs
 """
 
 from bus_redis.client import FrontendClient

@@ -127,6 +127,10 @@ class Keys:
         """Sorted set of the channel's durable sessions by updated time (ms)."""
         return f"{self.prefix}:{{{channel}}}:sessions"
 
+    def leases(self, channel: str) -> str:
+        """Sorted set: effective key -> lease expiry (ms); swept for dead holders."""
+        return f"{self.prefix}:{{{channel}}}:leases"
+
     def owners(self, channel: str) -> str:
         """Sorted set: transient session key -> owner record expiry (ms)."""
         return f"{self.prefix}:{{{channel}}}:owners"

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from bus_redis.codec import fields, stream_id_ms, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, valid_channel
-from bus_redis.streams import WORKER_GROUP, RedisBus
+from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000
 MARKER_SCAN = 1000
@@ -100,6 +100,15 @@ class Registry:
         """One worker per period runs the stranded-stream sweep."""
         return bool(await self.redis.set(self.keys.sweeper, worker_id, nx=True, px=period_ms))
 
+    async def sweep_leases(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
+        """Re-notify keys whose lease expired without a release (their holder died): a
+        session continues one lease TTL (plus a tick) after its holder's death."""
+        done: list[str] = []
+        for channel in channels:
+            keys = [self.keys.leases(channel), self.keys.ready(channel)]
+            done += texts(await self.bus.scripts.call("sweep", keys, [limit, READY_MAXLEN]))
+        return done
+
     async def sweep_stranded(
         self, *, unified: bool, count: int = SCAN_COUNT, in_flight_ms: int = IN_FLIGHT_MS
     ) -> list[str]:
@@ -137,15 +146,16 @@ class Registry:
 
     async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
         """For running turns ``{K: (S, entry id)}``: the op of a control marker queued
-        after the running entry (published while we were not subscribed)."""
+        after the running entry (one pipelined round trip for all of them)."""
+        if not running:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for member, entry_id in running.values():
+                start = f"({entry_id}" if entry_id else "-"
+                pipe.xrange(self.keys.inbound(member), start, "+", count=MARKER_SCAN)
+            replies = await pipe.execute()
         found: dict[str, str] = {}
-        for key, (member, entry_id) in running.items():
-            if int(text(await self.redis.get(self.keys.control_hint(member))) or 0) <= 0:
-                continue
-            start = f"({entry_id}" if entry_id else "-"
-            entries = await self.redis.xrange(
-                self.keys.inbound(member), start, "+", count=MARKER_SCAN
-            )
+        for key, entries in zip(running, replies, strict=True):
             for _eid, raw in entries:
                 op = fields(raw).get("control")
                 if op in ("stop", "discard"):

@@ -24,6 +24,7 @@ SCRIPT_NAMES = (
     "release",
     "renew",
     "emit",
+    "sweep",
     "owner",
     "owner_lost",
     "consolidate",

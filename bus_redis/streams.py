@@ -210,6 +210,7 @@ class RedisBus:
         skeys, sargs = self._streams([member] if member and select else [])
         keys = [k.lease(key), k.pending(key), k.session(key), memory_key or k.session(key)]
         keys += [k.owner(member or key), note.stream if note and note.entry_id else k.lease(key)]
+        keys.append(k.leases(channel_of(key)))
         args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
         args += [self.owner_ttl_ms, "1" if select else "0", secrets.token_hex(8), READY_MAXLEN]
         args += [note.entry_id if note else "", WORKER_GROUP, *sargs]
@@ -226,7 +227,8 @@ class RedisBus:
 
     async def next(self, key: str, token: str, members: Iterable[str]) -> Step:
         skeys, sargs = self._streams(members)
-        keys = [self.keys.lease(key), self.keys.pending(key), *skeys]
+        k = self.keys
+        keys = [k.lease(key), k.pending(key), k.leases(channel_of(key)), *skeys]
         reply = await self.scripts.call("next", keys, [token, key, READY_MAXLEN, *sargs])
         return parse_step(reply) or Lost()
 
@@ -245,13 +247,14 @@ class RedisBus:
         return out
 
     async def renew(self, key: str, token: str) -> bool:
-        keys = [self.keys.lease(key), self.keys.pending(key)]
-        return bool(await self.scripts.call("renew", keys, [token, self.lock_ttl_ms]))
+        k = self.keys
+        keys = [k.lease(key), k.pending(key), k.leases(channel_of(key))]
+        return bool(await self.scripts.call("renew", keys, [token, self.lock_ttl_ms, key]))
 
     async def release(self, key: str, token: str) -> bool:
         """Give the lease up now; re-notify the key when streams are still pending."""
         k = self.keys
-        keys = [k.lease(key), k.pending(key), k.ready(channel_of(key))]
+        keys = [k.lease(key), k.pending(key), k.ready(channel_of(key)), k.leases(channel_of(key))]
         return bool(await self.scripts.call("release", keys, [token, key, READY_MAXLEN]))
 
     async def commit(
@@ -272,6 +275,7 @@ class RedisBus:
         index = k.sessions_index(channel_of(key))
         keys += [index, k.scope_sessions(spec.scope) if spec.scope else index]
         keys += [k.owner(m), k.owners(channel_of(m)), k.pending(key), k.dead(channel_of(m))]
+        keys.append(k.leases(channel_of(key)))
         ttl = r.transient_ttl_ms if spec.transient else r.ttl_ms
         args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, r.maxlen, ttl, spec.meta]
         args += [key, spec.owner_op, worker_id, spec.owner_member, self.owner_ttl_ms, spec.dead]

@@ -19,7 +19,7 @@ from session_store.protocol import SessionInfo
 
 
 class RedisSessionStore:
-    """Durable sessions in Redis (SPEC 4). Turn commits go through the fenced
+    """Durable sessions in Redis. Turn commits go through the fenced
     ``commit`` script instead of :meth:`save`; :meth:`save` is the whole-session write
     for administration and tests (all-or-nothing, in one MULTI)."""
 
@@ -85,7 +85,7 @@ class RedisSessionStore:
             deleted = int(text(await self._scripts.call("delete", keys, [token, key])))
         finally:
             k = self.keys
-            release = [lease, k.pending(key), k.ready(channel_of(key))]
+            release = [lease, k.pending(key), k.ready(channel_of(key)), k.leases(channel_of(key))]
             await self._scripts.call("release", release, [token, key, 1_000_000])
         return deleted > 0
 

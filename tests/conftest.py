@@ -17,6 +17,19 @@ from replies import TEST_CHANNELS
 from servers import RedisServer, in_ci, redis_server_binary
 
 RedisFactory = Callable[[], aioredis.Redis]
+_REAL_FIXTURES = {"real_redis", "redis_server", "spawn_workers"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that needs the real server carries the ``real_redis`` marker: those
+    that ask for it directly, and the ``[real]`` run of the tests on both backends. So
+    ``-m "not real_redis"`` runs the fakeredis side only (see docs/TESTING.md)."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        real_param = callspec is not None and callspec.params.get("redis_factory") == "real"
+        if (names & _REAL_FIXTURES or real_param) and not item.get_closest_marker("real_redis"):
+            item.add_marker(pytest.mark.real_redis)
 
 
 @pytest.fixture(scope="session")

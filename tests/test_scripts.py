@@ -37,14 +37,16 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
     scripts = Scripts(redis)
     stream = [k.inbound(K), k.attempts(K), k.control_hint(K), k.owner(K), k.ready("web")]
     calls = {
-        "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), *stream],
+        "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), k.leases("web"), *stream],
                     ["w", 1000, K, K, "0", 1000, "1", "n", 100, "", "workers", K]),
-        "next": ([k.lease(K), k.pending(K), *stream], ["n|w", K, 100, K]),
+        "next": ([k.lease(K), k.pending(K), k.leases("web"), *stream], ["n|w", K, 100, K]),
         "commit": ([k.lease(K), k.session(K), *stream[:2], k.out(K), k.sessions_index("web"),
-                    k.sessions_index("web"), k.owner(K), k.owners("web"), k.pending(K), k.dead("web")],
+                    k.sessions_index("web"), k.owner(K), k.owners("web"), k.pending(K), k.dead("web"),
+                    k.leases("web")],
                    ["n|w", "", "", 100, 1000, "", K, "", "w", "", 1000, "", "0", "g", 0]),
-        "release": ([k.lease(K), k.pending(K), k.ready("web")], ["n|w", K, 100]),
-        "renew": ([k.lease(K), k.pending(K)], ["x", 1000]),
+        "release": ([k.lease(K), k.pending(K), k.ready("web"), k.leases("web")], ["n|w", K, 100]),
+        "renew": ([k.lease(K), k.pending(K), k.leases("web")], ["x", 1000, K]),
+        "sweep": ([k.leases("web"), k.ready("web")], [100, 100]),
         "emit": ([k.lease(K), k.out(K)], ["x", "{}", 100, 1000]),
         "owner": ([k.owner(K), k.owners("web")], ["renew", "w", "m", 1000]),
         "owner_lost": ([k.owner(K), k.owners("web"), k.out(K), k.ready("web")],
@@ -224,3 +226,23 @@ async def test_a_notification_for_another_channel_is_dropped(redis: aioredis.Red
     assert [n.session_key for n in notes] == ["web:ok"]
     assert await redis.xlen(bus.keys.ready("web")) == 1  # the forged one is gone
     assert notes[0] == Notification(bus.keys.ready("web"), notes[0].entry_id, "web:ok")
+
+
+async def test_an_expired_lease_is_swept_back_onto_its_channels_queue(
+    redis: aioredis.Redis,
+) -> None:
+    """A holder that died keeps nobody waiting longer than its lease."""
+    from bus_redis.registry import Registry
+
+    bus = await _queued(redis, "one")
+    got = await bus.acquire(K, "dead", member=K)
+    assert isinstance(got, Acquired)
+    assert await Registry(bus).sweep_leases(["web"]) == []  # alive: nothing to do
+    await redis.delete(bus.keys.lease(K))  # its lease ran out
+    await redis.zadd(bus.keys.leases("web"), {K: 1})
+    assert await Registry(bus).sweep_leases(["web"]) == [K]
+    last = await redis.xrevrange(bus.keys.ready("web"), count=1)
+    assert last[0][1] == {"session": K, "effective": "1"}
+    again = await bus.acquire(K, "w2")  # the re-notified key: its pending set names S
+    assert isinstance(again, Acquired)
+    assert isinstance(again.step, Entry)

@@ -1,4 +1,6 @@
-"""Logging for the worker process: one line per record, key=value context, to stderr."""
+"""Logging for the worker process: one line per record (time, level, logger, message) to
+stderr. Values from the wire are escaped where they are logged (``bus_redis.codec.safe``),
+so a record is always one line."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ class AgentLoop:
             set_channels=self._set_channels,
         )
 
-    # --- the SPEC's in-process surface ---------------------------------------------
+    # --- the in-process surface (README: Embedding) ---------------------------------------------
     @property
     def sessions(self) -> SessionManager:
         return self.rt.sessions

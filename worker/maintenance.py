@@ -15,6 +15,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from bus_redis import OutboundMessage
+from bus_redis.codec import safe
+from bus_redis.keys import UNIFIED_CHANNEL
 from bus_redis.results import Notification
 from worker.runtime import Runtime
 
@@ -72,6 +74,9 @@ class Maintenance:
                 log.warning("owner record of a transient session expired; session dropped")
                 rt.forget(key)
         await self.check_owned()
+        channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
+        for key in await rt.registry.sweep_leases(channels):
+            log.info("lease of %s expired without release; re-notified", safe(key))
         await self.sweep()
         streams = rt.bus.note_streams(rt.worker_id, self.channels)
         stale = await rt.bus.claim_stale(rt.worker_id, streams, min_idle_ms=rt.bus.lock_ttl_ms)
@@ -101,9 +106,11 @@ class Maintenance:
         rt = self.rt
         if not await rt.registry.take_sweep_turn(rt.worker_id, rt.config.sweep_interval_ms):
             return
-        for key in await rt.registry.sweep_stranded(unified=rt.config.unified_session):
-            log.info("queued entries of a session without a holder; re-notified")
-            del key
+        stranded = await rt.registry.sweep_stranded(unified=rt.config.unified_session)
+        if stranded:
+            log.info(
+                "%d sessions had queued entries and nobody serving them; re-notified", len(stranded)
+            )
 
     async def check_owned(self) -> None:
         """Serve our transient sessions that have messages but no notification reached

@@ -94,7 +94,7 @@ end
 
 -- Nothing left in the known streams: forget them; release the lease only when the
 -- pending set is empty (a stream notified meanwhile keeps the lease: 'more').
-local function try_release(lease, pending, streams)
+local function try_release(lease, pending, registry, key, streams)
   for _, s in ipairs(streams) do
     if not s.skip and redis.call('XLEN', s[1]) == 0 then
       redis.call('SREM', pending, s[6])
@@ -104,9 +104,12 @@ local function try_release(lease, pending, streams)
   local left = redis.call('SMEMBERS', pending)
   if #left > 0 then return {'more', unpack(left)} end
   redis.call('DEL', lease, pending)
+  redis.call('ZREM', registry, key)
   return {'released'}
 end
 
-local function next_or_release(lease, pending, streams, key, maxlen)
-  return select_next(streams, key, pending, maxlen) or try_release(lease, pending, streams)
+-- registry: P:{C}:leases of K's channel (K -> lease expiry ms), swept for dead holders
+local function next_or_release(lease, pending, registry, streams, key, maxlen)
+  return select_next(streams, key, pending, maxlen)
+    or try_release(lease, pending, registry, key, streams)
 end

@@ -5,7 +5,8 @@
 -- KEYS[4] memory   memory hash of the cached session's scope (for its version), or KEYS[3]
 -- KEYS[5] owner    P:{C}:owner:S     transient owner record of the notified stream S
 -- KEYS[6] notes    the stream the notification came from (ready queue or inbox)
--- KEYS[7..11]      stream keys of S (see _common.lua), only when selecting
+-- KEYS[7] leases   P:{C}:leases      lease registry of K's channel (K -> expiry ms)
+-- KEYS[8..12]      stream keys of S (see _common.lua), only when selecting
 -- ARGV[1] worker id   ARGV[2] lease ttl ms   ARGV[3] K   ARGV[4] S ('' when none)
 -- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
 -- ARGV[6] owner ttl ms   ARGV[7] '1' to select the first entry (or release at once)
@@ -47,11 +48,12 @@ local token = ARGV[8] .. '|' .. ARGV[1]
 local ttl = tonumber(ARGV[2])
 redis.call('SET', KEYS[1], token, 'PX', ttl)
 redis.call('PEXPIRE', KEYS[2], 2 * ttl)
+redis.call('ZADD', KEYS[7], now_ms() + ttl, ARGV[3])
 local s = redis.call('HMGET', KEYS[3], 'version', 'gen')
 local memory = redis.call('HGET', KEYS[4], 'version') or '0'
 local head = {'acquired', token, s[1] or '0', s[2] or '', memory}
 if ARGV[7] == '1' then
-  local nxt = next_or_release(KEYS[1], KEYS[2], streams_of(7, 12), ARGV[3], ARGV[9])
+  local nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(8, 12), ARGV[3], ARGV[9])
   for _, v in ipairs(nxt) do head[#head + 1] = v end
 end
 ack()

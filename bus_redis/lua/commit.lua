@@ -5,7 +5,8 @@
 -- KEYS[4] attempts S      KEYS[5] out stream S      KEYS[6] channel's sessions index (of K)
 -- KEYS[7] scope index     KEYS[8] owner S           KEYS[9] owners registry (of S)
 -- KEYS[10] pending K      KEYS[11] dead letters (of S's channel)
--- KEYS[12..] stream keys for the next selection, five per stream (see _common.lua)
+-- KEYS[12] lease registry of K's channel
+-- KEYS[13..] stream keys for the next selection, five per stream (see _common.lua)
 -- ARGV[1] token  ARGV[2] entry ids to delete, space separated  ARGV[3] event JSON ('' none)
 -- ARGV[4] MAXLEN of streams  ARGV[5] out stream ttl ms  ARGV[6] session meta JSON ('' = nothing
 -- to persist)  ARGV[7] K  ARGV[8] owner op ('', 'set', 'del')  ARGV[9] worker id
@@ -63,6 +64,6 @@ end
 
 local head = {'ok', version, gen}
 if ARGV[13] ~= '1' then return head end
-local nxt = next_or_release(KEYS[1], KEYS[10], streams_of(12, 16 + n), ARGV[7], ARGV[4])
+local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(13, 16 + n), ARGV[7], ARGV[4])
 for _, v in ipairs(nxt) do head[#head + 1] = v end
 return head

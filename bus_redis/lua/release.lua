@@ -2,10 +2,12 @@
 -- The pending set stays, and the key is re-notified so that another worker continues at
 -- once instead of waiting for the lease to expire.
 -- KEYS[1] lease  KEYS[2] pending  KEYS[3] ready stream of K's channel
+-- KEYS[4] lease registry of K's channel
 -- ARGV[1] token  ARGV[2] K  ARGV[3] ready MAXLEN
 -- returns 1 released, 0 not ours
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[4], ARGV[2])
 if redis.call('SCARD', KEYS[2]) > 0 then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2], 'effective', '1')
 end

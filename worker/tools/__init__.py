@@ -1,5 +1,5 @@
 """Agent tools. ``default_registry()`` holds the tools every session starts with;
-a transient session's ``disabled_tools`` removes any of them (SPEC 5)."""
+a transient session's ``disabled_tools`` removes any of them (offered, named, executed)."""
 
 from worker.tools.base import Tool, ToolContext, ToolRegistry
 from worker.tools.goals import CreateGoalTool, UpdateGoalTool
