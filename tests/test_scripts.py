@@ -245,4 +245,5 @@ async def test_an_expired_lease_is_swept_back_onto_its_channels_queue(
     assert last[0][1] == {"session": K, "effective": "1"}
     again = await bus.acquire(K, "w2")  # the re-notified key: its pending set names S
     assert isinstance(again, Acquired)
-    assert isinstance(again.step, Entry)
+    assert again.step == More((K,))
+    assert isinstance(await bus.next(K, again.token, [K]), Entry)
