@@ -129,3 +129,35 @@ async def test_follow_up_is_injected_between_tool_rounds(redis_factory) -> None:
         "assistant",
     ]
     assert await client.redis.xlen(client.keys.inbound("web:i")) == 0
+
+
+class _MetadataProbe:
+    """A tool that reports the inbound metadata it is given."""
+
+    name = "probe"
+    description = "report metadata"
+    parameters: dict[str, object] = {"type": "object", "properties": {}}
+
+    async def execute(self, ctx, **_kw: object) -> str:  # type: ignore[no-untyped-def]
+        return repr(sorted(ctx.metadata.items()))
+
+
+async def test_metadata_reaches_tools_and_reply_without_reserved_keys(
+    redis: aioredis.Redis,
+) -> None:
+    from worker.tools import default_registry
+
+    tools = default_registry()
+    tools.register(_MetadataProbe())
+    provider = _script(
+        LLMResponse(tool_calls=[ToolCallRequest("c1", "probe", {})]), LLMResponse(content="ok")
+    )
+    loop = AgentLoop(RedisBus(redis), provider, tools=tools)
+    meta = {"_runtime_control": "session_discard", "thread": "t-9", "lang": "en"}
+    reply = await loop.process_message(
+        InboundMessage(channel="web", sender_id="u", chat_id="m", content="hi", metadata=meta)
+    )
+    tool_result = provider.calls[1]["messages"][-1]["content"]
+    assert tool_result == "[('lang', 'en'), ('thread', 't-9')]"
+    assert reply is not None
+    assert reply.metadata == {"lang": "en", "thread": "t-9", "worker": loop.worker_id}

@@ -166,3 +166,27 @@ async def test_chat_cli_talks_durably_and_privately(
     stored = await real_redis.hgetall(Keys().session("cli:tty"))
     assert "hello there" in str(stored)
     assert "secret words" not in await dump_all(real_redis)
+
+
+async def test_two_send_commands_in_one_chat_each_get_their_own_reply(
+    real_redis, spawn_workers, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """The old shared consumer group let one reader take another's reply; each `send` now
+    reads only the events of the message it published."""
+    import sys
+
+    spawn_workers(1, env={"AGENT_PROVIDER": "echo"})
+
+    async def send(text: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker.cli.main", "send", text, "--channel", "web",
+            "--chat-id", "shared", "--redis-url", redis_server.url, "--timeout", "20",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        return out.decode().strip()
+
+    outputs = await asyncio.gather(*(send(f"question {i}") for i in range(4)))
+    for i, out in enumerate(outputs):
+        assert out.startswith(f"echo: question {i}"), outputs
