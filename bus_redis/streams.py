@@ -28,6 +28,7 @@ from bus_redis.results import (
     CommitSpec,
     Forward,
     Lost,
+    More,
     Notification,
     Private,
     Step,
@@ -189,7 +190,7 @@ class RedisBus:
         k = self.keys
         for m in members:
             keys += [k.inbound(m), k.attempts(m), k.control_hint(m), k.owner(m)]
-            keys.append(k.ready(channel_of(m)))
+            keys += [k.ready(channel_of(m)), k.lease(m)]
             args.append(m)
         return keys, args
 
@@ -210,9 +211,10 @@ class RedisBus:
         skeys, sargs = self._streams([member] if member and select else [])
         keys = [k.lease(key), k.pending(key), k.session(key), memory_key or k.session(key)]
         keys += [k.owner(member or key), note.stream if note and note.entry_id else k.lease(key)]
-        keys.append(k.leases(channel_of(key)))
+        keys += [k.leases(channel_of(key)), k.lease(member or key)]
         args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
-        args += [self.owner_ttl_ms, "1" if select else "0", secrets.token_hex(8), READY_MAXLEN]
+        nonce = secrets.token_hex(8)
+        args += [self.owner_ttl_ms, "1" if select else "0", nonce, READY_MAXLEN]
         args += [note.entry_id if note else "", WORKER_GROUP, *sargs]
         raw = await self.scripts.call("acquire", keys + skeys, args)
         parts = texts(raw[:5])
@@ -220,6 +222,10 @@ class RedisBus:
             return Private()
         if parts[0] == "forward":
             return Forward(parts[1])
+        if parts[0] == "busy" and parts[1] == f"{nonce}|{worker_id}":
+            # a client retry of a call that did run (its reply was lost): the lease is ours;
+            # versions unknown (-1: reload), the step is found again with next()
+            return Acquired(parts[1], -1, "", -1, More((member,) if member else ()))
         if parts[0] == "busy":
             return Busy(parts[1])
         version, gen, memory = int(parts[2]), parts[3], int(parts[4])

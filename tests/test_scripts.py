@@ -35,9 +35,16 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
     bus = RedisBus(redis)
     k = bus.keys
     scripts = Scripts(redis)
-    stream = [k.inbound(K), k.attempts(K), k.control_hint(K), k.owner(K), k.ready("web")]
+    stream = [
+        k.inbound(K),
+        k.attempts(K),
+        k.control_hint(K),
+        k.owner(K),
+        k.ready("web"),
+        k.lease(K),
+    ]
     calls = {
-        "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), k.leases("web"), *stream],
+        "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), k.leases("web"), k.lease(K), *stream],
                     ["w", 1000, K, K, "0", 1000, "1", "n", 100, "", "workers", K]),
         "next": ([k.lease(K), k.pending(K), k.leases("web"), *stream], ["n|w", K, 100, K]),
         "commit": ([k.lease(K), k.session(K), *stream[:2], k.out(K), k.sessions_index("web"),

@@ -11,7 +11,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from bus_redis import RedisBus
-from bus_redis.streams import Retention
 from worker.loop import AgentLoop
 from worker.providers import EchoProvider, LLMProvider, OpenAIProvider
 from worker.settings import Settings
@@ -48,15 +47,7 @@ def make_loop(
     from worker.jobs.arq_queue import ArqJobQueue
 
     jobs = ArqJobQueue(settings.redis_url, settings.key_prefix) if settings.jobs == "arq" else None
-    bus = RedisBus(
-        redis,
-        settings.key_prefix,
-        lock_ttl_ms=settings.lock_ttl_ms,
-        owner_ttl_ms=settings.owner_ttl_ms,
-        retention=Retention(
-            settings.reply_maxlen, settings.reply_ttl_ms, settings.transient_reply_ttl_ms
-        ),
-    )
+    bus = RedisBus(redis, settings.key_prefix)  # timings come from the loop's config
     return AgentLoop(
         bus,
         provider or make_provider(settings),

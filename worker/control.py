@@ -46,7 +46,7 @@ class ControlListener:
             pubsub = self.redis.pubsub()
             try:
                 await pubsub.psubscribe(self.keys.control_pattern)
-                await self.on_subscribed()
+                await self._after_subscribing()
                 self.subscribed.set()
                 backoff.reset()
                 await self._listen(pubsub)
@@ -56,6 +56,14 @@ class ControlListener:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
+
+    async def _after_subscribing(self) -> None:
+        try:
+            await self.on_subscribed()
+        except (RedisError, OSError):
+            raise
+        except Exception:  # a bug there must not stop the subscription (nor the worker)
+            log.exception("checking for missed controls failed")
 
     async def _listen(self, pubsub: object) -> None:
         while True:
@@ -71,4 +79,7 @@ class ControlListener:
             if channel is None or not in_channel(control.session_key, channel):
                 log.warning("ignored a control for another channel on %s", safe(msg["channel"]))
                 continue
-            self.on_control(control)
+            try:
+                self.on_control(control)
+            except Exception:  # one bad control must not end the subscription
+                log.exception("handling a control for %s failed", safe(control.session_key))

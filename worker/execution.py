@@ -45,6 +45,7 @@ class TurnExecution:
         self.rt = holder.rt
         self.key = holder.key
         self.member = ""
+        self._seq = 0  # of this turn's non-terminal events (makes a retried emit idempotent)
 
     async def _session(self, msg: InboundMessage) -> Session:
         """The transient session this worker owns, or the durable session at the leased
@@ -152,10 +153,10 @@ class TurnExecution:
         turns.attach(self.key, task)
         try:
             await asyncio.wait({task})
-        except asyncio.CancelledError:
-            turns.cancel_key(self.key, "shutdown")
+        except asyncio.CancelledError:  # our own task is cancelled: so is the turn
             task.cancel()
             await asyncio.wait({task})
+            raise
         return turns.reason(self.key)
 
     async def _outcome(
@@ -195,6 +196,10 @@ class TurnExecution:
         self, msg: InboundMessage, reply_to: str, text: str, *, kind: str = "progress"
     ) -> None:
         """A fenced non-terminal event: ``progress`` (message tool) or ``delta``."""
+        self._seq += 1
+        meta: dict[str, object] = {"seq": self._seq}
+        if kind == "progress":
+            meta["tool"] = "message"
         out = OutboundMessage(
             type=kind,
             channel=msg.channel,
@@ -202,7 +207,7 @@ class TurnExecution:
             session_key=self.member,
             reply_to=reply_to,
             content=text,
-            metadata={"tool": "message"} if kind == "progress" else {},
+            metadata=meta,
         )
         payload = out.model_dump_json(exclude_none=True)
         transient = self.holder.transient

@@ -88,7 +88,9 @@ class SessionHolder:
                     await self.discarded(step.member)
                     step = await self._next()
                 elif isinstance(step, More):
-                    self.members.update(step.members)
+                    # the pending set is the truth: streams emptied, or left alone (private
+                    # now, or served by a holder of their own) are no longer ours
+                    self.members = set(step.members)
                     step = await self._next()
                 else:
                     if isinstance(step, Lost):
@@ -108,7 +110,14 @@ class SessionHolder:
             await self.rt.registry.drop_owner(member, self.rt.worker_id, owned)
 
     async def _process(self, entry: Entry) -> Step:
-        self.rt.turns.begin(self.key, entry.member, entry.entry_id)
+        if self.rt.turns.stopping:  # shutting down: take no further entry, hand it over
+            await self.rt.bus.release(self.key, self.token)
+            return Released()
+        turns = self.rt.turns
+        turns.begin(self.key, entry.member, entry.entry_id)
+        if turns.take_recent(entry.member, self.key):  # a control raced the selection
+            running = {self.key: (entry.member, entry.entry_id)}
+            self.rt.spawn(self.rt.confirm(running))
         try:
             spec = await self.handle(entry)
         except TurnAbortedError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -25,6 +26,7 @@ from bus_redis.codec import safe
 from bus_redis.keys import UNIFIED_CHANNEL
 from bus_redis.registry import Registry
 from bus_redis.results import Acquired, CommitSpec, Forward, Notification, Private
+from bus_redis.streams import Retention
 from session_store import UNIFIED_SESSION_KEY, MemoryStore, RedisSessionStore, SessionManager
 from worker.backoff import Backoff
 from worker.config import LoopConfig
@@ -65,6 +67,11 @@ class AgentLoop:
             config = config.model_copy(update={"unified_session": unified_session})
         self.config = config
         self.bus = bus
+        # one source of timings: the loop's config decides the bus's lease and retention
+        bus.lock_ttl_ms, bus.owner_ttl_ms = config.lock_ttl_ms, config.owner_ttl_ms
+        bus.retention = Retention(
+            config.reply_maxlen, config.reply_ttl_ms, config.transient_reply_ttl_ms
+        )
         self.worker_id = config.worker_id
         self.tools = tools or default_registry()
         context = ContextBuilder(self.tools.names, history_tokens=config.history_tokens)
@@ -84,6 +91,7 @@ class AgentLoop:
         )
         self.consolidator = Consolidator(self.rt)
         self.rt.maybe_consolidate = lambda s: self.consolidator.maybe_consolidate_by_tokens(s)
+        self.rt.confirm = self._confirm_and_cancel
         self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.holders: dict[str, SessionHolder] = {}
         self._serving: set[asyncio.Task[None]] = set()
@@ -97,6 +105,7 @@ class AgentLoop:
             dispatch=self.dispatch,
             serving=lambda key: key in self.holders,
             set_channels=self._set_channels,
+            streams=lambda: list(self._streams),
         )
 
     # --- the in-process surface (README: Embedding) ---------------------------------------------
@@ -183,7 +192,8 @@ class AgentLoop:
         acquired, scope = await self._acquire_blocking(key, msg.session_key)
         holder = SessionHolder(self.rt, key, acquired, set(), scope)
         holder.lease.start()
-        self.rt.turns.begin(key, msg.session_key, "")
+        now_id = f"{int(time.time() * 1000)}-0"  # only controls published from now on
+        self.rt.turns.begin(key, msg.session_key, now_id)
         try:
             outcome = await holder.run_message(msg, reply_to=msg.id or "", member=msg.session_key)
             spec = CommitSpec(member=msg.session_key, transient=holder.transient)
@@ -341,19 +351,26 @@ class AgentLoop:
         target = control.session_key
         running = {k: v for k, v in self.rt.turns.running().items() if target in (k, v[0])}
         if running:
-            self.maintenance.spawn(self._confirm_and_cancel(running))
-        if control.op == "discard":
-            self.maintenance.spawn(self._forget(target))
+            self.rt.spawn(self._confirm_and_cancel(running))
+        else:
+            self.rt.turns.note_control(target)  # an entry may be between select and begin
+        if control.op == "discard" and not self.sessions.is_transient(target):
+            self.sessions.invalidate(target)
+        # A private session is forgotten (and its owner record dropped) when its holder
+        # reaches the discard marker: exactly in stream order, under its lease.
 
     async def _confirm_and_cancel(self, running: dict[str, tuple[str, str]]) -> None:
-        for key, op in (await self.rt.registry.markers_after(running)).items():
-            self.rt.turns.cancel_key(key, op)
-
-    async def _forget(self, key: str) -> None:
-        member = self.rt.turns.disown(key)
-        self.sessions.invalidate(key)
-        if member is not None:
-            await self.rt.registry.drop_owner(key, self.worker_id, member)
+        """Cancel the running entries that a queued marker covers; a discard also forgets
+        the session at once (exact: the marker follows the entry this worker runs under
+        the lease, so no other worker serves the session meanwhile)."""
+        markers = await self.rt.registry.markers_after(running)
+        for key, op in markers.items():
+            member, entry_id = running[key]
+            if self.rt.turns.cancel_entry(key, entry_id, op) and op == "discard":
+                owned = self.rt.turns.disown(member)
+                self.sessions.invalidate(member)
+                if owned is not None:
+                    await self.rt.registry.drop_owner(member, self.worker_id, owned)
 
     async def check_flags(self) -> None:
         """After (re)subscribing: apply controls published while we were not listening."""

@@ -9,8 +9,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
@@ -32,23 +31,19 @@ class Maintenance:
         dispatch: Callable[[list[Notification]], None],
         serving: Callable[[str], bool],
         set_channels: Callable[[set[str]], None],
+        streams: Callable[[], list[str]],
     ) -> None:
         self.rt = rt
+        self.streams = streams  # the notification streams the consumer reads
         self.dispatch = dispatch
         self.serving = serving  # whether a holder runs for this key here
         self.set_channels = set_channels
         self.channels: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self.started_ms = int(time.time() * 1000)
 
     @property
     def every_s(self) -> float:
         return self.rt.bus.lock_ttl_ms / 3000
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def run(self) -> None:
         while True:
@@ -78,7 +73,7 @@ class Maintenance:
         for key in await rt.registry.sweep_leases(channels):
             log.info("lease of %s expired without release; re-notified", safe(key))
         await self.sweep()
-        streams = rt.bus.note_streams(rt.worker_id, self.channels)
+        streams = self.streams()
         stale = await rt.bus.claim_stale(rt.worker_id, streams, min_idle_ms=rt.bus.lock_ttl_ms)
         if stale:
             log.info("claimed %d notifications unacknowledged for a lease TTL", len(stale))
@@ -143,9 +138,9 @@ class Maintenance:
             except (RedisError, OSError):
                 log.warning("could not report a transient session as lost")
             rt.forget(key)
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=2)
-        streams = rt.bus.note_streams(rt.worker_id, self.channels)
+        if rt.background:
+            await asyncio.wait(set(rt.background), timeout=2)
+        streams = self.streams()
         try:
             handed = await rt.bus.hand_back(rt.worker_id, streams)
             if handed:

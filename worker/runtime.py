@@ -7,6 +7,7 @@ imports it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,17 @@ class Runtime:
     turns: TurnRegistry
     # queues a consolidation job when a committed session is over budget (Consolidator)
     maybe_consolidate: Callable[[Session], Awaitable[Any]] = field(default=lambda _s: _noop())
+    # confirms controls for running entries against their streams, then cancels (AgentLoop)
+    confirm: Callable[[dict[str, tuple[str, str]]], Awaitable[None]] = field(
+        default=lambda _r: _noop()
+    )
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        """Run ``coro`` in the background, keeping a reference until it is done."""
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     @property
     def worker_id(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ class TurnRegistry:
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
+        self._recent: OrderedDict[str, float] = OrderedDict()  # controls with no slot yet
         self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
         self.stopping = False
 
@@ -73,6 +74,27 @@ class TurnRegistry:
         slot = self._slots.get(key)
         return self._cancel(slot, reason) if slot else 0
 
+    def cancel_entry(self, key: str, entry_id: str, reason: str) -> int:
+        """Cancel K's turn only if it still handles ``entry_id`` (a confirmation that
+        arrives late never cancels the next turn)."""
+        slot = self._slots.get(key)
+        return self._cancel(slot, reason) if slot and slot.entry_id == entry_id else 0
+
+    # --- controls that found no slot ----------------------------------------------------
+    def note_control(self, target: str, *, keep_s: float = 5.0) -> None:
+        """A control for a session with no entry being handled here: an entry selected
+        just before the marker was queued may still be on its way to :meth:`begin`."""
+        now = time.monotonic()
+        self._recent[target] = now
+        while self._recent and next(iter(self._recent.values())) < now - keep_s:
+            self._recent.popitem(last=False)
+
+    def take_recent(self, *targets: str, keep_s: float = 5.0) -> bool:
+        """Whether a control for one of ``targets`` came recently (forgetting it)."""
+        now = time.monotonic()
+        found = [t for t in targets if now - self._recent.pop(t, -keep_s - 1) <= keep_s]
+        return bool(found)
+
     @staticmethod
     def _cancel(slot: Slot, reason: str) -> int:
         if slot.reason is None:
@@ -105,4 +127,4 @@ class TurnRegistry:
         return key in self._owned
 
     def empty(self) -> bool:
-        return not self._slots and not self._owned
+        return not self._slots and not self._owned and not self._recent

@@ -1,7 +1,7 @@
 -- Shared prelude, prepended to the scripts that select the next entry or release a lease.
--- Not a script of its own. Each inbound stream S is passed as five KEYS (inbound stream,
--- attempts hash, control hint, owner record, ready stream of S's channel) with S itself
--- in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
+-- Not a script of its own. Each inbound stream S is passed as six KEYS (inbound stream,
+-- attempts hash, control hint, owner record, ready stream of S's channel, S's own lease)
+-- with S itself in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
 -- discard marker published by the frontend: it covers exactly the entries before it).
 local unpack = unpack or table.unpack
 local MARKER_SCAN = 1000  -- entries looked at to find the control marker after an entry
@@ -27,12 +27,13 @@ local function field(fields, name)
   return nil
 end
 
--- streams: list of {in, attempts, hint, owner, ready, member}
+-- streams: list of {in, attempts, hint, owner, ready, member, lease of S}
 local function streams_of(first_key, first_arg)
   local out = {}
   local n = 0
-  for i = first_key, #KEYS, 5 do
-    out[#out + 1] = {KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], KEYS[i + 4], ARGV[first_arg + n]}
+  for i = first_key, #KEYS, 6 do
+    out[#out + 1] = {KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], KEYS[i + 4], ARGV[first_arg + n],
+                     KEYS[i + 5]}
     n = n + 1
   end
   return out
@@ -67,15 +68,27 @@ local function head(s)
   end
 end
 
+-- Whether a stream folded under K (S ~= K) must be left alone: it is no longer pending
+-- for K, or it became a private session (owner record) or has a holder of its own (lease
+-- of S). It then leaves K's pending set, and a private one with no holder is re-notified so
+-- that its owner serves it: one stream is never drained under two leases.
+local function leave_alone(s, key, pending, maxlen)
+  if s[6] == key then return false end
+  if redis.call('SISMEMBER', pending, s[6]) == 0 then return true end
+  local held = redis.call('EXISTS', s[7]) == 1
+  if not held and redis.call('EXISTS', s[4]) == 0 then return false end
+  redis.call('SREM', pending, s[6])
+  if not held then
+    redis.call('XADD', s[5], 'MAXLEN', '~', maxlen, '*', 'session', s[6])
+  end
+  return true
+end
+
 -- The oldest unprocessed entry over the given streams; counts one delivery attempt.
--- A stream that became a private session (owner record) while folded under another key K
--- leaves K's pending set and is re-notified, so that its owner serves it.
 local function select_next(streams, key, pending, maxlen)
   local best, best_entry
   for i, s in ipairs(streams) do
-    if s[6] ~= key and redis.call('EXISTS', s[4]) == 1 then
-      redis.call('SREM', pending, s[6])
-      redis.call('XADD', s[5], 'MAXLEN', '~', maxlen, '*', 'session', s[6])
+    if leave_alone(s, key, pending, maxlen) then
       s.skip = true
     else
       local e, discarded = head(s)

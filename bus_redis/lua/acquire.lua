@@ -6,14 +6,16 @@
 -- KEYS[5] owner    P:{C}:owner:S     transient owner record of the notified stream S
 -- KEYS[6] notes    the stream the notification came from (ready queue or inbox)
 -- KEYS[7] leases   P:{C}:leases      lease registry of K's channel (K -> expiry ms)
--- KEYS[8..12]      stream keys of S (see _common.lua), only when selecting
+-- KEYS[8] lease S  P:{C}:lease:S     the notified stream's own lease (= KEYS[1] when K = S)
+-- KEYS[9..14]      stream keys of S (see _common.lua), only when selecting
 -- ARGV[1] worker id   ARGV[2] lease ttl ms   ARGV[3] K   ARGV[4] S ('' when none)
 -- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
 -- ARGV[6] owner ttl ms   ARGV[7] '1' to select the first entry (or release at once)
 -- ARGV[8] lease nonce    ARGV[9] ready MAXLEN    ARGV[10] notification entry id ('' none)
 -- ARGV[11] consumer group   ARGV[12] S again (member of the stream keys)
--- returns {'private'}                  S is an open private session but K ~= S: retry with K = S
---       | {'forward', owner}           S belongs to another worker's private session
+-- returns {'private'}                  K ~= S but S is an open private session or has a
+--                                      holder of its own: retry with K = S
+--       | {'forward', owner}           K belongs to another worker's private session
 --       | {'busy', holder}
 --       | {'acquired', token, version, generation, memory version, <next_or_release...>}
 -- S joins K's pending set before any forward, so a forward lost with its owner is found
@@ -26,14 +28,16 @@ local function ack()
   end
 end
 
+local owner = redis.call('HGET', KEYS[5], 'worker')
 if ARGV[4] ~= '' then
-  local owner = redis.call('HGET', KEYS[5], 'worker')
-  if owner and ARGV[3] ~= ARGV[4] then return {'private'} end
-  redis.call('SADD', KEYS[2], ARGV[4])
-  if owner and owner ~= ARGV[1] then
-    ack()
-    return {'forward', owner}
+  if ARGV[3] ~= ARGV[4] and (owner or redis.call('EXISTS', KEYS[8]) == 1) then
+    return {'private'}
   end
+  redis.call('SADD', KEYS[2], ARGV[4])
+end
+if owner and owner ~= ARGV[1] then
+  ack()
+  return {'forward', owner}
 end
 local holder = redis.call('GET', KEYS[1])
 if holder then
@@ -53,7 +57,7 @@ local s = redis.call('HMGET', KEYS[3], 'version', 'gen')
 local memory = redis.call('HGET', KEYS[4], 'version') or '0'
 local head = {'acquired', token, s[1] or '0', s[2] or '', memory}
 if ARGV[7] == '1' then
-  local nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(8, 12), ARGV[3], ARGV[9])
+  local nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(9, 12), ARGV[3], ARGV[9])
   for _, v in ipairs(nxt) do head[#head + 1] = v end
 end
 ack()

@@ -1,8 +1,12 @@
 -- emit: a fenced non-terminal event (progress, delta) on the session's event stream.
 -- KEYS[1] lease  KEYS[2] out stream P:{C}:out:S
--- ARGV[1] token  ARGV[2] payload JSON  ARGV[3] MAXLEN  ARGV[4] stream ttl ms
--- returns the entry id, or false when the lease is lost
+-- ARGV[1] token  ARGV[2] payload JSON (carries a per-turn sequence number)  ARGV[3] MAXLEN
+-- ARGV[4] stream ttl ms
+-- returns the entry id, or false when the lease is lost. Idempotent: a client retry of a
+-- call that did run finds its event already last and adds nothing.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if last and last[2][2] == ARGV[2] then return last[1] end
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 return id

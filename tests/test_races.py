@@ -1,0 +1,229 @@
+"""Races found in review (each reproduced first, then fixed): a control between select and
+begin, a late confirmation, a discarded private session in unified mode, a private
+stream left in a unified holder's set, client retries of scripts whose reply was lost,
+a re-notified private session, the unified queue's unacknowledged entries."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from replies import collect
+
+from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis.results import Acquired, Forward
+from worker import AgentLoop, LoopConfig
+from worker.providers import LLMResponse
+
+
+def _m(chat: str, text: str, **kw: Any) -> InboundMessage:
+    return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, **kw)
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 10) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)  # poll: another task brings it about
+
+
+@pytest.fixture
+async def make_loop(redis_factory) -> AsyncIterator[Callable[..., AgentLoop]]:  # type: ignore[no-untyped-def]
+    started: list[tuple[AgentLoop, asyncio.Task[None]]] = []
+
+    def make(provider: Any, **config: Any) -> AgentLoop:
+        loop = AgentLoop(
+            RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=50, **config)
+        )
+        started.append((loop, asyncio.create_task(loop.run())))
+        return loop
+
+    yield make
+    for loop, task in started:
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_stop_between_select_and_begin_cancels_the_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    async def handler(**_kw: Any) -> LLMResponse:
+        await asyncio.Event().wait()  # held until cancelled
+        raise AssertionError("unreachable")
+
+    loop = make_loop(ScriptedProvider(handler=handler))
+    client = FrontendClient(redis_factory())
+    delivered = asyncio.Event()
+    on_control = loop.on_control
+
+    def spy(control: Any) -> None:
+        on_control(control)
+        delivered.set()
+
+    loop.on_control = spy  # type: ignore[method-assign]
+    await _until(lambda: loop._streams != [])
+    real_acquire = loop.bus.acquire
+
+    async def acquire(*a: Any, **kw: Any) -> Any:
+        res = await real_acquire(*a, **kw)
+        if isinstance(res, Acquired) and res.step is not None and kw.get("member") == "web:s":
+            await client.stop("web:s")  # queued after the selection ...
+            await asyncio.wait_for(delivered.wait(), 5)  # ... handled before begin()
+        return res
+
+    loop.bus.acquire = acquire  # type: ignore[method-assign]
+    mid = await client.send(_m("s", "hello", id="m1"))
+    got = await collect(client, "web", {mid})
+    assert got[mid][-1].code == "cancelled"
+
+
+async def test_a_late_confirmation_never_cancels_the_next_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    release = asyncio.Event()
+
+    async def handler(**kw: Any) -> LLMResponse:
+        if kw["messages"][-1]["content"] == "first":
+            await release.wait()
+            return LLMResponse(content="answer 1")
+        await asyncio.sleep(0.2)  # the second turn is running when the late reply lands
+        return LLMResponse(content="answer 2")
+
+    provider = ScriptedProvider(handler=handler)
+    loop = make_loop(provider)
+    client = FrontendClient(redis_factory())
+    real = loop.rt.registry.markers_after
+
+    async def late(running: dict[str, tuple[str, str]]) -> dict[str, str]:
+        found = await real(running)  # sees the marker after E1 ...
+        if "web:t" not in running:  # (the check after subscribing, before any turn)
+            return found
+        release.set()  # ... E1 finishes and E2 (published after the stop) begins
+        await _until(
+            lambda: loop.turns.running().get("web:t", ("", ""))[1] not in ("", running["web:t"][1])
+        )
+        return found
+
+    loop.rt.registry.markers_after = late  # type: ignore[method-assign]
+    e1 = await client.send(_m("t", "first", id="e1"))
+    await asyncio.wait_for(provider.started.wait(), 5)
+    await client.stop("web:t")
+    e2 = await client.send(_m("t", "second", id="e2"))
+    got = await collect(client, "web", {e1, e2})
+    assert got[e2][-1].content == "answer 2"
+
+
+async def test_a_discarded_private_session_is_never_under_two_leases(
+    redis_factory, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    calls: Counter[str] = Counter()
+    started = asyncio.Event()
+
+    async def handler(**kw: Any) -> LLMResponse:
+        text = kw["messages"][-1]["content"]
+        calls[text] += 1
+        if text == "e1":
+            started.set()
+            await asyncio.Event().wait()
+        await asyncio.sleep(0.05)
+        return LLMResponse(content=f"re {text}")
+
+    loop = make_loop(ScriptedProvider(handler=handler), unified_session=True)
+    client = FrontendClient(redis_factory())
+    _, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    private = {"session_key_override": "web:p", "require_existing_session": True}
+    e1 = await client.send(_m("p", "e1", id="e1", **private))
+    await asyncio.wait_for(started.wait(), 5)
+    await client.discard("web:p")
+    e3 = await client.send(_m("p", "e3", id="e3"))  # a durable message for the same key
+    got = await collect(client, "web", {e1, e3})
+    await _until(lambda: not loop.turns.running() and not loop.holders)
+    assert got[e1][-1].code == "cancelled"
+    assert calls == Counter({"e1": 1, "e3": 1})
+
+
+async def test_a_private_stream_leaves_the_unified_holder_once(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    async def handler(**_kw: Any) -> LLMResponse:
+        await asyncio.sleep(0.02)
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=handler), unified_session=True)
+    acquires: Counter[str] = Counter()
+    real = loop.bus.acquire
+
+    async def count(key: str, worker: str, **kw: Any) -> Any:
+        acquires[f"{key}<-{kw.get('member')}"] += 1
+        return await real(key, worker, **kw)
+
+    loop.bus.acquire = count  # type: ignore[method-assign]
+    client = FrontendClient(redis_factory())
+    _, opened = await client.open_transient("web", "p")
+    ids = [await client.send(_m("a", f"m{i}", id=f"a{i}")) for i in range(20)]
+    await collect(client, "web", {opened, *ids})
+    assert acquires["unified:default<-web:p"] <= 2
+
+
+async def test_a_retried_acquire_finds_its_own_lease(redis: aioredis.Redis) -> None:
+    """A client retry of a call that did run (its reply lost) must not orphan the lease."""
+    bus = RedisBus(redis)
+    await FrontendClient(redis).send(_m("r", "hi"))
+    sent: list[tuple[str, list[str], list[Any]]] = []
+    call = bus.scripts.call
+
+    async def first_reply_lost(name: str, keys: list[str], args: list[Any]) -> Any:
+        reply = await call(name, keys, args)
+        if not sent:
+            sent.append((name, keys, args))
+            return await call(name, keys, args)  # the retry: same command, same nonce
+        return reply
+
+    bus.scripts.call = first_reply_lost  # type: ignore[method-assign]
+    got = await bus.acquire("web:r", "w1", member="web:r")
+    assert isinstance(got, Acquired)
+    assert got.token.endswith("|w1")
+    assert await redis.get(bus.keys.lease("web:r")) == got.token
+
+
+async def test_a_retried_emit_adds_its_event_once(redis: aioredis.Redis) -> None:
+    bus = RedisBus(redis)
+    got = await bus.acquire("web:e", "w1", select=False)
+    assert isinstance(got, Acquired)
+    payload = '{"v":2,"type":"delta","metadata":{"seq":1}}'
+    for _ in range(2):  # the second is a client retry
+        assert await bus.emit("web:e", got.token, "web:e", payload, transient=False)
+    assert await redis.xlen(bus.keys.out("web:e")) == 1
+
+
+async def test_a_renotified_private_session_is_forwarded_to_its_owner(
+    redis: aioredis.Redis,
+) -> None:
+    """The lease sweep re-notifies K itself (no stream member): the owner check applies."""
+    bus = RedisBus(redis)
+    await redis.hset(bus.keys.owner("web:q"), "worker", "w2")
+    assert await bus.acquire("web:q", "w1") == Forward("w2")
+    assert not await redis.exists(bus.keys.lease("web:q"))
+
+
+async def test_the_unified_queue_is_reclaimed_from_a_dead_consumer(
+    redis_factory, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    r = redis_factory()
+    ready = "agent:{unified}:ready"
+    await r.xgroup_create(ready, "workers", id="0", mkstream=True)
+    await r.xadd(ready, {"session": "unified:default", "effective": "1"})
+    await r.xreadgroup("workers", "dead-worker", {ready: ">"}, count=1)  # read, then died
+    make_loop(ScriptedProvider(["x"]), unified_session=True, lock_ttl_ms=300)
+    pending = -1
+
+    async def claimed() -> bool:
+        nonlocal pending
+        pending = (await r.xpending(ready, "workers"))["pending"]
+        return pending == 0
+
+    deadline = asyncio.get_running_loop().time() + 10
+    while not await claimed():
+        assert asyncio.get_running_loop().time() < deadline, pending
+        await asyncio.sleep(0.05)  # poll: the worker's maintenance claims it
