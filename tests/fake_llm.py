@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import select
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +27,7 @@ class FakeLLM:
         self.requests: list[dict[str, Any]] = []
         self.inflight: dict[str, int] = {}
         self.overlaps = 0
+        self.hangups = 0  # held requests whose client closed the connection
         self.started = threading.Event()
         self._release = threading.Event()
         self._lock = threading.Lock()
@@ -48,7 +51,21 @@ class FakeLLM:
     def release(self) -> None:
         self._release.set()
 
-    def _answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _hold(self, conn: socket.socket | None) -> bool:
+        """Hold a ``block`` request until ``release()``; False when the client hangs up."""
+        while not self._release.wait(0.02):
+            if conn is None:
+                continue
+            readable, _, _ = select.select([conn], [], [], 0)
+            if readable and conn.recv(1, socket.MSG_PEEK) == b"":
+                with self._lock:
+                    self.hangups += 1
+                return False
+        return True
+
+    def _answer(
+        self, body: dict[str, Any], conn: socket.socket | None = None
+    ) -> tuple[int, dict[str, Any]]:
         user = next((m for m in reversed(body.get("messages", [])) if m.get("role") == "user"), {})
         text = str(user.get("content", ""))
         match = _TAG.match(text)
@@ -61,7 +78,8 @@ class FakeLLM:
         try:
             if "block" in text:
                 self.started.set()
-                self._release.wait(30)
+                if not self._hold(conn):
+                    return 499, {"error": {"message": "client closed the request"}}
             low, high = self.latency_s
             if high > 0:
                 time.sleep(random.uniform(low, high))
@@ -87,7 +105,7 @@ class FakeLLM:
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
-                status, doc = fake._answer(body)
+                status, doc = fake._answer(body, self.connection)
                 if body.get("stream") and status == 200:
                     self._stream(doc)
                     return

@@ -139,3 +139,40 @@ def test_demo_falls_back_to_an_in_process_server() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     assert "in-process fakeredis" in res.stdout
     assert "Redis keys holding the secret: 0" in res.stdout
+
+
+@pytest.mark.real_redis
+def test_sessions_and_channels_commands(redis_server) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import json
+
+    import redis.asyncio as aioredis
+
+    from bus_redis import Keys
+    from session_store import RedisSessionStore, Session
+
+    async def seed() -> None:
+        r = aioredis.from_url(redis_server.url, decode_responses=True)
+        await r.flushall()
+        session = Session(key="web:x", scope="web/sender:u")
+        session.add_message("user", "hello there")
+        await RedisSessionStore(r, Keys()).save(session)
+        await r.aclose()
+
+    asyncio.run(seed())
+    url = redis_server.url
+    listed = _run("sessions", "list", "--redis-url", url)
+    assert listed.stdout.startswith("web:x\tweb/sender:u\t1 messages")
+    scoped = _run("sessions", "list", "--scope", "web/sender:other", "--redis-url", url)
+    assert scoped.stdout == ""
+    shown = json.loads(_run("sessions", "show", "web:x", "--redis-url", url).stdout)
+    assert shown["messages"][0]["content"] == "hello there"
+    assert _run("sessions", "delete", "web:x", "--redis-url", url).stdout.strip() == "deleted"
+    assert _run("sessions", "show", "web:x", "--redis-url", url).returncode == 1
+
+    assert _run("channels", "add", "tele_gram", "--redis-url", url).returncode == 0
+    assert "tele_gram" in _run("channels", "list", "--redis-url", url).stdout.split()
+    bad = _run("channels", "add", "we:b", "--redis-url", url)
+    assert bad.returncode == 2
+    assert _run("channels", "remove", "tele_gram", "--redis-url", url).returncode == 0
+    assert "tele_gram" not in _run("channels", "list", "--redis-url", url).stdout.split()

@@ -12,6 +12,7 @@ from helpers import ScriptedProvider
 from replies import collect, wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from session_store import Session
 from session_store.codec import decode_meta
 from worker import AgentLoop, LoopConfig
 from worker.consolidator import KEEP_RECENT
@@ -82,7 +83,12 @@ async def test_two_consolidations_of_one_scope_keep_both_summaries(redis: aiored
 async def test_transient_sessions_are_never_consolidated(redis: aioredis.Redis) -> None:
     loop = AgentLoop(RedisBus(redis), EchoProvider(), config=LOW)
     session = loop.sessions.get_or_create_transient("web:private")
-    session.append_rows([{"role": "user", "content": "secret " * 100}])
+    rows = [{"role": "user", "content": "secret " * 100} for _ in range(20)]
+    session.append_rows(rows)  # far over budget, and more than KEEP_RECENT rows
+    session.scope = SCOPE
+    durable = Session(key="web:twin", scope=SCOPE)
+    durable.append_rows(rows)
+    assert await loop.consolidator.maybe_consolidate_by_tokens(durable)  # the contrast
     assert not await loop.consolidator.maybe_consolidate_by_tokens(session)
     await loop.consolidator.run_job(key="web:private", start=0, end=1)  # a forged job does nothing
     assert await loop.memory.read_memory() == ""

@@ -57,6 +57,16 @@ def _fake() -> Callable[[], aioredis.Redis]:
     return lambda: fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
 
 
+def _client_id(raw: str | bytes) -> str | None:
+    """The ``id`` a payload carries (what its answer names), if any."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    value = doc.get("id") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
 async def _run(payloads: list[str | bytes], make: Callable[[], aioredis.Redis]) -> None:
     worker_redis = make()
     await worker_redis.flushall()
@@ -68,17 +78,16 @@ async def _run(payloads: list[str | bytes], make: Callable[[], aioredis.Redis]) 
     )
     client = FrontendClient(make())
     task = asyncio.create_task(loop.run())
-    for raw in payloads:
-        await client.send_raw("web:h", raw)
+    entry_ids = [await client.send_raw("web:h", raw) for raw in payloads]
     canary_doc = {"v": 2, "channel": "web", "sender_id": "u", "chat_id": "h", "content": "canary"}
     canary = await client.send_raw("web:h", json.dumps(canary_doc))
 
-    terminal: list[str] = []
+    terminal: list[tuple[str, str]] = []  # (reply_to, code or type)
 
     async def wait_canary() -> None:
         async for ev in client.events(["web:h"], after="0"):
             if ev.is_terminal:
-                terminal.append(ev.reply_to or "")
+                terminal.append((ev.reply_to or "", ev.code or ev.type))
             if ev.reply_to == canary:
                 return
 
@@ -87,6 +96,8 @@ async def _run(payloads: list[str | bytes], make: Callable[[], aioredis.Redis]) 
     await asyncio.wait_for(task, 10)
     redis = client.redis
     assert len(terminal) == len(payloads) + 1  # one terminal event per entry, none lost
+    for (reply_to, _), raw, entry_id in zip(terminal, payloads, entry_ids, strict=False):
+        assert reply_to in (entry_id, _client_id(raw)), (reply_to, raw)  # in order, its own
     assert await redis.xlen(Keys().inbound("web:h")) == 0  # nothing left behind
     assert await redis.xlen(Keys().dead("web")) <= len(payloads)
     assert not [k async for k in redis.scan_iter(match="agent:{telegram}*")]  # never served

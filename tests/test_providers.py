@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from fake_llm import FakeLLM
@@ -47,7 +48,14 @@ async def test_cancelling_the_turn_cancels_the_http_call(fake_llm: FakeLLM) -> N
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(call, 2)  # the server is still holding the request
-    assert not fake_llm._release.is_set()
+
+    def hung_up() -> bool:  # the HTTP request itself was closed, not just our task
+        deadline = time.monotonic() + 5
+        while fake_llm.hangups == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return fake_llm.hangups == 1
+
+    assert await asyncio.to_thread(hung_up)
 
 
 async def test_echo_calls_offered_tools_only() -> None:

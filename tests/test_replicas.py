@@ -27,6 +27,14 @@ async def _acl_urls(admin: aioredis.Redis, url: str) -> tuple[str, str]:
     )
 
 
+async def _kept(client: FrontendClient, session_key: str):  # type: ignore[no-untyped-def]
+    """Every event kept for a session, then stop (XRANGE: no waiting)."""
+    for eid, fields in await client.redis.xrange(client.keys.out(session_key)):
+        ev = OutboundMessage.model_validate_json(fields["payload"])
+        ev.entry_id = eid
+        yield ev
+
+
 async def _until_terminal(
     client: FrontendClient, chats: list[str], want: int
 ) -> list[OutboundMessage]:
@@ -119,20 +127,22 @@ async def test_unified_mode_drains_each_stream_under_one_lease(
     model exactly once and no two turns of the unified session overlap."""
     spawn_workers(2, env={"AGENT_UNIFIED_SESSION": "1"})
     client = FrontendClient(real_redis)
-    sent = []
+    sent: list[str] = []
+    ids: dict[str, set[str]] = {"42": set(), "43": set()}
     for i in range(6):
         for chat, override in (("42", None), ("42", "web:42"), ("43", None)):
             text = f"[u] {chat}-{'o' if override else 'd'}{i}"
             msg = InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text,
                                  session_key_override=override)  # fmt: skip
             sent.append(text)
-            await client.send(msg)
+            ids[chat].add(await client.send(msg))
+    # a canary after everything: once it is answered, every earlier turn has committed
+    canary = await client.ask(InboundMessage(channel="web", sender_id="u", chat_id="43", content="[u] canary"), timeout_s=60)  # fmt: skip
+    assert canary.type == "message"
     for chat in ("42", "43"):
-        events = await asyncio.wait_for(
-            _until_terminal(client, [f"web:{chat}"], 12 if chat == "42" else 6), 60
-        )
-        terminal = [e for e in events if e.is_terminal]
-        assert len(terminal) == (12 if chat == "42" else 6)
+        kept = [e async for e in _kept(client, f"web:{chat}")]
+        terminal = [e for e in kept if e.is_terminal and e.reply_to != canary.reply_to]
+        assert sorted(e.reply_to or "" for e in terminal) == sorted(ids[chat])  # once each
         assert all(e.type == "message" for e in terminal), terminal
     last_user = Counter(
         next(m["content"] for m in reversed(r["messages"]) if m["role"] == "user")

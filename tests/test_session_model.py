@@ -7,12 +7,34 @@ from hypothesis import strategies as st
 
 from session_store.models import Session, estimate_tokens
 
+_CALL = [{"id": "c1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]
 ROWS = st.lists(
-    st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.text(max_size=40)}
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant", "tool"]),
+                "content": st.text(max_size=40),
+            }
+        ),
+        st.fixed_dictionaries(  # a tool call with no text: replayed, not dropped
+            {
+                "role": st.just("assistant"),
+                "content": st.sampled_from(["", None]),
+                "tool_calls": st.just(_CALL),
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "role": st.just("tool"),
+                "content": st.text(max_size=10),
+                "tool_call_id": st.just("c1"),
+                "name": st.just("t"),
+            }
+        ),
     ),
     max_size=40,
 )
+_REPLAYED = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 def naive(session: Session, max_tokens: int) -> list[dict[str, object]]:
@@ -24,9 +46,9 @@ def naive(session: Session, max_tokens: int) -> list[dict[str, object]]:
     while start < len(rows) and rows[start]["role"] != "user":
         start += 1
     return [
-        {k: v for k, v in r.items() if k in ("role", "content")}
+        {k: v for k, v in r.items() if k in _REPLAYED and v is not None}
         for r in rows[start:]
-        if not (r["role"] == "assistant" and not r["content"])
+        if not (r["role"] == "assistant" and not r["content"] and not r.get("tool_calls"))
     ]
 
 

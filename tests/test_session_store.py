@@ -129,6 +129,8 @@ async def test_transient_sessions_are_pinned_and_never_saved(redis: aioredis.Red
         await manager.get_or_create(f"web:d{i}")
 
     assert manager.get_cached("web:p") is private
+    assert manager.get_cached("web:d0") is None  # durable entries were evicted ...
+    assert manager.get_cached("web:d4") is not None  # ... oldest first
     assert private.policy.disabled_tools == {"spawn"}
     assert await manager.read_session("web:p") is None
     assert manager.get_or_create_transient("web:p", disabled_tools={"spawn"}) is private

@@ -98,7 +98,7 @@ async def test_unified_mode_folds_chats_but_not_transient_sessions(
     )
 
 
-async def test_required_session_on_another_worker_is_not_active(
+async def test_a_required_session_that_exists_nowhere_is_not_active(
     real_redis: aioredis.Redis, spawn_workers, fake_llm
 ) -> None:  # type: ignore[no-untyped-def]
     spawn_workers(2)
@@ -111,6 +111,43 @@ async def test_required_session_on_another_worker_is_not_active(
     assert got[mid][-1].code == "session_not_active"
     assert fake_llm.requests == []
     assert not await real_redis.exists(Keys().session("web:ghost"))
+
+
+async def test_a_private_sessions_message_read_by_another_worker_is_forwarded(
+    real_redis: aioredis.Redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """The owner is paused, so the other worker reads the notification: it forwards it to
+    the owner's inbox, and the owner answers once it runs again."""
+    import signal
+
+    from replies import wait_until_async
+
+    (owner,) = spawn_workers(1)
+    client = FrontendClient(real_redis)
+    key, opened = await client.open_transient("web", "f", session_key="web:f-private")
+    await collect(client, "web", {opened})
+    (other,) = spawn_workers(1)
+    k = Keys()
+
+    async def other_is_up() -> bool:
+        return bool(await real_redis.hget(k.worker_info(other.worker_id), "pid"))
+
+    assert await wait_until_async(other_is_up, timeout_s=20)
+    owner.signal(signal.SIGSTOP)
+    try:
+        mid = await client.send(
+            _msg("f", "for the owner", session_key_override=key, require_existing_session=True)
+        )
+
+        async def forwarded() -> bool:
+            return await real_redis.xlen(k.inbox(owner.worker_id)) > 0
+
+        assert await wait_until_async(forwarded, timeout_s=20)
+    finally:
+        owner.signal(signal.SIGCONT)
+    got = await collect(client, "web", {mid}, timeout_s=20)
+    assert got[mid][-1].content == "re: for the owner"
+    assert got[mid][-1].metadata["worker"] == owner.worker_id
 
 
 async def test_chat_cli_talks_durably_and_privately(

@@ -109,13 +109,14 @@ async def test_bad_input_gets_an_error_and_a_dead_letter(
     """Including a payload for another session than its stream (chat zz in web:b's stream)
     and bytes that are not UTF-8: answered once, dead-lettered, the session goes on."""
     _loop, client, _ = running
-    await client.send_raw("web:b", payload)
+    bad = await client.send_raw("web:b", payload)
     ok = await client.send(_m("b", "still alive"))
     got = await collect(client, "web", {ok})
 
     errors = [ev for evs in got.values() for ev in evs if ev.type == "error"]
     assert [e.code for e in errors] == [code]
     assert errors[0].session_key == "web:b"
+    assert errors[0].reply_to == bad  # it names the entry it answers
     assert got[ok][-1].content == "re: still alive"
     assert await client.redis.xlen(Keys().dead("web")) == 1
     assert await client.redis.xlen(Keys().inbound("web:b")) == 0
@@ -205,13 +206,15 @@ async def test_control_missed_while_pubsub_was_down_still_cancels(redis_server) 
 
 
 async def test_concurrency_caps_turns_per_process(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """Six sessions, a cap of two: while two turns are held, the others wait for a slot
+    (checked by holding them long enough for a third to start if the cap did not hold)."""
     cap, sessions = 2, 6
     in_flight: list[asyncio.Event] = []
-    peak = finished = 0
+    peak = 0
     changed = asyncio.Condition()
 
     async def gated(**kw: object) -> LLMResponse:
-        nonlocal peak, finished
+        nonlocal peak
         gate = asyncio.Event()
         async with changed:
             in_flight.append(gate)
@@ -220,7 +223,6 @@ async def test_concurrency_caps_turns_per_process(redis_factory) -> None:  # typ
         await gate.wait()
         async with changed:
             in_flight.remove(gate)
-            finished += 1
             changed.notify_all()
         return await _echo(**kw)
 
@@ -231,19 +233,25 @@ async def test_concurrency_caps_turns_per_process(redis_factory) -> None:  # typ
     client = FrontendClient(redis_factory())
     ids = {await client.send(_m(f"c{i}", "hello")) for i in range(sessions)}
     task = asyncio.create_task(loop.run())
-    while finished < sessions:
-        # a turn may finish only when as many run as the cap allows
+    for left in range(sessions, 0, -1):
         async with changed:
-            await changed.wait_for(lambda: len(in_flight) >= min(cap, sessions - finished))
-            before = finished
-            in_flight[0].set()
-            await changed.wait_for(lambda b=before: finished > b)  # type: ignore[misc]
+            await changed.wait_for(lambda n=left: len(in_flight) >= min(cap, n))  # type: ignore[misc]
+        await _settle(loop)  # every notification read meanwhile had its chance to start
+        assert len(in_flight) == min(cap, left)
+        in_flight[0].set()
+        async with changed:
+            await changed.wait_for(lambda n=left: len(in_flight) < min(cap, n))  # type: ignore[misc]
     got = await collect(client, "web", ids)
     loop.stop()
     await asyncio.wait_for(task, 10)
 
     assert len(got) == sessions
     assert peak == cap
+
+
+async def _settle(loop: AgentLoop) -> None:
+    """Let the worker run until it waits on Redis or a gate: a few read timeouts' worth."""
+    await asyncio.sleep(3 * loop.config.read_block_ms / 1000)  # bounded, not a sync point
 
 
 async def test_stopping_worker_finishes_its_turn_and_hands_the_rest_over(redis_factory) -> None:  # type: ignore[no-untyped-def]
