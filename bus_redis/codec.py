@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.asyncio import Redis
+
 
 def text(value: Any) -> str:
     """A reply value as ``str`` (clients may or may not decode responses)."""
@@ -63,3 +65,24 @@ def clean(value: str) -> str:
         return value
     except UnicodeEncodeError:
         return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def strict_text(value: Any) -> str | None:
+    """A reply value as ``str``, or None when its bytes are not UTF-8 (junk from the wire)."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return None if value is None else str(value)
+
+
+def binary_twin(redis: Redis) -> Redis:
+    """A client on the same server that returns bytes (``decode_responses=False``): for
+    replies that may carry bytes from the wire that are not UTF-8 (pub/sub, queues, SCAN),
+    which a decoding client would fail to parse."""
+    pool = redis.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs["decode_responses"] = False
+    twin_pool = pool.__class__(connection_class=pool.connection_class, **kwargs)
+    return Redis(connection_pool=twin_pool)

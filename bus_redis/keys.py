@@ -56,7 +56,10 @@ def decode_session(encoded: str) -> str:
     while i < len(encoded):
         ch = encoded[i]
         if ch == "%":
-            out.append(chr(int(encoded[i + 1 : i + 3], 16)))
+            digits = encoded[i + 1 : i + 3]
+            if len(digits) != 2 or not all(c in "0123456789ABCDEFabcdef" for c in digits):
+                raise ValueError(f"bad escape in an encoded session key: {encoded!r}")
+            out.append(chr(int(digits, 16)))
             i += 3
         else:
             out.append(ch)
@@ -178,15 +181,21 @@ class Keys:
         return _session_key(self.prefix, "attempts", session_key)
 
     def session_of_inbound(self, key: str) -> str | None:
-        """The session key of an inbound stream name (inverse of :meth:`inbound`)."""
+        """The session key of an inbound stream name (inverse of :meth:`inbound`); None
+        for a name no session key produces (a malformed or foreign name a frontend wrote)."""
         head = f"{self.prefix}:{{"
         if not key.startswith(head):
             return None
         channel, sep, rest = key[len(head) :].partition("}:in:")
         if not sep:
             return None
-        session_key = decode_session(rest)
-        return session_key if in_channel(session_key, channel) else None
+        try:
+            session_key = decode_session(rest)
+        except ValueError:
+            return None
+        if not in_channel(session_key, channel) or self.inbound(session_key) != key:
+            return None
+        return session_key
 
     def channel_of_ready(self, key: str) -> str | None:
         head, tail = f"{self.prefix}:{{", "}:ready"

@@ -8,16 +8,20 @@ workers' inboxes and consumers.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from bus_redis.codec import fields, stream_id_ms, text, texts
+from bus_redis.codec import fields, stream_id_ms, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, valid_channel
 from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000
 MARKER_SCAN = 1000
-IN_FLIGHT_MS = 1000  # a younger queued entry is assumed to have its notification on the way
+IN_FLIGHT_MS = 1000
+log = logging.getLogger(
+    __name__
+)  # a younger queued entry is assumed to have its notification on the way
 
 
 class Registry:
@@ -33,11 +37,13 @@ class Registry:
 
     async def channels(self) -> set[str]:
         """Registered channels and channels whose ready queue exists."""
-        found = {text(c) for c in await self.redis.smembers(self.keys.channels)}  # type: ignore[misc]
-        async for key in self.redis.scan_iter(
+        members = await self.bus.raw.smembers(self.keys.channels)  # type: ignore[misc]
+        found = {c for c in (strict_text(m) for m in members) if c}
+        async for key in self.bus.raw.scan_iter(
             match=self.keys.ready_pattern, count=SCAN_COUNT, _type="stream"
         ):
-            channel = self.keys.channel_of_ready(text(key))
+            name = strict_text(key)
+            channel = self.keys.channel_of_ready(name) if name else None
             if channel is not None:
                 found.add(channel)
         return {c for c in found if valid_channel(c)}
@@ -115,10 +121,21 @@ class Registry:
         """Re-notify sessions that have queued entries and nobody serving them (a lost or
         trimmed notification, a dead holder). One SCAN step per call; a full pass over
         the keyspace is one sweep period."""
-        self._cursor, found = await self.redis.scan(
+        self._cursor, found = await self.bus.raw.scan(
             self._cursor, match=self.keys.inbound_pattern, count=count, _type="stream"
         )
-        sessions = [s for s in (self.keys.session_of_inbound(text(k)) for k in found) if s]
+        sessions: list[str] = []
+        junk: list[bytes] = []
+        for raw_key in found:
+            name = strict_text(raw_key)
+            session = self.keys.session_of_inbound(name) if name else None
+            if session:
+                sessions.append(session)
+            else:
+                junk.append(raw_key)
+        if junk:  # no session key names these streams: no worker could ever serve them
+            log.warning("deleted %d inbound streams with malformed names", len(junk))
+            await self.bus.raw.delete(*junk)
         if not sessions:
             return []
         k = self.keys
@@ -145,22 +162,33 @@ class Registry:
         return stranded
 
     async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
-        """For running turns ``{K: (S, entry id)}``: the op of a control marker queued
-        after the running entry (one pipelined round trip for all of them)."""
+        """For running turns ``{K: (S, entry id)}``: the op of the first control marker
+        queued after the running entry. One pipelined round trip in the usual case (a
+        short queue); a long queue is read on in steps until a marker or its end."""
         if not running:
             return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for member, entry_id in running.values():
-                start = f"({entry_id}" if entry_id else "-"
-                pipe.xrange(self.keys.inbound(member), start, "+", count=MARKER_SCAN)
-            replies = await pipe.execute()
+        starts = {key: (f"({eid}" if eid else "-") for key, (_m, eid) in running.items()}
         found: dict[str, str] = {}
-        for key, entries in zip(running, replies, strict=True):
-            for _eid, raw in entries:
-                op = fields(raw).get("control")
-                if op in ("stop", "discard"):
+        while starts:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key, start in starts.items():
+                    pipe.xrange(self.keys.inbound(running[key][0]), start, "+", count=MARKER_SCAN)
+                replies = await pipe.execute()
+            more: dict[str, str] = {}
+            for key, entries in zip(starts, replies, strict=True):
+                op = next(
+                    (
+                        o
+                        for _e, raw in entries
+                        if (o := fields(raw).get("control")) in ("stop", "discard")
+                    ),
+                    None,
+                )
+                if op is not None:
                     found[key] = op
-                    break
+                elif len(entries) == MARKER_SCAN:
+                    more[key] = f"({text(entries[-1][0])}"
+            starts = more
         return found
 
     # --- workers --------------------------------------------------------------------

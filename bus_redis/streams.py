@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.client import NEVER_DECODE
 from redis.exceptions import ResponseError
 
-from bus_redis.codec import fields, payload_text, safe, text, texts
+from bus_redis.codec import binary_twin, payload_text, safe, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, Keys, channel_of, in_channel
 from bus_redis.results import (
     Acquired,
@@ -68,6 +68,22 @@ class RedisBus:
         self.owner_ttl_ms = owner_ttl_ms
         self.retention = retention or Retention()
         self.scripts = Scripts(redis)
+        self._raw: Redis | None = None
+
+    @property
+    def raw(self) -> Redis:
+        """A twin client that returns bytes, made on first use: queues, SCAN and pub/sub
+        carry bytes from the wire that may not be UTF-8. Closed by :meth:`aclose`."""
+        if self._raw is None:
+            self._raw = binary_twin(self.redis)
+        return self._raw
+
+    async def aclose(self) -> None:
+        """Close what the bus opened itself (the twin client), not the client it was given."""
+        if self._raw is not None:
+            raw, self._raw = self._raw, None
+            await raw.aclose()
+            await raw.connection_pool.disconnect()
 
     # --- queue ------------------------------------------------------------------
     def note_streams(self, worker_id: str, channels: Iterable[str]) -> list[str]:
@@ -85,7 +101,7 @@ class RedisBus:
     async def read_notifications(
         self, worker_id: str, streams: Sequence[str], *, count: int, block_ms: int
     ) -> list[Notification]:
-        reply = await self.redis.xreadgroup(
+        reply = await self.raw.xreadgroup(
             WORKER_GROUP,
             worker_id,
             dict.fromkeys(streams, ">"),
@@ -107,11 +123,10 @@ class RedisBus:
         names sessions of C (a frontend cannot make workers serve another channel)."""
         channel = self.keys.channel_of_ready(stream)
         for entry_id, raw in entries:
-            f = fields(raw)
-            session = f.get("session", "")
-            note = Notification(
-                stream, text(entry_id), session, effective=f.get("effective") == "1"
-            )
+            f = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
+            session = strict_text(f.get(b"session", f.get("session"))) or ""  # not UTF-8: junk
+            effective = strict_text(f.get(b"effective", f.get("effective"))) == "1"
+            note = Notification(stream, text(entry_id), session, effective=effective)
             if channel is None and stream.endswith(f"{{{UNIFIED_CHANNEL}}}:ready"):
                 channel = UNIFIED_CHANNEL
             if channel is not None and not in_channel(session, channel):
@@ -130,7 +145,7 @@ class RedisBus:
         notes: list[Notification] = []
         junk: list[Notification] = []
         for stream in streams:
-            reply = await self.redis.xautoclaim(
+            reply = await self.raw.xautoclaim(
                 stream, WORKER_GROUP, worker_id, min_idle_ms, "0-0", count=count
             )
             self._sort(stream, reply[1] if reply else [], notes, junk)
@@ -161,10 +176,10 @@ class RedisBus:
             ids = [p["message_id"] for p in pending]
             if not ids:
                 continue
-            entries = await self.redis.xclaim(stream, WORKER_GROUP, worker_id, 0, ids)
-            async with self.redis.pipeline(transaction=True) as pipe:
+            entries = await self.raw.xclaim(stream, WORKER_GROUP, worker_id, 0, ids)
+            async with self.raw.pipeline(transaction=True) as pipe:
                 for entry_id, raw in entries:
-                    note: dict[Any, Any] = fields(raw)
+                    note: dict[Any, Any] = dict(raw) if isinstance(raw, dict) else {}
                     pipe.xadd(stream, note, maxlen=READY_MAXLEN, approximate=True)
                     pipe.xack(stream, WORKER_GROUP, entry_id)
                     pipe.xdel(stream, entry_id)

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from bus_redis import ControlMessage, Keys
-from bus_redis.codec import safe, text
+from bus_redis.codec import safe, strict_text, text
 from bus_redis.keys import in_channel
 from worker.backoff import Backoff
 
@@ -53,6 +53,10 @@ class ControlListener:
             except (RedisError, OSError) as exc:
                 self.subscribed.clear()
                 await backoff.after(exc)
+            except Exception as exc:  # never let the subscription end: controls must work
+                log.exception("control subscription failed")
+                self.subscribed.clear()
+                await backoff.after(exc)
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
@@ -71,9 +75,12 @@ class ControlListener:
             if msg is None or msg.get("type") != "pmessage":
                 continue
             channel = self.keys.channel_of_control(text(msg["channel"]))
+            data = strict_text(msg["data"])
             try:
-                control = ControlMessage.model_validate_json(text(msg["data"]))
-            except ValidationError:
+                if data is None:
+                    raise ValueError("not UTF-8")
+                control = ControlMessage.model_validate_json(data)
+            except (ValidationError, ValueError):
                 log.warning("ignored a malformed control message on %s", safe(msg["channel"]))
                 continue
             if channel is None or not in_channel(control.session_key, channel):

@@ -227,7 +227,7 @@ class AgentLoop:
         await self.maintenance.refresh_channels()
         self._set_channels(self.maintenance.channels)
         await self._apply_streams()
-        listener = ControlListener(self.bus.redis, self.bus.keys, self.on_control, self.check_flags)
+        listener = ControlListener(self.bus.raw, self.bus.keys, self.on_control, self.check_flags)
         background = [
             asyncio.create_task(listener.run(), name="control"),
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
@@ -245,6 +245,7 @@ class AgentLoop:
             await asyncio.gather(*background, return_exceptions=True)
             await self.rt.jobs.aclose()
             await self.maintenance.leave()
+            await self.bus.aclose()
             log.info("worker %s stopped", safe(self.worker_id))
 
     @property
@@ -283,6 +284,10 @@ class AgentLoop:
                 await backoff.after(exc)
                 self._new_streams = self._new_streams or list(self._streams)
                 self._streams = []  # groups are re-created: the server may have lost them
+                continue
+            except Exception as exc:  # a bug must not end the consumer (nor the worker)
+                log.exception("reading the ready queues failed")
+                await backoff.after(exc)
                 continue
             finally:
                 self._slots.release()

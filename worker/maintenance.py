@@ -51,6 +51,8 @@ class Maintenance:
                 await self.tick()
             except (RedisError, OSError) as exc:
                 log.warning("maintenance skipped: %s", type(exc).__name__)
+            except Exception:  # a bug in one step must not stop recovery for good
+                log.exception("maintenance tick failed")
             await asyncio.sleep(self.every_s)
 
     async def refresh_channels(self) -> set[str]:

@@ -4,7 +4,7 @@
 -- with S itself in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
 -- discard marker published by the frontend: it covers exactly the entries before it).
 local unpack = unpack or table.unpack
-local MARKER_SCAN = 1000  -- entries looked at to find the control marker after an entry
+local MARKER_SCAN = 1000  -- entries read per step while looking for a control marker
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -18,6 +18,14 @@ local function id_less(a, b)
   am, bm = tonumber(am), tonumber(bm)
   if am ~= bm then return am < bm end
   return tonumber(as) < tonumber(bs)
+end
+
+-- A key a frontend may write (hint, events, inbound stream) that has another type than the
+-- worker expects is junk: delete it before using it, so no script fails halfway.
+local function usable(key, kind)
+  local t = redis.call('TYPE', key)
+  t = t.ok or t
+  if t ~= kind and t ~= 'none' then redis.call('DEL', key) end
 end
 
 local function field(fields, name)
@@ -39,17 +47,32 @@ local function streams_of(first_key, first_arg)
   return out
 end
 
--- The op of the first control marker after entry `id`, or '' (only looked for while the
--- hint says markers may be queued; a hint with no marker left is deleted).
+-- The op of the first control marker after entry `id`, or '' (looked for only while the
+-- hint says markers may be queued). The marker found is remembered in the attempts hash
+-- (field `_mark`: "<id> <op>"), so each marker costs one scan of the entries before it,
+-- however long the queue; a hint with no marker left is deleted.
 local function covering_op(s, id)
-  local hint = tonumber(redis.call('GET', s[3]) or '0') or 0
+  local hint = tonumber(redis.call('GET', s[3]) or '0') or 1
   if hint <= 0 then return '' end
-  local rest = redis.call('XRANGE', s[1], '(' .. id, '+', 'COUNT', MARKER_SCAN)
-  for _, e in ipairs(rest) do
-    local op = field(e[2], 'control')
-    if op then return op end
+  local mark = redis.call('HGET', s[2], '_mark')
+  if mark then
+    local mid, mop = string.match(mark, '(%S+) (%S+)')
+    if mid and id_less(id, mid) then return mop end
   end
-  if #rest < MARKER_SCAN then redis.call('DEL', s[3]) end
+  local start = '(' .. id
+  while true do
+    local rest = redis.call('XRANGE', s[1], start, '+', 'COUNT', MARKER_SCAN)
+    for _, e in ipairs(rest) do
+      local op = field(e[2], 'control')
+      if op then
+        redis.call('HSET', s[2], '_mark', e[1] .. ' ' .. op)
+        return op
+      end
+    end
+    if #rest < MARKER_SCAN then break end
+    start = '(' .. rest[#rest][1]
+  end
+  redis.call('DEL', s[3])  -- `id` is the oldest entry: no marker is queued at all
   return ''
 end
 
@@ -63,7 +86,9 @@ local function head(s)
     local op = field(e[2], 'control')
     if not op then return e, discarded end
     redis.call('XDEL', s[1], e[1])
-    if redis.call('DECR', s[3]) <= 0 then redis.call('DEL', s[3]) end
+    redis.call('HDEL', s[2], '_mark')
+    local n = tonumber(redis.call('GET', s[3]) or '0')
+    if n and n > 1 then redis.call('DECR', s[3]) else redis.call('DEL', s[3]) end
     if op == 'discard' then discarded = op end
   end
 end
@@ -88,6 +113,8 @@ end
 local function select_next(streams, key, pending, maxlen)
   local best, best_entry
   for i, s in ipairs(streams) do
+    usable(s[1], 'stream')
+    usable(s[3], 'string')
     if leave_alone(s, key, pending, maxlen) then
       s.skip = true
     else

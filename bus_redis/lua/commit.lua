@@ -18,6 +18,8 @@
 -- Idempotent: when the first entry is already gone (a client retry of a commit that
 -- did run), nothing is written again.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
+usable(KEYS[3], 'stream')
+usable(KEYS[5], 'stream')
 local n = tonumber(ARGV[15])
 local first = string.match(ARGV[2], '%S+')
 local applied = first and #redis.call('XRANGE', KEYS[3], first, first) == 0

@@ -5,6 +5,9 @@
 -- returns the entry id, or false when the lease is lost. Idempotent: a client retry of a
 -- call that did run finds its event already last and adds nothing.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+local t = redis.call('TYPE', KEYS[2])
+t = t.ok or t
+if t ~= 'stream' and t ~= 'none' then redis.call('DEL', KEYS[2]) end  -- junk a frontend wrote
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
 if last and last[2][2] == ARGV[2] then return last[1] end
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'payload', ARGV[2])

@@ -6,6 +6,9 @@
 -- returns 1 when this call reported the loss, 0 otherwise
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
+local t = redis.call('TYPE', KEYS[3])
+t = t.ok or t
+if t ~= 'stream' and t ~= 'none' then redis.call('DEL', KEYS[3]) end  -- junk a frontend wrote
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'session', ARGV[3])

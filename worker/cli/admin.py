@@ -58,7 +58,11 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
 
 
 async def _channels(redis: aioredis.Redis, keys: Keys) -> list[str]:
-    return sorted(await Registry(RedisBus(redis, keys.prefix)).channels())
+    bus = RedisBus(redis, keys.prefix)
+    try:
+        return sorted(await Registry(bus).channels())
+    finally:
+        await bus.aclose()
 
 
 async def _dead_channels(redis: aioredis.Redis, keys: Keys) -> list[str]:
