@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -174,9 +175,13 @@ def decode_inbound(
         raise MessageRejectedError(
             "too_large", f"payload is {size} bytes, limit {max_bytes}", **origin
         )
+    if not _shallow(data):
+        raise MessageRejectedError("invalid_message", f"payload nests deeper than {MAX_DEPTH}")
     doc = _try_json(data)
     if doc is _INVALID:
         raise MessageRejectedError("invalid_message", "payload is not valid JSON")
+    if _LONE_SURROGATE.search(data):
+        doc = _without_lone_surrogates(doc)
     origin = _origin(doc)
     if not isinstance(doc, dict):
         raise MessageRejectedError("invalid_message", "payload is not a JSON object")
@@ -201,6 +206,45 @@ def decode_inbound(
 
 
 _INVALID = object()
+MAX_DEPTH = 32  # of arrays and objects in a payload (metadata included)
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape (maybe unpaired)
+
+
+def _shallow(data: bytes) -> bool:
+    """Whether JSON text nests at most MAX_DEPTH deep (checked before parsing, so a hostile
+    payload never drives the parser into a RecursionError)."""
+    depth = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def _without_lone_surrogates(doc: Any) -> Any:
+    """JSON may escape half of a surrogate pair (a browser's JSON.stringify of a broken
+    emoji): such a string cannot be encoded as UTF-8 anywhere later, so the half becomes
+    U+FFFD here; proper pairs stay as they are."""
+    text = json.dumps(doc, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+        return doc
+    except UnicodeEncodeError:
+        fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return json.loads(fixed)
 
 
 def _try_json(raw: str | bytes) -> Any:

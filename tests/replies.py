@@ -16,7 +16,7 @@ async def channel_events(client: FrontendClient, channel: str) -> list[OutboundM
     reading, so this may be called again and again)."""
     pattern = f"{glob_escape(client.keys.prefix)}:{{{channel}}}:out:*"
     events: list[OutboundMessage] = []
-    async for stream in client.redis.scan_iter(match=pattern, count=1000):
+    async for stream in client.redis.scan_iter(match=pattern, count=1000, _type="stream"):
         for eid, raw in await client.redis.xrange(stream):
             fields = raw if isinstance(raw, dict) else {}
             try:

@@ -97,6 +97,10 @@ async def test_generated_acls_confine_a_frontend_to_its_channel(
             web.xrange(k.dead("web")),
             web.smembers(k.channels),
             web.eval("while true do end", 0),
+            web.xadd(k.control_hint("web:1"), {"a": "b"}),  # a type workers do not expect
+            web.incrby(k.out("web:1"), 1),
+            web.xadd(k.out("web:1"), {"payload": "{}"}),  # forged events
+            web.set(k.inbound("web:1"), "x"),
             web.scan(0),
         ]
         for call in forbidden:

@@ -118,7 +118,7 @@ def test_dlq_list_show_replay_purge(redis_server) -> None:  # type: ignore[no-un
     kept = r.xadd("agent:{web}:dead", {"entry": json.dumps(private)})
     refused = _run("dlq", "replay", kept, "--redis-url", url)
     assert refused.returncode == 1
-    assert "keeps no text" in refused.stderr
+    assert "no text of a private payload" in refused.stderr
     assert "purged 2" in _run("dlq", "purge", "--redis-url", url).stdout
     r.close()
 

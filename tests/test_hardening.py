@@ -4,6 +4,7 @@ hardening issue (each fails on the code before it), on fakeredis and a real serv
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from itertools import permutations
@@ -220,3 +221,50 @@ def test_an_empty_openai_base_url_means_the_default(monkeypatch: pytest.MonkeyPa
 
 async def _echo(**kw: Any) -> LLMResponse:
     return LLMResponse(content=f"re: {kw['messages'][-1]['content']}")
+
+
+async def test_junk_a_frontend_can_write_never_stops_a_worker(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """Bytes that are not UTF-8 on the control channel and in the ready queue, an inbound
+    stream with a malformed name, keys of the wrong type beside a session, a lone
+    surrogate and deep nesting in payloads: every one is dropped or answered, and the
+    worker still serves and still stops turns."""
+    raw = redis_factory()
+    k = Keys()
+    started = asyncio.Event()
+
+    async def handler(**kw: Any) -> LLMResponse:
+        if "hold" in str(kw["messages"][-1]["content"]):
+            started.set()
+            await asyncio.Event().wait()
+        return LLMResponse(content=f"re: {kw['messages'][-1]['content']}")
+
+    loop = make_loop(ScriptedProvider(handler=handler), sweep_interval_ms=50, lock_ttl_ms=300)
+    await _until(lambda: loop._streams != [])
+    await raw.publish(k.control("web"), b"\xff\xfe")
+    await raw.xadd(k.ready("web"), {b"session": b"web:\xff"})
+    await raw.xadd("agent:{web}:in:%ZZ", {"payload": "x"})
+    await raw.xadd("agent:{web}:in:web:%77x", {"payload": "x"})  # not the canonical name
+    await raw.xadd(k.control_hint("web:j"), {"a": "b"})  # a stream where a counter belongs
+    await raw.set(k.out("web:j"), "not a stream")
+    client = FrontendClient(redis_factory())
+    surrogate = '{"v":2,"channel":"web","sender_id":"u","chat_id":"j","content":"half \\ud83d"}'
+    nested: Any = 1
+    for _ in range(40):
+        nested = [nested]
+    deep = json.dumps(
+        {"v": 2, "channel": "web", "sender_id": "u", "chat_id": "j", "metadata": {"a": nested}}
+    )
+    first = await client.send_raw("web:j", surrogate)
+    second = await client.send_raw("web:j", deep)
+    got = await collect(client, "web", {first, second})
+    assert got[first][-1].content == "re: half \ufffd"
+    assert got[second][-1].code == "invalid_message"
+    held = await client.send(_m("j", "hold on"))
+    await asyncio.wait_for(started.wait(), 10)
+    await client.stop("web:j")  # the control subscription survived the junk
+    assert (await collect(client, "web", {held}))[held][-1].code == "cancelled"
+
+    async def swept() -> bool:
+        return not await raw.exists("agent:{web}:in:%ZZ", "agent:{web}:in:web:%77x")
+
+    await _until(swept)

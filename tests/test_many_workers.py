@@ -8,7 +8,7 @@ import json
 
 import pytest
 import redis.asyncio as aioredis
-from replies import collect
+from replies import collect, wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 
@@ -45,8 +45,14 @@ async def _assert_histories(redis: aioredis.Redis, sessions: int, per: int) -> N
 
 async def test_order_no_overlap_exactly_once(real_redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
     fake_llm.latency_s = (0.0, 0.03)
-    spawn_workers(3, env={"AGENT_CONCURRENCY": "8"})
+    workers = spawn_workers(3, env={"AGENT_CONCURRENCY": "8"})
     client = FrontendClient(real_redis)
+
+    async def all_up() -> bool:  # every worker serves before the load arrives
+        infos = [await real_redis.hget(Keys().worker_info(w.worker_id), "pid") for w in workers]
+        return all(infos)
+
+    assert await wait_until_async(all_up, timeout_s=20)
     ids = await _publish_all(client, sessions=24, per=4)
 
     got = await collect(client, "web", ids, timeout_s=60)

@@ -75,6 +75,7 @@ async def test_a_thousand_sessions_leave_nothing_behind(
             kept = [f["payload"] for _, f in await real_redis.xrange(key)]
             assert all("re: private" not in p for p in kept), kept
     per_channel = {k.ready(c) for c in TEST_CHANNELS} | {k.dead("web")}  # bounded by MAXLEN
+    per_channel.add(f"{k.prefix}:mode")  # one per deployment
     unbounded = [key for key, (_t, ttl) in rest.items() if ttl < 0 and key not in per_session]
     assert set(unbounded) <= per_channel, unbounded
     consumers = await real_redis.xinfo_consumers(k.ready("web"), "workers")

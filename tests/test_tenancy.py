@@ -174,3 +174,22 @@ async def test_unified_mode_keys_duplicates_by_stream(redis: aioredis.Redis) -> 
 
 async def _echo(**kw: Any) -> LLMResponse:
     return LLMResponse(content=f"re: {kw['messages'][-1]['content']}")
+
+
+async def test_a_vouched_scope_name_never_equals_a_senders_default_scope(
+    redis: aioredis.Redis,
+) -> None:
+    provider = _snooping_provider()
+    loop = AgentLoop(RedisBus(redis), provider)
+    await loop.process_message(
+        InboundMessage(channel="web", sender_id="alice", chat_id="alice", content=PIN)
+    )
+    mallory = InboundMessage(
+        channel="web",
+        sender_id="mallory",
+        chat_id="m",
+        content="snoop around",
+        scope="sender:alice",
+    )
+    await loop.process_message(mallory)
+    assert PIN not in json.dumps([c["messages"] for c in provider.calls[1:]])

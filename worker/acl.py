@@ -11,11 +11,6 @@ from __future__ import annotations
 
 from bus_redis.keys import Keys, valid_channel
 
-FRONTEND_COMMANDS = (
-    "+ping", "+multi", "+exec", "+discard", "+xadd", "+incrby", "+publish",
-    "+xread", "+xrevrange", "+xdel",
-)  # fmt: skip
-
 
 def frontend_acl(
     channel: str, password: str, *, prefix: str = "agent", user: str = ""
@@ -27,15 +22,14 @@ def frontend_acl(
     k = Keys(prefix)
     name = user or f"frontend-{channel}"
     tag = f"{prefix}:{{{channel}}}"
-    grants = [
-        f"%W~{tag}:in:*",  # publish messages and control markers; never read them back
-        f"%W~{k.ready(channel)}",
-        f"~{tag}:ctl:*",  # INCRBY reads and writes
-        f"~{tag}:out:*",  # read its sessions' events; delete a private session's
-        f"&{k.control(channel)}",
-    ]
+    # Redis 7 selectors: each command only on the keys it is for, so a frontend cannot
+    # even give its own keys a type the workers do not expect.
     setuser = ["ACL", "SETUSER", name, "reset", "on", f">{password}", "-@all"]
-    setuser += [*FRONTEND_COMMANDS, *grants]
+    setuser += ["+ping", "+multi", "+exec", "+discard"]
+    setuser += ["+xadd", f"%W~{tag}:in:*", f"%W~{k.ready(channel)}"]  # publish; never read back
+    setuser += [f"(+incrby ~{tag}:ctl:*)"]  # the marker hint
+    setuser += [f"(+xread +xrevrange +xdel ~{tag}:out:*)"]  # events; delete a private one's
+    setuser += [f"(+publish &{k.control(channel)})"]
     return [" ".join(setuser), f"SADD {k.channels} {channel}"]
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bus_redis.schema import DEFAULT_MAX_PAYLOAD_BYTES
 
@@ -44,6 +44,25 @@ class LoopConfig(BaseModel):
     followup_mode: Literal["inject", "queue"] = "inject"
     followups_per_pull: int = Field(default=3, ge=1)
     stream_deltas: bool = False  # forward the provider's streamed text as `delta` events
+
+    @model_validator(mode="before")
+    @classmethod
+    def _owner_ttl_follows_the_lease(cls, data: Any) -> Any:
+        """An owner record is renewed every lease TTL / 3, so it must outlive that: by
+        default it is the larger of 15 s and 1.5 lease TTLs; a shorter one is refused."""
+        if isinstance(data, dict) and data.get("owner_ttl_ms") in (None, ""):
+            lock = int(data.get("lock_ttl_ms") or 10_000)
+            data = {**data, "owner_ttl_ms": max(15_000, lock * 3 // 2)}
+        return data
+
+    @model_validator(mode="after")
+    def _owner_outlives_renewal(self) -> LoopConfig:
+        if self.owner_ttl_ms < self.lock_ttl_ms:
+            raise ValueError(
+                "AGENT_OWNER_TTL_MS must be at least AGENT_LOCK_TTL_MS (owner records are "
+                "renewed every lock TTL / 3)"
+            )
+        return self
 
     @property
     def owner_mode(self) -> bool:

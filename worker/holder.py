@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from redis.exceptions import RedisError
+
 from bus_redis import (
     InboundMessage,
     MessageRejectedError,
@@ -134,7 +136,14 @@ class SessionHolder:
             if not self.lease.lost:
                 await self.rt.bus.release(self.key, self.token)
             return Released()
-        _, step = await self.commit(spec, select=sorted(self.members))
+        try:
+            _, step = await self.commit(spec, select=sorted(self.members))
+        except (RedisError, OSError):
+            raise  # outcome unknown: the lease runs out and the entry is served again
+        except Exception as exc:  # e.g. a value Redis cannot take: try again, then dead letter
+            log.exception("commit of an entry of %s failed", safe(self.key))
+            await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
+            return await self._next()
         crash_point("after_commit")
         return step or Released()
 

@@ -40,6 +40,7 @@ from worker.maintenance import Maintenance
 from worker.outcomes import SessionNotActiveError
 from worker.prompt import ContextBuilder
 from worker.providers import LLMProvider
+from worker.registration import check_can_serve
 from worker.runtime import Runtime
 from worker.tools import ToolRegistry, default_registry
 from worker.turn import TurnRunner
@@ -223,6 +224,7 @@ class AgentLoop:
         """Consume until :meth:`stop`; then drain within the grace period."""
         self._stopping.clear()
         self.rt.turns.stopping = False
+        await check_can_serve(self.bus, self.worker_id, unified=self.config.unified_session)
         await self.bus.scripts.load_all()
         await self.maintenance.refresh_channels()
         self._set_channels(self.maintenance.channels)

@@ -62,9 +62,13 @@ def rejection(exc: MessageRejectedError, entry: Entry) -> OutboundMessage:
     return error(channel_of(member), chat_id, member, reply_to, exc.code, clean(exc.detail))
 
 
+DEAD_LETTER_KEEP_BYTES = 64 * 1024  # a larger payload keeps a prefix, its size and a hash
+
+
 def dead_letter(entry: Entry, reason: str, worker_id: str, *, private: bool) -> str:
     """A dead-letter record; a private session's keeps nothing of the text (size and a
-    hash only)."""
+    hash only), and an oversized payload only its first 64 KiB (dead letters do not
+    expire: a frontend must not be able to park megabytes there)."""
     raw = entry.payload.encode("utf-8", "surrogateescape")
     doc: dict[str, Any] = {
         "session": entry.member,
@@ -77,6 +81,8 @@ def dead_letter(entry: Entry, reason: str, worker_id: str, *, private: bool) -> 
     }
     if private:
         doc["private"] = True
+    elif len(raw) > DEAD_LETTER_KEEP_BYTES:
+        doc["payload_prefix"] = raw[:DEAD_LETTER_KEEP_BYTES].decode("utf-8", "replace")
     else:
         doc["payload"] = clean(entry.payload)
     return json.dumps(doc, ensure_ascii=False)

@@ -58,7 +58,8 @@ class Runtime:
         for everything in single-owner mode."""
         if self.config.owner_mode:
             return OWNER_SCOPE
-        return f"{channel}/{vouched}" if vouched else f"{channel}/sender:{sender_id}"
+        # separate namespaces: a vouched name can never equal someone's default scope
+        return f"{channel}/scope:{vouched}" if vouched else f"{channel}/sender:{sender_id}"
 
     def forget(self, key: str) -> None:
         """Drop a session from this worker's memory (discard, lost ownership)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -30,6 +31,11 @@ class Settings(BaseSettings, LoopConfig):
     def _url(cls, value: str) -> str:
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
+        try:
+            urlsplit(value).port  # noqa: B018 - parses host and port
+        except ValueError:
+            # the message must not echo the URL: a stray '#' or '/' cuts the password
+            raise ValueError("is not a valid URL (URL-encode the password)") from None
         return value
 
     @field_validator("log_level")

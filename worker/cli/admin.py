@@ -230,8 +230,9 @@ async def _dlq_one(
             print(json.dumps(doc, indent=2, ensure_ascii=False))
             return 0
         if "payload" not in doc:
+            kept = "a prefix of an oversized" if "payload_prefix" in doc else "no text of a private"
             print(
-                "agent-worker: a private session's dead letter keeps no text to replay",
+                f"agent-worker: the dead letter keeps {kept} payload: nothing to replay",
                 file=sys.stderr,
             )
             return 1

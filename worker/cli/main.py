@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from worker.registration import WorkerConflictError
 from worker.settings import Settings
 
 Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
@@ -51,18 +53,29 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
 
 def redact_url(url: str) -> str:
-    """The Redis URL without its password (never printed or logged)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """The Redis URL without its password, in the user part or the query (never printed
+    or logged); a URL that does not parse is shown without anything before its '@'."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and "password=" not in parts.query.lower() and "@" not in url:
+            return url
+        if parts.fragment or (parts.port is None and ":" in parts.netloc.rpartition("@")[2]):
+            raise ValueError("a stray '#' or ':' in the password")
+        query = re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query)
+        netloc = parts.netloc
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else f"{scheme}://***"
 
 
 def _config_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
+    if not first["loc"]:  # a rule across settings: its message names them
+        return f"agent-worker: bad configuration: {first['msg'].removeprefix('Value error, ')}"
     name = "AGENT_" + "_".join(str(p) for p in first["loc"]).upper()
     return f"agent-worker: bad configuration: {name}: {first['msg']}"
 
@@ -79,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(command(args, settings))
     except KeyboardInterrupt:
         return 130
+    except WorkerConflictError as exc:
+        print(f"agent-worker: {exc}", file=sys.stderr)
+        return 2
     except AuthenticationError as exc:
         print(
             f"agent-worker: Redis refused the credentials at {redact_url(settings.redis_url)}: {exc}",
