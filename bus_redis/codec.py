@@ -85,4 +85,6 @@ def binary_twin(redis: Redis) -> Redis:
     kwargs = dict(pool.connection_kwargs)
     kwargs["decode_responses"] = False
     twin_pool = pool.__class__(connection_class=pool.connection_class, **kwargs)
-    return Redis(connection_pool=twin_pool)
+    if type(redis).__module__.startswith("fakeredis"):
+        return Redis(connection_pool=twin_pool)
+    return type(redis)(connection_pool=twin_pool)  # keeps subclasses (a counting client)

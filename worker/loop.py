@@ -47,6 +47,10 @@ from worker.turn import TurnRunner
 from worker.turns import TurnRegistry
 
 log = logging.getLogger(__name__)
+# Notifications read at once even when fewer slots are free: the extra ones wait for a slot
+# (acknowledged only when served; handed back at shutdown, claimed by others after a TTL),
+# so a busy worker reads in batches instead of one round trip per freed slot.
+READ_BATCH_MIN = 16
 
 
 class AgentLoop:
@@ -276,7 +280,7 @@ class AgentLoop:
         backoff = Backoff("reading the ready queues", log)
         while not self._stopping.is_set():
             await self._slots.acquire()
-            free = 1 + self._free_slots()
+            free = max(READ_BATCH_MIN, 1 + self._free_slots())
             try:
                 await self._apply_streams()
                 notes = await self.bus.read_notifications(
@@ -309,6 +313,8 @@ class AgentLoop:
 
     async def _serve(self, note: Notification) -> None:
         async with self._slots:
+            if self._stopping.is_set():  # read but not served: handed back at shutdown
+                return
             try:
                 await self._serve_note(note)
             except asyncio.CancelledError:
