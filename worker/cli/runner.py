@@ -38,10 +38,15 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
 
 
 def _settings_epilog() -> str:
+    special = {
+        "worker_id": "host-pid-random",
+        "channels": "none (comma separated; registered and discovered channels are served too)",
+        "owner_ttl_ms": "max(15000, 1.5 x AGENT_LOCK_TTL_MS)",
+    }
     lines = ["all settings (environment):"]
     for name, field in Settings.model_fields.items():
-        default = "host-pid-random" if field.default_factory else repr(field.default)
-        lines.append(f"  AGENT_{name.upper():<22} default {default}")
+        default = special.get(name, repr(field.default))
+        lines.append(f"  AGENT_{name.upper():<30} default {default}")
     lines.append("  OPENAI_BASE_URL, OPENAI_API_KEY   for AGENT_PROVIDER=openai")
     return "\n".join(lines)
 
