@@ -131,3 +131,28 @@ def spawn_workers(
             f"----- log of worker {proc.worker_id} -----\n{proc.log()[-4000:]}"
         )  # shown on failure
         proc.close()
+
+
+@pytest.fixture
+async def make_loop(redis_factory: RedisFactory) -> AsyncIterator[Callable[..., object]]:
+    """Starts in-process AgentLoops on the test's server (``sessions=`` for a custom
+    SessionManager, the rest is LoopConfig); stops them afterwards."""
+    import asyncio
+
+    from bus_redis import RedisBus
+    from worker import AgentLoop, LoopConfig
+
+    started: list[tuple[AgentLoop, asyncio.Task[None]]] = []
+
+    def make(provider: object, **config: object) -> AgentLoop:
+        kw = {"read_block_ms": 50, **config}
+        sessions = kw.pop("sessions", None)
+        bus = RedisBus(redis_factory())
+        loop = AgentLoop(bus, provider, sessions=sessions, config=LoopConfig(**kw))  # type: ignore[arg-type]
+        started.append((loop, asyncio.create_task(loop.run())))
+        return loop
+
+    yield make
+    for loop, task in started:
+        loop.stop()
+        await asyncio.wait_for(task, 10)

@@ -56,3 +56,15 @@ async def wait_until_async(predicate: Callable[[], Awaitable[bool]], *, timeout_
             return False
         await asyncio.sleep(0.05)
     return True
+
+
+async def until(predicate: Callable[[], bool | Awaitable[bool]], *, timeout_s: float = 10) -> None:
+    """Poll a condition another task brings about, within a bound (fails the test after)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = predicate()
+        if result if isinstance(result, bool) else await result:
+            return
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)

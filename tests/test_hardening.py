@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from itertools import permutations
 from typing import Any
 
@@ -15,13 +14,12 @@ import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from replies import collect
+from replies import collect, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.registry import Registry
 from bus_redis.results import Acquired, Entry, Forward
 from session_store import RedisSessionStore, Session, SessionManager
-from worker import AgentLoop, LoopConfig
 from worker.providers import LLMResponse, ToolCallRequest
 
 K = "web:h"
@@ -29,38 +27,6 @@ K = "web:h"
 
 def _m(chat: str, text: str, **kw: Any) -> InboundMessage:
     return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, **kw)
-
-
-async def _until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10) -> None:
-    """Poll a condition that another task brings about (bounded)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = predicate()
-        if result if isinstance(result, bool) else await result:
-            return
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-async def make_loop(redis_factory) -> AsyncIterator[Callable[..., AgentLoop]]:  # type: ignore[no-untyped-def]
-    """Starts AgentLoops on the test's server; stops them afterwards."""
-    started: list[tuple[AgentLoop, asyncio.Task[None]]] = []
-
-    def make(provider: Any, **config: Any) -> AgentLoop:
-        kw = {"read_block_ms": 50, **config}
-        sessions = kw.pop("sessions", None)
-        loop = AgentLoop(
-            RedisBus(redis_factory()), provider, sessions=sessions, config=LoopConfig(**kw)
-        )
-        started.append((loop, asyncio.create_task(loop.run())))
-        return loop
-
-    yield make
-    for loop, task in started:
-        loop.stop()
-        await asyncio.wait_for(task, 10)
 
 
 async def test_bytes_that_are_not_utf8_behind_a_running_turn_cost_nobody_else(
@@ -109,7 +75,7 @@ async def test_a_stop_while_the_session_loads_cancels_the_turn(redis_factory, ma
     mid = await client.send(_m("l", "long"))
     await asyncio.wait_for(loading.wait(), 10)
     await client.stop("web:l")
-    await _until(lambda: loop.turns.reason("web:l") == "stop")  # the control is recorded
+    await until(lambda: loop.turns.reason("web:l") == "stop")  # the control is recorded
     proceed.set()
     got = await collect(client, "web", {mid})
     assert got[mid][-1].code == "cancelled"
@@ -239,7 +205,7 @@ async def test_junk_a_frontend_can_write_never_stops_a_worker(redis_factory, mak
         return LLMResponse(content=f"re: {kw['messages'][-1]['content']}")
 
     loop = make_loop(ScriptedProvider(handler=handler), sweep_interval_ms=50, lock_ttl_ms=300)
-    await _until(lambda: loop._streams != [])
+    await until(lambda: loop._streams != [])
     await raw.publish(k.control("web"), b"\xff\xfe")
     await raw.xadd(k.ready("web"), {b"session": b"web:\xff"})
     await raw.xadd("agent:{web}:in:%ZZ", {"payload": "x"})
@@ -267,4 +233,4 @@ async def test_junk_a_frontend_can_write_never_stops_a_worker(redis_factory, mak
     async def swept() -> bool:
         return not await raw.exists("agent:{web}:in:%ZZ", "agent:{web}:in:web:%77x")
 
-    await _until(swept)
+    await until(swept)

@@ -7,47 +7,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
-from replies import collect
+from replies import collect, until
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from bus_redis.results import Acquired, Forward
-from worker import AgentLoop, LoopConfig
 from worker.providers import LLMResponse
 
 
 def _m(chat: str, text: str, **kw: Any) -> InboundMessage:
     return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, **kw)
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = 10) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)  # poll: another task brings it about
-
-
-@pytest.fixture
-async def make_loop(redis_factory) -> AsyncIterator[Callable[..., AgentLoop]]:  # type: ignore[no-untyped-def]
-    started: list[tuple[AgentLoop, asyncio.Task[None]]] = []
-
-    def make(provider: Any, **config: Any) -> AgentLoop:
-        loop = AgentLoop(
-            RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=50, **config)
-        )
-        started.append((loop, asyncio.create_task(loop.run())))
-        return loop
-
-    yield make
-    for loop, task in started:
-        loop.stop()
-        await asyncio.wait_for(task, 10)
 
 
 async def test_a_stop_between_select_and_begin_cancels_the_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
@@ -65,7 +37,7 @@ async def test_a_stop_between_select_and_begin_cancels_the_turn(redis_factory, m
         delivered.set()
 
     loop.on_control = spy  # type: ignore[method-assign]
-    await _until(lambda: loop._streams != [])
+    await until(lambda: loop._streams != [])
     real_acquire = loop.bus.acquire
 
     async def acquire(*a: Any, **kw: Any) -> Any:
@@ -101,7 +73,7 @@ async def test_a_late_confirmation_never_cancels_the_next_turn(redis_factory, ma
         if "web:t" not in running:  # (the check after subscribing, before any turn)
             return found
         release.set()  # ... E1 finishes and E2 (published after the stop) begins
-        await _until(
+        await until(
             lambda: loop.turns.running().get("web:t", ("", ""))[1] not in ("", running["web:t"][1])
         )
         return found
@@ -140,7 +112,7 @@ async def test_a_discarded_private_session_is_never_under_two_leases(
     await client.discard("web:p")
     e3 = await client.send(_m("p", "e3", id="e3"))  # a durable message for the same key
     got = await collect(client, "web", {e1, e3})
-    await _until(lambda: not loop.turns.running() and not loop.holders)
+    await until(lambda: not loop.turns.running() and not loop.holders)
     assert got[e1][-1].code == "cancelled"
     assert calls == Counter({"e1": 1, "e3": 1})
 
