@@ -10,13 +10,12 @@ the same scope both keep their facts (memory is appended, never read-modify-writ
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from bus_redis.codec import safe
-from bus_redis.results import Acquired, Forward
 from session_store import Session
 from session_store.codec import encode_meta
+from worker.acquiring import Acquirer
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class Consolidator:
         await self._commit(key, start, end, summary.content or "")
 
     async def _commit(self, key: str, start: int, end: int, summary: str) -> None:
-        acquired = await self._acquire(key)
+        acquired, _scope = await Acquirer(self.rt).acquire_blocking(key)
         try:
             session = await self.rt.sessions.load_for_turn(
                 key, acquired.version, acquired.generation
@@ -85,14 +84,3 @@ class Consolidator:
                 self.rt.sessions.invalidate(key)  # reload: version and memory moved
         finally:
             await self.rt.bus.release(key, acquired.token)
-
-    async def _acquire(self, key: str) -> Acquired:
-        delay_s = 0.005
-        while True:
-            result = await self.rt.bus.acquire(key, self.rt.worker_id, select=False)
-            if isinstance(result, Acquired):
-                return result
-            if isinstance(result, Forward):
-                raise RuntimeError("consolidation of a private session")
-            await asyncio.sleep(delay_s)  # the session's turn holds the lease: back off
-            delay_s = min(delay_s * 2, 0.1)

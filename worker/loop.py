@@ -25,14 +25,16 @@ from bus_redis import SESSION_NOT_ACTIVE, ControlMessage, InboundMessage, Outbou
 from bus_redis.codec import safe
 from bus_redis.keys import UNIFIED_CHANNEL
 from bus_redis.registry import Registry
-from bus_redis.results import Acquired, CommitSpec, Forward, Notification, Private
+from bus_redis.results import Acquired, CommitSpec, Forward, Notification
 from bus_redis.streams import Retention
-from session_store import UNIFIED_SESSION_KEY, MemoryStore, RedisSessionStore, SessionManager
+from session_store import MemoryStore, RedisSessionStore, SessionManager
+from worker.acquiring import Acquirer
 from worker.backoff import Backoff
 from worker.config import LoopConfig
 from worker.consolidator import JOB_NAME as CONSOLIDATE_JOB
 from worker.consolidator import Consolidator
 from worker.control import ControlListener
+from worker.controls import Controls
 from worker.faults import crash_point
 from worker.holder import SessionHolder
 from worker.jobs import JobQueue, LocalJobQueue
@@ -96,7 +98,9 @@ class AgentLoop:
         )
         self.consolidator = Consolidator(self.rt)
         self.rt.maybe_consolidate = lambda s: self.consolidator.maybe_consolidate_by_tokens(s)
-        self.rt.confirm = self._confirm_and_cancel
+        self.controls = Controls(self.rt)
+        self.acquirer = Acquirer(self.rt)
+        self.rt.confirm = self.controls.confirm_and_cancel
         self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.holders: dict[str, SessionHolder] = {}
         self._serving: set[asyncio.Task[None]] = set()
@@ -147,42 +151,9 @@ class AgentLoop:
     def metrics(self) -> Any:
         return self.rt.turns.metrics
 
-    # --- keys ------------------------------------------------------------------------
+    # --- keys (worker.acquiring) ------------------------------------------------------
     def effective_key(self, session_key: str) -> str:
-        """Unified mode folds every durable session into one; a private session (open
-        here, or found by acquire from its owner record) stays out."""
-        if self.config.unified_session and not self.sessions.is_transient(session_key):
-            return UNIFIED_SESSION_KEY
-        return session_key
-
-    def _memory_scope(self, key: str) -> str:
-        """The scope whose memory version acquire reads: the cached session's."""
-        if self.config.owner_mode:
-            from session_store import OWNER_SCOPE
-
-            return OWNER_SCOPE
-        if self.sessions.is_transient(key):
-            return ""
-        return self.sessions.scope_hint(key)
-
-    async def _acquire(
-        self, key: str, *, member: str = "", select: bool = True, note: Notification | None = None
-    ) -> tuple[str, Any]:
-        """Acquire K (retrying with K = S when S turns out to be a private session)."""
-        while True:
-            scope = self._memory_scope(key)
-            result = await self.bus.acquire(
-                key,
-                self.worker_id,
-                member=member,
-                claim_owner=self.sessions.is_transient(key),
-                select=select,
-                note=note,
-                memory_key=self.memory.key(scope) if scope else "",
-            )
-            if not isinstance(result, Private):
-                return key, (result, scope)
-            key = member
+        return self.acquirer.effective_key(session_key)
 
     # --- in-process API ------------------------------------------------------------
     async def process_message(self, msg: InboundMessage) -> OutboundMessage | None:
@@ -194,7 +165,7 @@ class AgentLoop:
         key = self.effective_key(msg.session_key)
         if msg.require_existing_session and not self.sessions.is_transient(key):
             raise SessionNotActiveError(SESSION_NOT_ACTIVE)
-        acquired, scope = await self._acquire_blocking(key, msg.session_key)
+        acquired, scope = await self.acquirer.acquire_blocking(key)
         holder = SessionHolder(self.rt, key, acquired, set(), scope)
         holder.lease.start()
         now_id = f"{int(time.time() * 1000)}-0"  # only controls published from now on
@@ -211,17 +182,6 @@ class AgentLoop:
             await holder.lease.stop()
             if not holder.lease.lost:
                 await self.bus.release(key, acquired.token)
-
-    async def _acquire_blocking(self, key: str, member: str) -> tuple[Acquired, str]:
-        delay_s = 0.005
-        while True:
-            _, (result, scope) = await self._acquire(key, select=False)
-            if isinstance(result, Acquired):
-                return result, scope
-            if isinstance(result, Forward):
-                raise SessionNotActiveError(f"session is owned by worker {result.owner}")
-            await asyncio.sleep(delay_s)  # another holder runs a turn: back off
-            delay_s = min(delay_s * 2, 0.1)
 
     # --- the worker ------------------------------------------------------------------
     async def run(self) -> None:
@@ -327,7 +287,7 @@ class AgentLoop:
             key, member = note.session_key, ""
         else:
             key, member = self.effective_key(note.session_key), note.session_key
-        key, (result, scope) = await self._acquire(key, member=member, note=note)
+        key, result, scope = await self.acquirer.acquire(key, member=member, note=note)
         crash_point("after_acquire")
         if isinstance(result, Forward):
             # A forward lost to a crash right here is recovered by the owner's own
@@ -356,35 +316,12 @@ class AgentLoop:
             if pending:
                 await asyncio.wait(pending, timeout=5)
 
-    # --- control -----------------------------------------------------------------------
+    # --- control (worker.controls) ---------------------------------------------------
     def on_control(self, control: ControlMessage) -> None:
-        """A stop / discard for session S: cancel its running turn once the marker is
-        confirmed queued after the running entry (a late pub/sub message of an earlier
-        control never cancels a newer turn); discard also forgets the session."""
-        target = control.session_key
-        running = {k: v for k, v in self.rt.turns.running().items() if target in (k, v[0])}
-        if running:
-            self.rt.spawn(self._confirm_and_cancel(running))
-        else:
-            self.rt.turns.note_control(target)  # an entry may be between select and begin
-        if control.op == "discard" and not self.sessions.is_transient(target):
-            self.sessions.invalidate(target)
-        # A private session is forgotten (and its owner record dropped) when its holder
-        # reaches the discard marker: exactly in stream order, under its lease.
+        self.controls.on_control(control)
 
     async def _confirm_and_cancel(self, running: dict[str, tuple[str, str]]) -> None:
-        """Cancel the running entries that a queued marker covers; a discard also forgets
-        the session at once (exact: the marker follows the entry this worker runs under
-        the lease, so no other worker serves the session meanwhile)."""
-        markers = await self.rt.registry.markers_after(running)
-        for key, op in markers.items():
-            member, entry_id = running[key]
-            if self.rt.turns.cancel_entry(key, entry_id, op) and op == "discard":
-                owned = self.rt.turns.disown(member)
-                self.sessions.invalidate(member)
-                if owned is not None:
-                    await self.rt.registry.drop_owner(member, self.worker_id, owned)
+        await self.controls.confirm_and_cancel(running)
 
     async def check_flags(self) -> None:
-        """After (re)subscribing: apply controls published while we were not listening."""
-        await self._confirm_and_cancel(self.rt.turns.running())
+        await self.controls.check_missed()

@@ -1,0 +1,68 @@
+"""Acquiring leases: which key, which memory version, and waiting for a busy one.
+
+``Acquirer.acquire`` takes the lease of an effective key for a notification (retrying
+with the stream's own key when acquire answers that the stream is a private session or
+has a holder of its own); ``acquire_blocking`` waits (with backoff) for a key held by a
+running turn, for the in-process API and consolidation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from bus_redis.results import Acquired, AcquireResult, Forward, Notification, Private
+from session_store import OWNER_SCOPE, UNIFIED_SESSION_KEY
+from worker.outcomes import SessionNotActiveError
+from worker.runtime import Runtime
+
+
+class Acquirer:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def effective_key(self, session_key: str) -> str:
+        """Unified mode folds every durable session into one; a private session (open
+        here, or found by acquire from its owner record) stays out."""
+        if self.rt.config.unified_session and not self.rt.sessions.is_transient(session_key):
+            return UNIFIED_SESSION_KEY
+        return session_key
+
+    def memory_scope(self, key: str) -> str:
+        """The scope whose memory version acquire reads: the (once) cached session's."""
+        if self.rt.config.owner_mode:
+            return OWNER_SCOPE
+        if self.rt.sessions.is_transient(key):
+            return ""
+        return self.rt.sessions.scope_hint(key)
+
+    async def acquire(
+        self, key: str, *, member: str = "", select: bool = True, note: Notification | None = None
+    ) -> tuple[str, AcquireResult, str]:
+        """``(key, result, memory scope)``: K, or S when S is private or held on its own."""
+        rt = self.rt
+        while True:
+            scope = self.memory_scope(key)
+            result = await rt.bus.acquire(
+                key,
+                rt.worker_id,
+                member=member,
+                claim_owner=rt.sessions.is_transient(key),
+                select=select,
+                note=note,
+                memory_key=rt.memory.key(scope) if scope else "",
+            )
+            if not isinstance(result, Private):
+                return key, result, scope
+            key = member
+
+    async def acquire_blocking(self, key: str) -> tuple[Acquired, str]:
+        """Wait for the lease of ``key`` while another holder runs a turn."""
+        delay_s = 0.005
+        while True:
+            _, result, scope = await self.acquire(key, select=False)
+            if isinstance(result, Acquired):
+                return result, scope
+            if isinstance(result, Forward):
+                raise SessionNotActiveError(f"session is owned by worker {result.owner}")
+            await asyncio.sleep(delay_s)  # the lease is held by a running turn: back off
+            delay_s = min(delay_s * 2, 0.1)
