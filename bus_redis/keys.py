@@ -123,6 +123,18 @@ class Keys:
     def inbound_pattern(self) -> str:
         return f"{glob_escape(self.prefix)}:{{*}}:in:*"
 
+    @property
+    def hint_pattern(self) -> str:
+        return f"{glob_escape(self.prefix)}:{{*}}:ctl:*"
+
+    def inbound_of_hint(self, key: str) -> str | None:
+        """The inbound stream beside a control hint key (None for a foreign name)."""
+        head = f"{self.prefix}:{{"
+        channel, sep, rest = (
+            key[len(head) :].partition("}:ctl:") if key.startswith(head) else ("", "", "")
+        )
+        return f"{self.prefix}:{{{channel}}}:in:{rest}" if sep else None
+
     def dead(self, channel: str) -> str:
         return f"{self.prefix}:{{{channel}}}:dead"
 

@@ -30,6 +30,7 @@ class Registry:
         self.redis = bus.redis
         self.keys = bus.keys
         self._cursor = 0  # of the stranded-stream sweep, kept across ticks
+        self._hint_cursor = 0  # of the hint sweep
 
     # --- channels -------------------------------------------------------------------
     async def register_channel(self, channel: str) -> None:
@@ -160,6 +161,24 @@ class Registry:
         for s in stranded:
             await self.bus.notify(s)
         return stranded
+
+    async def sweep_hints(self, *, count: int = SCAN_COUNT) -> int:
+        """Delete control hints with no inbound stream beside them (a frontend's INCRBY
+        for a session with nothing queued, or one whose stream ended): one SCAN step."""
+        self._hint_cursor, found = await self.bus.raw.scan(
+            self._hint_cursor, match=self.keys.hint_pattern, count=count
+        )
+        names = [(raw, strict_text(raw)) for raw in found]
+        streams = [self.keys.inbound_of_hint(n) if n else None for _, n in names]
+        checks = [s for s in streams if s]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in checks:
+                pipe.exists(stream)
+            alive = dict(zip(checks, await pipe.execute(), strict=True))
+        orphans = [raw for (raw, _), s in zip(names, streams, strict=True) if not s or not alive[s]]
+        if orphans:
+            await self.bus.raw.delete(*orphans)
+        return len(orphans)
 
     async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
         """For running turns ``{K: (S, entry id)}``: the op of the first control marker

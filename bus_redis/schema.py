@@ -41,6 +41,7 @@ ErrorCode = Literal[
     "dead_lettered",
     "cancelled",
     "duplicate",
+    "limit_exceeded",
     "session_lost",
     "provider_error",
 ]

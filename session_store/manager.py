@@ -55,6 +55,23 @@ class SessionManager:
         self._transient[key] = session
         return session
 
+    def trim_transient(self, key: str, keep_rows: int) -> None:
+        """Keep a private session's newest ``keep_rows`` rows (from a user row on): its
+        history lives in the worker's memory, which a frontend must not be able to fill."""
+        session = self._transient.get(key)
+        if session is None or len(session.messages) <= keep_rows:
+            return
+        tail = session.messages[-keep_rows:]
+        first_user = next((i for i, r in enumerate(tail) if r.get("role") == "user"), len(tail))
+        self._transient[key] = Session(
+            key=key,
+            messages=tail[first_user:],
+            created_at=session.created_at,
+            metadata=session.metadata,
+            scope=session.scope,
+            policy=session.policy,
+        )
+
     def invalidate(self, key: str) -> None:
         self._cache.pop(key, None)
         self._transient.pop(key, None)

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from replies import collect, until
+from replies import channel_events, collect, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.registry import Registry
@@ -234,3 +234,73 @@ async def test_junk_a_frontend_can_write_never_stops_a_worker(redis_factory, mak
         return not await raw.exists("agent:{web}:in:%ZZ", "agent:{web}:in:web:%77x")
 
     await until(swept)
+
+
+async def test_private_sessions_are_bounded_per_worker_and_channel(
+    redis_factory, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """A frontend cannot fill a worker's memory with private sessions: a cap per channel,
+    an idle expiry (the frontend is told), and a bounded history per session."""
+    loop = make_loop(
+        ScriptedProvider(handler=_echo),
+        max_private_sessions=2,
+        private_idle_s=1,
+        private_history_rows=10,
+        lock_ttl_ms=300,
+    )
+    client = FrontendClient(redis_factory())
+    opened = [
+        await client.open_transient("web", f"p{i}", session_key=f"web:p{i}") for i in range(3)
+    ]
+    got = await collect(client, "web", {rid for _, rid in opened})
+    codes = [got[rid][-1].code for _, rid in opened]
+    assert codes == [None, None, "limit_exceeded"]
+    private = {"session_key_override": "web:p0", "require_existing_session": True}
+    for i in range(8):  # 16 rows, 10 kept
+        assert (await client.ask(_m("p0", f"m{i}", **private), timeout_s=10)).content == f"re: m{i}"
+    session = loop.sessions.get_cached("web:p0")
+    assert session is not None
+    assert len(session.messages) <= 10
+    assert session.messages[0]["role"] == "user"
+
+    async def closed() -> bool:  # idle past private_idle_s: closed, frontend told
+        events = await channel_events(client, "web")
+        return not loop.turns.owned() and sum(e.code == "session_lost" for e in events) == 2
+
+    await until(closed, timeout_s=15)
+    late = await client.ask(_m("p1", "still there?", session_key_override="web:p1", require_existing_session=True), timeout_s=10)  # fmt: skip
+    assert late.code == "session_not_active"
+
+
+async def test_hints_without_a_stream_are_swept(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    raw = redis_factory()
+    k = Keys()
+    for i in range(5):
+        await raw.incrby(k.control_hint(f"web:ghost{i}"), 1)  # no stream beside them
+    await FrontendClient(redis_factory()).stop("web:real")  # a hint with its marker queued
+    make_loop(ScriptedProvider(handler=_echo), sweep_interval_ms=50, lock_ttl_ms=300)
+
+    async def swept() -> bool:
+        left = await raw.exists(*(k.control_hint(f"web:ghost{i}") for i in range(5)))
+        return left == 0
+
+    await until(swept)
+
+
+async def test_start_up_checks_refuse_a_live_twin_and_another_mode(redis: aioredis.Redis) -> None:
+    import socket
+    import time as _time
+
+    from worker.registration import WorkerConflictError, check_can_serve
+
+    bus = RedisBus(redis)
+    now_ms = int(_time.time() * 1000)
+    await redis.zadd(bus.keys.workers, {"w": now_ms})
+    await redis.hset(bus.keys.worker_info("w"), mapping={"host": "elsewhere", "pid": "1"})
+    with pytest.raises(WorkerConflictError, match="in use by pid 1 on elsewhere"):
+        await check_can_serve(bus, "w", unified=False)
+    dead = {"host": socket.gethostname(), "pid": "999999999"}  # crashed here: may restart
+    await redis.hset(bus.keys.worker_info("w"), mapping=dead)
+    await check_can_serve(bus, "w", unified=False)
+    with pytest.raises(WorkerConflictError, match="per-session mode and this one in single-owner"):
+        await check_can_serve(bus, "w2", unified=False, single_owner=True)

@@ -56,6 +56,7 @@ class TurnExecution:
         if transient is not None:
             if not self.rt.turns.owns(self.key):
                 self.rt.turns.own(self.key, owner_member(self.key, msg.channel, msg.chat_id))
+            self.rt.turns.touch(self.key)
             return transient
         if msg.require_existing_session:
             raise SessionNotActiveError(SESSION_NOT_ACTIVE)
@@ -187,6 +188,8 @@ class TurnExecution:
         if exc is not None:
             raise exc
         session.append_rows(state.rows)
+        if not session.policy.persist:
+            self.rt.sessions.trim_transient(key, self.rt.config.private_history_rows)
         if key == UNIFIED_SESSION_KEY:  # where the shared session last spoke, under the lease
             session.metadata["last_channel"] = f"{msg.channel}:{msg.chat_id}"
         meta = {**msg.metadata, "worker": self.rt.worker_id}

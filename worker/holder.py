@@ -22,6 +22,7 @@ from bus_redis import (
     decode_inbound,
 )
 from bus_redis.codec import safe
+from bus_redis.keys import channel_of
 from bus_redis.results import (
     Acquired,
     CommitSpec,
@@ -265,6 +266,13 @@ class SessionHolder:
 
     def _open_transient(self, spec: CommitSpec, op: OpenTransient, reply_to: str) -> CommitSpec:
         key = op.session_key
+        rt = self.rt
+        same_channel = [k for k in rt.turns.owned() if channel_of(k) == op.channel]
+        if key not in same_channel and len(same_channel) >= rt.config.max_private_sessions:
+            detail = f"this worker holds {len(same_channel)} private sessions of {op.channel}"
+            out = error(op.channel, op.chat_id, key, reply_to, "limit_exceeded", detail)
+            self._set_reply(spec, out)
+            return spec
         session = self.rt.sessions.get_or_create_transient(key, disabled_tools=op.disabled_tools)
         if op.scope is not None:
             session.scope = self.rt.scope_for(op.channel, op.scope, op.sender_id)

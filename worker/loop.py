@@ -188,7 +188,12 @@ class AgentLoop:
         """Consume until :meth:`stop`; then drain within the grace period."""
         self._stopping.clear()
         self.rt.turns.stopping = False
-        await check_can_serve(self.bus, self.worker_id, unified=self.config.unified_session)
+        await check_can_serve(
+            self.bus,
+            self.worker_id,
+            unified=self.config.unified_session,
+            single_owner=self.config.single_owner,
+        )
         await self.bus.scripts.load_all()
         await self.maintenance.refresh_channels()
         self._set_channels(self.maintenance.channels)

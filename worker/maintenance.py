@@ -66,6 +66,8 @@ class Maintenance:
         rt = self.rt
         await self.heartbeat()
         await self.refresh_channels()
+        for key in rt.turns.idle(rt.config.private_idle_s):
+            await self.close_private(key, "the private session was closed after being idle")
         for key, member in rt.turns.owned().items():
             if not await rt.registry.renew_owner(key, rt.worker_id, member):
                 log.warning("owner record of a transient session expired; session dropped")
@@ -103,6 +105,7 @@ class Maintenance:
         rt = self.rt
         if not await rt.registry.take_sweep_turn(rt.worker_id, rt.config.sweep_interval_ms):
             return
+        await rt.registry.sweep_hints()
         stranded = await rt.registry.sweep_stranded(unified=rt.config.unified_session)
         if stranded:
             log.info(
@@ -117,8 +120,21 @@ class Maintenance:
             if not self.serving(key):
                 self.dispatch([Notification(inbox, "", key)])
 
+    async def close_private(self, key: str, why: str) -> None:
+        """End a private session here: its frontend is told (``session_lost``), later
+        messages get ``session_not_active``."""
+        rt = self.rt
+        member = rt.turns.owned().get(key)
+        if member is None:
+            return
+        await rt.registry.abandon_owner(key, rt.worker_id)
+        await rt.registry.report_owner_lost(member, self._lost_event(member, why))
+        rt.forget(key)
+
     @staticmethod
-    def _lost_event(member: str) -> str:
+    def _lost_event(
+        member: str, why: str = "the worker holding this private session is gone"
+    ) -> str:
         key, channel, chat_id = json.loads(member)
         out = OutboundMessage(
             type="error",
@@ -126,7 +142,7 @@ class Maintenance:
             chat_id=chat_id,
             session_key=key,
             code="session_lost",
-            content="the worker holding this private session is gone",
+            content=why,
         )
         return out.model_dump_json(exclude_none=True)
 

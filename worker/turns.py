@@ -33,6 +33,7 @@ class TurnRegistry:
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
+        self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
         self._recent: OrderedDict[str, float] = OrderedDict()  # controls with no slot yet
         self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
         self.stopping = False
@@ -116,8 +117,19 @@ class TurnRegistry:
     # --- transient sessions this worker owns -------------------------------------------
     def own(self, key: str, member: str) -> None:
         self._owned[key] = member
+        self._used[key] = time.monotonic()
+
+    def touch(self, key: str) -> None:
+        if key in self._owned:
+            self._used[key] = time.monotonic()
+
+    def idle(self, older_than_s: float) -> list[str]:
+        """Owned sessions not used for ``older_than_s`` and not being served now."""
+        cutoff = time.monotonic() - older_than_s
+        return [k for k, t in self._used.items() if t < cutoff and k not in self._slots]
 
     def disown(self, key: str) -> str | None:
+        self._used.pop(key, None)
         return self._owned.pop(key, None)
 
     def owned(self) -> dict[str, str]:

@@ -63,6 +63,8 @@ def redact_url(url: str) -> str:
             raise ValueError("a stray '#' or ':' in the password")
         query = re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query)
         netloc = parts.netloc
+        if "@" in netloc and parts.password is None:  # a bare userinfo may be a token
+            netloc = "***@" + netloc.rpartition("@")[2]
         if parts.password is not None:
             host = parts.hostname or ""
             netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
