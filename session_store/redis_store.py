@@ -134,7 +134,8 @@ class RedisSessionStore:
         return [text(k) async for k in self.redis.scan_iter(match=pattern, _type="zset")]
 
     async def list_sessions(self, scope: str | None = None) -> list[SessionInfo]:
-        """Stored sessions, newest first: of one scope, or of every channel."""
+        """Stored sessions: of every channel newest first, or of one scope (newest
+        created first: a scope's index is written once per session, not per turn)."""
         indexes = [self.keys.scope_sessions(scope)] if scope else await self._indexes()
         scored: dict[str, float] = {}
         for index in indexes:

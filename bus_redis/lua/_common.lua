@@ -21,11 +21,15 @@ local function id_less(a, b)
 end
 
 -- A key a frontend may write (hint, events, inbound stream) that has another type than the
--- worker expects is junk: delete it before using it, so no script fails halfway.
-local function usable(key, kind)
-  local t = redis.call('TYPE', key)
-  t = t.ok or t
-  if t ~= kind and t ~= 'none' then redis.call('DEL', key) end
+-- worker expects is junk: it is deleted instead of failing the script halfway. `safe`
+-- runs a command; on a wrong-type error it deletes the key and answers `empty`.
+local function safe(empty, cmd, key, ...)
+  local r = redis.pcall(cmd, key, ...)
+  if type(r) == 'table' and r.err then
+    redis.call('DEL', key)
+    return empty
+  end
+  return r
 end
 
 local function field(fields, name)
@@ -52,7 +56,7 @@ end
 -- (field `_mark`: "<id> <op>"), so each marker costs one scan of the entries before it,
 -- however long the queue; a hint with no marker left is deleted.
 local function covering_op(s, id)
-  local hint = tonumber(redis.call('GET', s[3]) or '0') or 1
+  local hint = tonumber(safe(false, 'GET', s[3]) or '0') or 1
   if hint <= 0 then return '' end
   local mark = redis.call('HGET', s[2], '_mark')
   if mark then
@@ -81,13 +85,13 @@ end
 local function head(s)
   local discarded = nil
   while true do
-    local e = redis.call('XRANGE', s[1], '-', '+', 'COUNT', 1)[1]
+    local e = safe({}, 'XRANGE', s[1], '-', '+', 'COUNT', 1)[1]
     if not e then return nil, discarded end
     local op = field(e[2], 'control')
     if not op then return e, discarded end
     redis.call('XDEL', s[1], e[1])
     redis.call('HDEL', s[2], '_mark')
-    local n = tonumber(redis.call('GET', s[3]) or '0')
+    local n = tonumber(safe(false, 'GET', s[3]) or '0')
     if n and n > 1 then redis.call('DECR', s[3]) else redis.call('DEL', s[3]) end
     if op == 'discard' then discarded = op end
   end
@@ -113,8 +117,6 @@ end
 local function select_next(streams, key, pending, maxlen)
   local best, best_entry
   for i, s in ipairs(streams) do
-    usable(s[1], 'stream')
-    usable(s[3], 'string')
     if leave_alone(s, key, pending, maxlen) then
       s.skip = true
     else

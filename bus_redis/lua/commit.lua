@@ -3,7 +3,8 @@
 -- the transient owner record, then select the next entry or release the lease.
 -- KEYS[1] lease K         KEYS[2] session hash K    KEYS[3] inbound stream S
 -- KEYS[4] attempts S      KEYS[5] out stream S      KEYS[6] channel's sessions index (of K)
--- KEYS[7] scope index     KEYS[8] owner S           KEYS[9] owners registry (of S)
+-- KEYS[7] scope index (joined when the hash is created)  KEYS[8] owner S
+-- KEYS[9] owners registry (of S)
 -- KEYS[10] pending K      KEYS[11] dead letters (of S's channel)
 -- KEYS[12] lease registry of K's channel
 -- KEYS[13..] stream keys for the next selection, six per stream (see _common.lua)
@@ -18,11 +19,9 @@
 -- Idempotent: when the first entry is already gone (a client retry of a commit that
 -- did run), nothing is written again.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
-usable(KEYS[3], 'stream')
-usable(KEYS[5], 'stream')
 local n = tonumber(ARGV[15])
 local first = string.match(ARGV[2], '%S+')
-local applied = first and #redis.call('XRANGE', KEYS[3], first, first) == 0
+local applied = first and #safe({}, 'XRANGE', KEYS[3], first, first) == 0
 local s = redis.call('HMGET', KEYS[2], 'version', 'gen')
 local version, gen = tonumber(s[1] or '0'), s[2] or ''
 
@@ -32,22 +31,23 @@ if not applied then
     for i = 1, n do
       redis.call('HSET', KEYS[2], 'm:' .. (count + i - 1), ARGV[15 + i])
     end
-    if gen == '' then
+    if gen == '' then  -- the hash is created: it joins its scope's index (once)
       gen = ARGV[14]
       redis.call('HSET', KEYS[2], 'gen', gen)
+      redis.call('ZADD', KEYS[7], now_ms(), ARGV[7])
     end
     redis.call('HSET', KEYS[2], 'count', count + n, 'meta', ARGV[6])
     version = redis.call('HINCRBY', KEYS[2], 'version', 1)
-    local now = now_ms()
-    redis.call('ZADD', KEYS[6], now, ARGV[7])
-    redis.call('ZADD', KEYS[7], now, ARGV[7])
+    redis.call('ZADD', KEYS[6], now_ms(), ARGV[7])
   end
   for id in string.gmatch(ARGV[2], '%S+') do
     redis.call('XDEL', KEYS[3], id)
     redis.call('HDEL', KEYS[4], id, id .. ':error')
   end
   if ARGV[3] ~= '' then
-    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3])
+    if safe(false, 'XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3]) == false then
+      redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3])  -- junk gone
+    end
     redis.call('PEXPIRE', KEYS[5], ARGV[5])
   end
   if ARGV[12] ~= '' then
