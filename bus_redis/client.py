@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from bus_redis.codec import fields, text
 from bus_redis.keys import Keys, channel_of
@@ -66,8 +67,7 @@ class FrontendClient:
         if msg.id is None:
             msg = msg.model_copy(update={"id": uuid.uuid4().hex})
         reply_to = msg.id or ""
-        last = await self.redis.xrevrange(self.keys.out(msg.session_key), "+", "-", count=1)
-        after = text(last[0][0]) if last else "0-0"  # events of this ask come after it
+        after = await self._last_id(self.keys.out(msg.session_key))  # events of this ask follow
         await self.send(msg)
         seen: list[str] = []
         try:
@@ -121,10 +121,14 @@ class FrontendClient:
         }
         for stream, pos in position.items():  # "$" once, as an id: nothing slips between reads
             if pos == "$":
-                last = await self.redis.xrevrange(stream, "+", "-", count=1)
-                position[stream] = text(last[0][0]) if last else "0-0"
+                position[stream] = await self._last_id(stream)
         while True:
-            reply = await self.redis.xread(position, count=count, block=block_ms)  # type: ignore[arg-type]
+            try:
+                reply = await self.redis.xread(position, count=count, block=block_ms)  # type: ignore[arg-type]
+            except ResponseError as exc:  # a key that is no stream (junk): the next commit
+                if "WRONGTYPE" not in str(exc):  # of its session replaces it
+                    raise
+                reply = await self._read_streams_only(position, count=count)
             for stream, batch in reply or []:
                 for eid, raw in batch:
                     position[text(stream)] = text(eid)
@@ -135,6 +139,27 @@ class FrontendClient:
                         continue
                     event.entry_id = text(eid)
                     yield event
+
+    async def _last_id(self, stream: str) -> str:
+        try:
+            last = await self.redis.xrevrange(stream, "+", "-", count=1)
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            return "0-0"  # junk where the events belong: the next commit replaces it
+        return text(last[0][0]) if last else "0-0"
+
+    async def _read_streams_only(self, position: dict[str, str], *, count: int) -> Any:
+        """Read the keys that are streams now (no blocking: a junk key is being replaced)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in position:
+                pipe.type(stream)
+            kinds = await pipe.execute()
+        ok = {
+            s: p for (s, p), k in zip(position.items(), kinds, strict=True) if text(k) == "stream"
+        }
+        await asyncio.sleep(0.05)  # back off while the junk is there
+        return await self.redis.xread(ok, count=count) if ok else []  # type: ignore[arg-type]
 
     async def open_transient(
         self,

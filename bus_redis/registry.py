@@ -36,10 +36,15 @@ class Registry:
     async def register_channel(self, channel: str) -> None:
         await self.redis.sadd(self.keys.channels, channel)  # type: ignore[misc]
 
-    async def channels(self) -> set[str]:
-        """Registered channels and channels whose ready queue exists."""
+    async def registered_channels(self) -> set[str]:
+        """The channels in ``P:channels`` (one cheap read: every worker, every tick)."""
         members = await self.bus.raw.smembers(self.keys.channels)  # type: ignore[misc]
-        found = {c for c in (strict_text(m) for m in members) if c}
+        return {c for c in (strict_text(m) for m in members) if c and valid_channel(c)}
+
+    async def discover_channels(self) -> set[str]:
+        """Channels whose ready queue exists but that nobody registered: a SCAN of the
+        keyspace, so run once per sweep period by one worker, which registers them for all."""
+        found: set[str] = set()
         async for key in self.bus.raw.scan_iter(
             match=self.keys.ready_pattern, count=SCAN_COUNT, _type="stream"
         ):
@@ -47,7 +52,13 @@ class Registry:
             channel = self.keys.channel_of_ready(name) if name else None
             if channel is not None:
                 found.add(channel)
-        return {c for c in found if valid_channel(c)}
+        if found:
+            await self.redis.sadd(self.keys.channels, *found)  # type: ignore[misc]
+        return found
+
+    async def channels(self) -> set[str]:
+        """Registered channels and channels whose ready queue exists (administration)."""
+        return await self.registered_channels() | await self.discover_channels()
 
     # --- transient owners -----------------------------------------------------------
     async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:

@@ -20,6 +20,7 @@ from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.registry import Registry
 from bus_redis.results import Acquired, Entry, Forward
 from session_store import RedisSessionStore, Session, SessionManager
+from worker import AgentLoop, LoopConfig
 from worker.providers import LLMResponse, ToolCallRequest
 
 K = "web:h"
@@ -304,3 +305,37 @@ async def test_start_up_checks_refuse_a_live_twin_and_another_mode(redis: aiored
     await check_can_serve(bus, "w", unified=False)
     with pytest.raises(WorkerConflictError, match="per-session mode and this one in single-owner"):
         await check_can_serve(bus, "w2", unified=False, single_owner=True)
+
+
+async def test_a_hint_that_is_no_integer_cannot_break_a_discard(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """Without an ACL a client can SET the hint to "1.5": the marker is still consumed in
+    one piece (the junk hint deleted), the discard applies, the next message runs."""
+    raw = redis_factory()
+    client = FrontendClient(redis_factory())
+    await client.send(_m("d", "first", id="first"))
+    await client.discard("web:d")
+    await raw.set(Keys().control_hint("web:d"), "1.5")
+    after = await client.send(_m("d", "after", id="after"))
+    loop = make_loop(ScriptedProvider(handler=_echo))
+    got = await collect(client, "web", {"first", after})
+    assert got["first"][-1].code == "cancelled"
+    assert got[after][-1].content == "re: after"
+    assert loop.sessions.get_cached("web:d") is not None  # only the turn after the marker
+    stored = await loop.sessions.read_session("web:d")
+    assert stored is not None
+    assert [m["content"] for m in stored["messages"] if m["role"] == "user"] == ["after"]
+
+
+@pytest.mark.real_redis  # fakeredis fails inside its connection on XREAD of a string key
+async def test_ask_gets_its_answer_over_a_junk_event_key(real_redis: aioredis.Redis) -> None:
+    await real_redis.set(Keys().out("web:o"), "not a stream")  # written without an ACL
+    loop = AgentLoop(
+        RedisBus(real_redis), ScriptedProvider(handler=_echo), config=LoopConfig(read_block_ms=50)
+    )
+    task = asyncio.create_task(loop.run())
+    try:
+        answer = await FrontendClient(real_redis).ask(_m("o", "hello"), timeout_s=10)
+    finally:
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+    assert answer.content == "re: hello"

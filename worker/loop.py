@@ -195,7 +195,7 @@ class AgentLoop:
             single_owner=self.config.single_owner,
         )
         await self.bus.scripts.load_all()
-        await self.maintenance.refresh_channels()
+        await self.maintenance.refresh_channels(discover=True)
         self._set_channels(self.maintenance.channels)
         await self._apply_streams()
         listener = ControlListener(self.bus.raw, self.bus.keys, self.on_control, self.check_flags)

@@ -55,8 +55,11 @@ class Maintenance:
                 log.exception("maintenance tick failed")
             await asyncio.sleep(self.every_s)
 
-    async def refresh_channels(self) -> set[str]:
-        found = await self.rt.registry.channels() | set(self.rt.config.channels)
+    async def refresh_channels(self, *, discover: bool = False) -> set[str]:
+        registry = self.rt.registry
+        found = await registry.registered_channels() | set(self.rt.config.channels)
+        if discover:
+            found |= await registry.discover_channels()
         if found != self.channels:
             self.channels = found
             self.set_channels(found)
@@ -105,6 +108,7 @@ class Maintenance:
         rt = self.rt
         if not await rt.registry.take_sweep_turn(rt.worker_id, rt.config.sweep_interval_ms):
             return
+        await self.refresh_channels(discover=True)  # a SCAN: once per period, for all workers
         await rt.registry.sweep_hints()
         stranded = await rt.registry.sweep_stranded(unified=rt.config.unified_session)
         if stranded:

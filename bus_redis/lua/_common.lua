@@ -91,8 +91,8 @@ local function head(s)
     if not op then return e, discarded end
     redis.call('XDEL', s[1], e[1])
     redis.call('HDEL', s[2], '_mark')
-    local n = tonumber(safe(false, 'GET', s[3]) or '0')
-    if n and n > 1 then redis.call('DECR', s[3]) else redis.call('DEL', s[3]) end
+    local n = safe(false, 'DECR', s[3])  -- a hint that is no integer is junk: deleted
+    if not n or n <= 0 then redis.call('DEL', s[3]) end
     if op == 'discard' then discarded = op end
   end
 end
