@@ -189,7 +189,7 @@ class FrontendClient:
         return key, op.id or ""
 
     async def control(self, op: str, session_key: str) -> int:
-        """Stop or discard: a marker in the session's stream (it covers exactly the
+        """Stop, discard or delete: a marker in the session's stream (it covers exactly the
         messages published before it), the hint that markers are queued, a notification,
         and the pub/sub message that cancels a running turn at once. Returns the number of
         workers that received the pub/sub message."""
@@ -210,6 +210,11 @@ class FrontendClient:
 
     async def discard(self, session_key: str) -> int:
         return await self.control("discard", session_key)
+
+    async def delete(self, session_key: str) -> int:
+        """Discard, and delete the stored session and its events when the marker is
+        reached (under the session's lease, so no running turn re-creates it)."""
+        return await self.control("delete", session_key)
 
     async def stop(self, session_key: str) -> int:
         return await self.control("stop", session_key)

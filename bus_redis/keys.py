@@ -150,6 +150,23 @@ class Keys:
         """Sorted set: transient session key -> owner record expiry (ms)."""
         return f"{self.prefix}:{{{channel}}}:owners"
 
+    # --- the gateway's own keys of channel C: P:{C}:gw:* (docs/ACL.md, role gateway) ------
+    def gw_sessions(self, channel: str, user_hash: str) -> str:
+        """Sorted set: a gateway user's durable chat ids -> created (ms)."""
+        return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:sessions"
+
+    def gw_titles(self, channel: str, user_hash: str) -> str:
+        """Hash: a gateway user's chat id -> title."""
+        return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:titles"
+
+    def gw_ticket(self, channel: str, ticket: str) -> str:
+        """A short-lived ticket (EventSource / WebSocket auth) -> user id."""
+        return f"{self.prefix}:{{{channel}}}:gw:ticket:{ticket}"
+
+    def gw_wake(self, channel: str, replica: str) -> str:
+        """Stream a gateway replica adds to, to wake its own blocked event read."""
+        return f"{self.prefix}:{{{channel}}}:gw:wake:{encode_session(replica)}"
+
     # --- per scope (lives in the slot of its channel) -------------------------------------
     def scope_sessions(self, scope: str) -> str:
         """Sorted set of the durable sessions of one scope (session tools read only these)."""

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from bus_redis.codec import fields, stream_id_ms, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, valid_channel
+from bus_redis.schema import CONTROL_OPS
 from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000
@@ -210,7 +211,7 @@ class Registry:
                     (
                         o
                         for _e, raw in entries
-                        if (o := fields(raw).get("control")) in ("stop", "discard")
+                        if (o := fields(raw).get("control")) in CONTROL_OPS
                     ),
                     None,
                 )

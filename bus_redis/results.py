@@ -25,12 +25,12 @@ class Entry:
     entry_id: str
     payload: str
     attempts: int
-    covered_by: str  # 'stop' / 'discard': a control marker queued after this entry; '' none
+    covered_by: str  # 'stop' / 'discard' / 'delete': a control marker queued after this entry; '' none
 
 
 @dataclass(frozen=True, slots=True)
 class ControlReached:
-    """A discard marker at the head of stream ``member`` was consumed."""
+    """A discard or delete marker at the head of stream ``member`` was consumed."""
 
     member: str
     op: str

@@ -46,6 +46,8 @@ ErrorCode = Literal[
     "provider_error",
 ]
 SESSION_NOT_ACTIVE = "required session is not active"
+ControlOp = Literal["discard", "stop", "delete"]
+CONTROL_OPS: tuple[str, ...] = ("stop", "discard", "delete")
 
 
 class _Wire(BaseModel):
@@ -113,7 +115,7 @@ class OpenTransient(_Routed):
 class ControlMessage(_Wire):
     """A control published on ``P:{C}:control``."""
 
-    op: Literal["discard", "stop"]
+    op: ControlOp
     session_key: NonEmpty
 
 

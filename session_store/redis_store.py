@@ -78,16 +78,22 @@ class RedisSessionStore:
             await asyncio.sleep(delay_s)  # back off while a turn holds the lease
             delay_s = min(delay_s * 2, 0.5)
         try:
-            meta = decode_meta(text(await self.redis.hget(self.keys.session(key), "meta")))  # type: ignore[misc]
-            keys = [lease, self.keys.session(key), self.keys.sessions_index(channel_of(key))]
-            scope = str(meta.get("scope") or "")
-            keys.append(self.keys.scope_sessions(scope) if scope else keys[-1])
-            deleted = int(text(await self._scripts.call("delete", keys, [token, key])))
+            deleted = await self.delete_held(key, lease, token)
         finally:
             k = self.keys
             release = [lease, k.pending(key), k.ready(channel_of(key)), k.leases(channel_of(key))]
             await self._scripts.call("release", release, [token, key, 1_000_000])
         return deleted > 0
+
+    async def delete_held(self, key: str, lease: str, token: str) -> int:
+        """Delete session ``key`` (hash, index entries, events) if ``lease`` still holds
+        ``token``: 1 deleted, 0 nothing stored, -1 the lease was lost."""
+        meta = decode_meta(text(await self.redis.hget(self.keys.session(key), "meta")))  # type: ignore[misc]
+        keys = [lease, self.keys.session(key), self.keys.sessions_index(channel_of(key))]
+        scope = str(meta.get("scope") or "")
+        keys.append(self.keys.scope_sessions(scope) if scope else keys[-1])
+        keys.append(self.keys.out(key))
+        return int(text(await self._scripts.call("delete", keys, [token, key])))
 
     async def read(self, key: str) -> dict[str, Any] | None:
         session = await self.load(key)

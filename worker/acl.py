@@ -33,6 +33,27 @@ def frontend_acl(
     return [" ".join(setuser), f"SADD {k.channels} {channel}"]
 
 
+def gateway_acl(
+    channel: str, password: str, *, prefix: str = "agent", user: str = ""
+) -> list[str]:
+    """A gateway (``agent-gateway``) of ``channel``: everything a frontend may do, plus
+    read-only looks at its channel's sessions (queued count, whether a turn runs, stored
+    rows) and its own keys ``P:{C}:gw:*`` (users' chat lists, tickets, a wake stream)."""
+    lines = frontend_acl(channel, password, prefix=prefix, user=user or f"gateway-{channel}")
+    tag = f"{prefix}:{{{channel}}}"
+    extra = [
+        f"(+xlen ~{tag}:in:*)",  # messages queued
+        f"(+exists ~{tag}:lease:*)",  # a turn is running
+        f"(+hget +hmget ~{tag}:session:*)",  # stored history, read only
+        # one selector for the shared blocking read: the events and the replica's wake stream
+        f"(+xread +xrevrange +type ~{tag}:out:* ~{tag}:gw:wake:*)",
+        f"(+xadd +pexpire ~{tag}:gw:wake:*)",
+        f"(+zadd +zrem +zscore +zcard +zrevrange +hset +hsetnx +hget +hmget +hdel ~{tag}:gw:user:*)",
+        f"(+set +get ~{tag}:gw:ticket:*)",
+    ]
+    return [f"{lines[0]} {' '.join(extra)}", *lines[1:]]
+
+
 def worker_acl(password: str, *, prefix: str = "agent", user: str = "agent-worker") -> list[str]:
     """Workers: every key and pub/sub channel of the prefix (and arq's), no admin commands."""
     _check_password(password)

@@ -11,20 +11,22 @@ from __future__ import annotations
 from bus_redis import ControlMessage
 from worker.runtime import Runtime
 
+FORGETTING = ("discard", "delete")  # ops that make a worker forget the session
+
 
 class Controls:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
     def on_control(self, control: ControlMessage) -> None:
-        """A stop / discard for session S (called by the control subscription)."""
+        """A stop / discard / delete for session S (called by the control subscription)."""
         rt, target = self.rt, control.session_key
         running = {k: v for k, v in rt.turns.running().items() if target in (k, v[0])}
         if running:
             rt.spawn(self.confirm_and_cancel(running))
         else:
             rt.turns.note_control(target)  # an entry may be between select and begin
-        if control.op == "discard" and not rt.sessions.is_transient(target):
+        if control.op in FORGETTING and not rt.sessions.is_transient(target):
             rt.sessions.invalidate(target)
         # A private session is forgotten (and its owner record dropped) when its holder
         # reaches the discard marker: exactly in stream order, under its lease.
@@ -37,7 +39,7 @@ class Controls:
         markers = await rt.registry.markers_after(running)
         for key, op in markers.items():
             member, entry_id = running[key]
-            if rt.turns.cancel_entry(key, entry_id, op) and op == "discard":
+            if rt.turns.cancel_entry(key, entry_id, op) and op in FORGETTING:
                 owned = rt.turns.disown(member)
                 rt.sessions.invalidate(member)
                 if owned is not None:

@@ -2,7 +2,7 @@
 
 drain():  step = acquire's first entry
           loop: Entry -> handle() -> fenced commit (+ select next / release)
-                ControlReached (discard marker) -> forget the session, next()
+                ControlReached (discard / delete marker) -> forget (delete) the session, next()
                 More  -> next() over the grown stream set
                 Released / Lost -> done
 """
@@ -88,7 +88,7 @@ class SessionHolder:
                     self.members.add(step.member)
                     step = await self._process(step)
                 elif isinstance(step, ControlReached):
-                    await self.discarded(step.member)
+                    await self.discarded(step.member, step.op)
                     step = await self._next()
                 elif isinstance(step, More):
                     # the pending set is the truth: streams emptied, or left alone (private
@@ -105,12 +105,20 @@ class SessionHolder:
     async def _next(self) -> Step:
         return await self.rt.bus.next(self.key, self.token, sorted(self.members))
 
-    async def discarded(self, member: str) -> None:
-        """A discard reached stream ``member``: forget its session (a private one is gone)."""
+    async def discarded(self, member: str, op: str = "discard") -> None:
+        """A discard or delete reached stream ``member``: forget its session (a private one
+        is gone); a delete also removes the stored session and its events, fenced by the
+        lease this holder runs under."""
         owned = self.rt.turns.disown(member)
         self.rt.sessions.invalidate(member)
         if owned is not None:
             await self.rt.registry.drop_owner(member, self.rt.worker_id, owned)
+        if op == "delete" and owned is None:
+            deleted = await self.rt.sessions.store.delete_held(
+                member, self.rt.bus.keys.lease(self.key), self.token
+            )
+            if deleted < 0:
+                self.lease.lost = True
 
     async def _process(self, entry: Entry) -> Step:
         if self.rt.turns.stopping:  # shutting down: take no further entry, hand it over
@@ -215,8 +223,8 @@ class SessionHolder:
             spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
         if entry.covered_by:
-            if entry.covered_by == "discard":
-                await self.discarded(entry.member)
+            if entry.covered_by in ("discard", "delete"):
+                await self.discarded(entry.member)  # a delete applies at its own marker
             return fail("cancelled", f"cancelled by {entry.covered_by}")
         if isinstance(payload, OpenTransient):
             return self._open_transient(spec, payload, reply_to)

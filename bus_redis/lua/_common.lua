@@ -2,7 +2,7 @@
 -- Not a script of its own. Each inbound stream S is passed as six KEYS (inbound stream,
 -- attempts hash, control hint, owner record, ready stream of S's channel, S's own lease)
 -- with S itself in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
--- discard marker published by the frontend: it covers exactly the entries before it).
+-- discard / delete marker published by the frontend: it covers exactly the entries before it).
 local unpack = unpack or table.unpack
 local MARKER_SCAN = 1000  -- entries read per step while looking for a control marker
 
@@ -81,7 +81,8 @@ local function covering_op(s, id)
 end
 
 -- Consume control markers at the head of a stream (everything before them is done).
--- Returns the oldest real entry (or nil) and the op of a consumed discard marker.
+-- Returns the oldest real entry (or nil) and the op of a consumed discard or delete marker
+-- (delete wins: it also forgets the session).
 local function head(s)
   local discarded = nil
   while true do
@@ -93,7 +94,7 @@ local function head(s)
     redis.call('HDEL', s[2], '_mark')
     local n = safe(false, 'DECR', s[3])  -- a hint that is no integer is junk: deleted
     if not n or n <= 0 then redis.call('DEL', s[3]) end
-    if op == 'discard' then discarded = op end
+    if op == 'delete' or (op == 'discard' and not discarded) then discarded = op end
   end
 end
 

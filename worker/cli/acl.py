@@ -7,21 +7,23 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from worker.acl import frontend_acl, worker_acl
+from worker.acl import frontend_acl, gateway_acl, worker_acl
 from worker.settings import Settings
 
 
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(
         "acl",
-        help="print the ACL SETUSER lines for a frontend (one channel) or for workers",
+        help="print the ACL SETUSER lines for a frontend or gateway (one channel) or workers",
         description="Print Redis commands (run them with redis-cli as an admin). A frontend "
         "user may publish, stop/discard and read events in its own channel only; the "
-        "channel is also registered so that workers serve it.",
+        "channel is also registered so that workers serve it. A gateway (agent-gateway) "
+        "gets a frontend's grants plus read-only looks at its channel's sessions and its "
+        "own P:{C}:gw:* keys (docs/ACL.md).",
     )
     common(p)
-    p.add_argument("role", choices=["frontend", "worker"])
-    p.add_argument("--channel", help="frontend: the channel it serves")
+    p.add_argument("role", choices=["frontend", "gateway", "worker"])
+    p.add_argument("--channel", help="frontend / gateway: the channel it serves")
     p.add_argument("--password", required=True, help="the user's password (8+ characters)")
     p.add_argument("--user", help="user name (default frontend-CHANNEL / agent-worker)")
     p.set_defaults(handler=acl)
@@ -29,11 +31,12 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
 
 async def acl(args: argparse.Namespace, settings: Settings) -> int:
     try:
-        if args.role == "frontend":
+        if args.role in ("frontend", "gateway"):
             if not args.channel:
-                print("agent-worker: acl frontend needs --channel", file=sys.stderr)
+                print(f"agent-worker: acl {args.role} needs --channel", file=sys.stderr)
                 return 2
-            lines = frontend_acl(
+            make = frontend_acl if args.role == "frontend" else gateway_acl
+            lines = make(
                 args.channel, args.password, prefix=settings.key_prefix, user=args.user or ""
             )
         else:

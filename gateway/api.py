@@ -1,0 +1,247 @@
+"""The JSON API and the SSE event stream (OpenAPI at ``/docs`` and ``/openapi.json``).
+
+Every route that takes a chat id answers 404 unless the caller owns it, exactly as for a
+chat that does not exist, so one user cannot even learn another's ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from bus_redis import OutboundMessage
+from gateway.app import Gateway
+from gateway.auth import User
+from gateway.chats import Chat, ChatLimitError
+from gateway.hub import TooManyStreamsError
+
+router = APIRouter(prefix="/api")
+CURSOR_RE = re.compile(r"\$|0|\d{1,20}-\d{1,20}")
+CLIENT_ID = r"^[A-Za-z0-9_.:-]{1,128}$"
+
+
+def gw(request: Request) -> Gateway:
+    return request.app.state.gw
+
+
+async def caller(request: Request) -> User:
+    return await gw(request).auth.user(request)
+
+
+async def stream_caller(request: Request) -> User:
+    """EventSource cannot send headers: a ticket in the URL is accepted here."""
+    return await gw(request).auth.user(request, ticket_ok=True)
+
+
+Caller = Annotated[User, Depends(caller)]
+
+
+async def owned(request: Request, session_id: str, user: Caller) -> Chat:
+    chat = await gw(request).chats.owned(user, session_id)
+    if chat is None:
+        raise HTTPException(404, "no such session")
+    return chat
+
+
+Owned = Annotated[Chat, Depends(owned)]
+
+
+# --- bodies -----------------------------------------------------------------------------
+class NewSession(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    temporary: bool = Field(False, description="a private session: not stored, fewer tools")
+    title: str = Field("", max_length=200)
+
+
+class NewMessage(BaseModel):
+    """Anything else in the body (scope, session_key_override, require_existing_session,
+    a channel...) is ignored: the gateway decides those."""
+
+    model_config = ConfigDict(extra="ignore")
+    content: str = Field(max_length=100_000)
+    client_id: str | None = Field(
+        None, pattern=CLIENT_ID, description="re-posting the same id never runs a second turn"
+    )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="given to tools; keys starting with '_' are dropped"
+    )
+
+
+class Accepted(BaseModel):
+    session_id: str
+    message_id: str
+    cursor: str = Field(description="the last event id before this message: read events after it")
+    event: dict[str, Any] | None = Field(None, description="the terminal event (with ?wait=)")
+
+
+# --- routes -----------------------------------------------------------------------------
+@router.get("/me")
+async def me(user: Caller) -> dict[str, str]:
+    return {"user": user.id}
+
+
+@router.post("/tickets", status_code=201)
+async def ticket(request: Request, user: Caller) -> dict[str, Any]:
+    """A short-lived ticket for ``EventSource`` and WebSocket URLs (``?ticket=``)."""
+    g = gw(request)
+    return {"ticket": await g.auth.mint_ticket(user), "expires_in_s": g.settings.ticket_ttl_s}
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request, user: Caller) -> list[dict[str, Any]]:
+    """The caller's durable chats, newest first (temporary chats are never listed)."""
+    return [c.public() for c in await gw(request).chats.list_for(user)]
+
+
+@router.post("/sessions", status_code=201)
+async def create_session(request: Request, user: Caller, body: NewSession) -> dict[str, Any]:
+    g = gw(request)
+    try:
+        chat = await g.chats.create(user, temporary=body.temporary, title=body.title)
+    except ChatLimitError as exc:
+        raise HTTPException(409, str(exc)) from None
+    if chat.temporary:
+        await g.client.open_transient(
+            g.settings.channel,
+            chat.id,
+            session_key=chat.session_key,
+            disabled_tools=g.settings.temporary_disabled_tools,
+            scope=f"user-{user.hash}",
+        )
+    return await g.chats.status(chat)
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(request: Request, chat: Owned) -> dict[str, Any]:
+    return await gw(request).chats.status(chat)
+
+
+@router.get("/sessions/{session_id}/messages")
+async def history(
+    request: Request, chat: Owned, limit: Annotated[int, Query(ge=1, le=10_000)] = 200
+) -> list[dict[str, Any]]:
+    g = gw(request)
+    return await g.chats.history(chat, min(limit, g.settings.history_limit))
+
+
+@router.delete("/sessions/{session_id}", status_code=204)
+async def delete_session(request: Request, user: Caller, chat: Owned) -> Response:
+    """A durable chat: its stored history and events are deleted (a running turn is
+    cancelled first); a temporary chat is discarded."""
+    g = gw(request)
+    if chat.temporary:
+        await g.client.discard(chat.session_key)
+    else:
+        await g.chats.forget(user, chat)
+        await g.client.delete(chat.session_key)
+    return Response(status_code=204)
+
+
+@router.post("/sessions/{session_id}/messages", status_code=202, response_model=Accepted)
+async def send(
+    request: Request,
+    response: Response,
+    user: Caller,
+    chat: Owned,
+    body: NewMessage,
+    wait: Annotated[float, Query(ge=0, description="seconds to wait for the terminal event")] = 0,
+) -> Accepted:
+    g = gw(request)
+    message_id = body.client_id or uuid.uuid4().hex
+    cursor = await g.hub.last_id(g.keys.out(chat.session_key))
+    msg = g.message(user, chat, body.content, id=message_id, metadata=body.metadata)
+    await g.client.send(msg)
+    await g.chats.title_from(user, chat, body.content)
+    accepted = Accepted(session_id=chat.id, message_id=message_id, cursor=cursor)
+    if wait > 0:
+        event = await g.wait_terminal(chat, message_id, cursor, min(wait, g.settings.wait_max_s))
+        if event is not None:
+            response.status_code = 200
+            accepted.event = public_event(chat, event)
+    return accepted
+
+
+@router.post("/sessions/{session_id}/stop", status_code=202)
+async def stop(request: Request, chat: Owned) -> dict[str, str]:
+    """Cancel the running turn and the messages queued before this call."""
+    await gw(request).client.stop(chat.session_key)
+    return {"session_id": chat.id, "op": "stop"}
+
+
+@router.post("/sessions/{session_id}/discard", status_code=202)
+async def discard(request: Request, chat: Owned) -> dict[str, str]:
+    """Stop, and end a temporary chat for good (a durable chat keeps its history)."""
+    await gw(request).client.discard(chat.session_key)
+    return {"session_id": chat.id, "op": "discard"}
+
+
+@router.get(
+    "/sessions/{session_id}/events",
+    response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def events(
+    request: Request,
+    session_id: str,
+    user: Annotated[User, Depends(stream_caller)],
+    after: Annotated[str | None, Query(description="resume after this event id")] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> EventSourceResponse:
+    """Server-sent events of one chat: ``message``, ``delta``, ``progress``, ``error`` and
+    ``gap``; ``id:`` is the event's entry id (resume with ``Last-Event-ID`` or ``?after=``
+    on any replica). Closing the stream cancels nothing."""
+    g = gw(request)
+    chat = await g.chats.owned(user, session_id)
+    if chat is None:
+        raise HTTPException(404, "no such session")
+    cursor = last_event_id or after or "$"
+    if not CURSOR_RE.fullmatch(cursor):
+        raise HTTPException(400, "a cursor is an event id like 1700000000000-0, 0 or $")
+    try:
+        sub_cm = g.hub.subscribe(chat.session_key, cursor)
+        sub = await sub_cm.__aenter__()
+    except TooManyStreamsError as exc:
+        raise HTTPException(503, str(exc)) from None
+
+    async def stream() -> AsyncIterator[ServerSentEvent]:
+        try:
+            yield ServerSentEvent(comment="stream open", retry=g.settings.sse_retry_ms)
+            async for ev in sub.events(g.settings.keepalive_s):
+                if ev is None:
+                    yield ServerSentEvent(comment="keep-alive")
+                elif ev.kind == "gap":
+                    yield ServerSentEvent(
+                        _json({"after": ev.entry_id}), event="gap", id=ev.entry_id
+                    )
+                elif ev.event is not None:
+                    data = public_event(chat, ev.event)
+                    yield ServerSentEvent(_json(data), event=ev.event.type, id=ev.entry_id)
+        finally:
+            await sub_cm.__aexit__(None, None, None)
+
+    return EventSourceResponse(stream(), ping=3600, headers={"Cache-Control": "no-store"})
+
+
+def public_event(chat: Chat, ev: OutboundMessage) -> dict[str, Any]:
+    """What a client sees of an event: its chat id, never the internal session key."""
+    return {
+        "id": ev.entry_id,
+        "session_id": chat.id,
+        "type": ev.type,
+        "reply_to": ev.reply_to,
+        "content": ev.content,
+        "code": ev.code,
+        "covers": ev.covers,
+        "metadata": ev.metadata,
+    }
+
+
+def _json(doc: Any) -> str:
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,162 @@
+"""The gateway application: wiring of Redis, auth, chats and the event hub.
+
+create_app(settings)
+  ├── Gateway            one per process (app.state.gw)
+  │     ├── redis        a bounded, blocking connection pool (AGENT_GATEWAY_REDIS_CONNECTIONS)
+  │     ├── FrontendClient   publish messages and controls (bus_redis, wire v2)
+  │     ├── Authenticator    tokens / trusted proxy / tickets      (auth.py)
+  │     ├── Chats            ids, ownership, status, history       (chats.py)
+  │     └── EventHub         one blocking read for every open stream (hub.py)
+  ├── api.router         JSON API and SSE                           (api.py)
+  ├── ws.router          one WebSocket, many sessions                (ws.py)
+  └── openai_compat.router   POST /v1/chat/completions            (openai_compat.py)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.exceptions import RedisError
+
+from bus_redis import FrontendClient, InboundMessage, OutboundMessage
+from bus_redis.keys import Keys
+from gateway.auth import Authenticator, User
+from gateway.chats import Chat, Chats
+from gateway.hub import EventHub
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Gateway:
+    settings: GatewaySettings
+    redis: Redis
+    reader: Redis
+    replica: str = field(default_factory=lambda: secrets.token_hex(6))
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.keys = Keys(s.key_prefix)
+        self.client = FrontendClient(self.redis, s.key_prefix)
+        self.auth = Authenticator(s, self.redis)
+        self.chats = Chats(self.redis, self.keys, s.channel, max_per_user=s.max_sessions_per_user)
+        self.hub = EventHub(
+            self.reader,
+            self.redis,
+            self.keys,
+            wake_key=self.keys.gw_wake(s.channel, self.replica),
+            max_streams=s.max_streams,
+        )
+
+    def message(self, user: User, chat: Chat, content: str, **fields: object) -> InboundMessage:
+        """The inbound message for a user's chat. Everything that decides where it runs
+        and whose it is comes from here, never from the client: the session, the scope
+        (the user), ``require_existing_session`` and ``session_key_override``."""
+        return InboundMessage(
+            channel=self.settings.channel,
+            sender_id=user.id,
+            chat_id=chat.id,
+            content=content,
+            scope=f"user-{user.hash}",
+            require_existing_session=chat.temporary,
+            session_key_override=chat.session_key if chat.temporary else None,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    async def wait_terminal(
+        self, chat: Chat, reply_to: str, after: str, timeout_s: float
+    ) -> OutboundMessage | None:
+        """The terminal event of message ``reply_to`` after cursor ``after``, or None."""
+
+        async def find() -> OutboundMessage | None:
+            async with self.hub.subscribe(chat.session_key, after) as sub:
+                async for ev in sub.events(timeout_s):
+                    e = ev.event if ev is not None else None
+                    if e is None or not e.is_terminal:
+                        continue
+                    if e.reply_to == reply_to or reply_to in (e.covers or []):
+                        return e
+            return None
+
+        try:
+            return await asyncio.wait_for(find(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def close(self) -> None:
+        await self.hub.stop()
+        await self.reader.aclose()
+        await self.redis.aclose()
+
+
+def make_gateway(settings: GatewaySettings) -> Gateway:
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_connections, timeout=10
+    )
+    reader_pool = BlockingConnectionPool.from_url(settings.redis_url, max_connections=1, timeout=10)
+    return Gateway(settings, Redis(connection_pool=pool), Redis(connection_pool=reader_pool))
+
+
+def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> FastAPI:
+    from gateway import api, openai_compat, ws
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw = gateway or make_gateway(settings)
+        if not gw.auth.configured:
+            log.warning("no tokens and no trusted proxies configured: every request is refused")
+        gw.hub.start()
+        app.state.gw = gw
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    app = FastAPI(
+        title="redis-agent-worker gateway",
+        version="2",
+        summary="HTTP, SSE and WebSocket front door of redis-agent-worker (wire v2).",
+        lifespan=lifespan,
+    )
+    app.include_router(api.router)
+    app.include_router(ws.router)
+    app.include_router(openai_compat.router)
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        html = resources.files("gateway").joinpath("static/index.html").read_text()
+        return HTMLResponse(
+            html, headers={"Cache-Control": "no-store", "Content-Security-Policy": CSP}
+        )
+
+    @app.get("/livez", include_in_schema=False)
+    async def livez() -> Response:
+        return Response("ok\n", media_type="text/plain")
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz(request: Request) -> Response:
+        try:
+            await request.app.state.gw.redis.ping()
+        except (RedisError, OSError):
+            return JSONResponse({"ready": False, "reason": "redis unreachable"}, 503)
+        return JSONResponse({"ready": True})
+
+    return app
+
+
+# the page is self-contained: its own script and style only, no outside origin
+CSP = (
+    "default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)

@@ -1,0 +1,180 @@
+"""A user's chats: server-minted ids, ownership, status and history.
+
+A chat id is ``<user hash>-<random>`` (durable), ``<user hash>-t-<random>`` (temporary,
+a private session) or ``<user hash>-oa-<digest>`` (the OpenAI-compatible endpoint); its
+session key is ``<channel>:<chat id>``. A chat belongs to the user whose hash starts its
+id, and a durable one only while it is in that user's index (``P:{C}:gw:user:<h>:sessions``),
+so a deleted chat is gone for its owner too. Nothing of a chat's text is kept here: history
+is read from the session hash the workers write.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from bus_redis.codec import text
+from bus_redis.keys import Keys
+from gateway.auth import User
+
+CHAT_ID_RE = re.compile(r"(?P<user>[0-9a-f]{24})-(?P<kind>t-|oa-)?[0-9a-f]{16,32}")
+TITLE_MAX = 80
+
+
+class ChatLimitError(Exception):
+    """The user has ``max_sessions_per_user`` chats already."""
+
+
+@dataclass(slots=True)
+class Chat:
+    id: str
+    session_key: str
+    temporary: bool
+    title: str = ""
+    created_ms: int = 0
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "temporary": self.temporary,
+            "title": self.title,
+            "created_at_ms": self.created_ms,
+        }
+
+
+class Chats:
+    def __init__(self, redis: Redis, keys: Keys, channel: str, *, max_per_user: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.channel = channel
+        self.max_per_user = max_per_user
+
+    def _index(self, user: User) -> str:
+        return self.keys.gw_sessions(self.channel, user.hash)
+
+    def _titles(self, user: User) -> str:
+        return self.keys.gw_titles(self.channel, user.hash)
+
+    def _chat(self, chat_id: str, title: str = "", created_ms: int = 0) -> Chat:
+        kind = CHAT_ID_RE.fullmatch(chat_id)
+        temporary = bool(kind and kind.group("kind") == "t-")
+        return Chat(chat_id, f"{self.channel}:{chat_id}", temporary, title, created_ms)
+
+    async def create(self, user: User, *, temporary: bool, title: str = "") -> Chat:
+        if temporary:  # a private session: not listed, nothing of it stored here
+            return self._chat(f"{user.hash}-t-{secrets.token_hex(12)}")
+        chat_id = f"{user.hash}-{secrets.token_hex(12)}"
+        return await self._register(user, chat_id, title[:TITLE_MAX])
+
+    async def ensure(self, user: User, chat_id: str) -> Chat:
+        """Register a deterministic chat id (OpenAI-compatible endpoint) if it is new."""
+        score = await self.redis.zscore(self._index(user), chat_id)
+        if score is not None:
+            return self._chat(chat_id, created_ms=int(score))
+        return await self._register(user, chat_id, "")
+
+    async def _register(self, user: User, chat_id: str, title: str) -> Chat:
+        now = int(time.time() * 1000)
+        if await self.redis.zcard(self._index(user)) >= self.max_per_user:
+            raise ChatLimitError(f"at most {self.max_per_user} chats per user")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(self._index(user), {chat_id: now}, nx=True)
+            if title:
+                pipe.hset(self._titles(user), chat_id, title)
+            await pipe.execute()
+        return self._chat(chat_id, title, now)
+
+    async def owned(self, user: User, chat_id: str) -> Chat | None:
+        """The chat if ``user`` owns it (else None: answered exactly like a missing one)."""
+        match = CHAT_ID_RE.fullmatch(chat_id)
+        if match is None or match.group("user") != user.hash:
+            return None
+        if match.group("kind") == "t-":
+            return self._chat(chat_id)
+        score = await self.redis.zscore(self._index(user), chat_id)
+        if score is None:
+            return None
+        title = await self.redis.hget(self._titles(user), chat_id)  # type: ignore[misc]
+        return self._chat(chat_id, text(title) or "", int(score))
+
+    async def list_for(self, user: User) -> list[Chat]:
+        rows = await self.redis.zrevrange(
+            self._index(user), 0, self.max_per_user - 1, withscores=True
+        )
+        ids = [text(m) for m, _s in rows]
+        titles = await self.redis.hmget(self._titles(user), ids) if ids else []  # type: ignore[misc]
+        return [
+            self._chat(i, text(t) or "", int(s))
+            for (i, (_m, s), t) in zip(ids, rows, titles, strict=True)
+        ]
+
+    async def forget(self, user: User, chat: Chat) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(self._index(user), chat.id)
+            pipe.hdel(self._titles(user), chat.id)
+            await pipe.execute()
+
+    async def title_from(self, user: User, chat: Chat, content: str) -> None:
+        """A durable chat without a title takes its first message's first line."""
+        if chat.temporary or chat.title:
+            return
+        title = content.strip().splitlines()[0][:TITLE_MAX] if content.strip() else ""
+        if title:
+            await self.redis.hsetnx(self._titles(user), chat.id, title)  # type: ignore[misc]
+            chat.title = title
+
+    async def status(self, chat: Chat) -> dict[str, Any]:
+        """``state`` running/idle, ``queued`` messages waiting behind the running one,
+        ``messages`` stored, ``last_event_id`` (a resume cursor)."""
+        k, s = self.keys, chat.session_key
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(k.inbound(s))
+            pipe.exists(k.lease(s))
+            pipe.hget(k.session(s), "count")
+            pipe.xrevrange(k.out(s), "+", "-", count=1)
+            try:
+                waiting, running, count, last = await pipe.execute(raise_on_error=False)
+            except ResponseError:
+                waiting, running, count, last = 0, 0, 0, []
+        waiting = waiting if isinstance(waiting, int) else 0
+        running = bool(running) if isinstance(running, int) else False
+        last_id = text(last[0][0]) if isinstance(last, list) and last else "0-0"
+        return {
+            **chat.public(),
+            "state": "running" if running else "idle",
+            "queued": max(0, waiting - 1) if running else waiting,
+            "messages": int(text(count) or 0) if not isinstance(count, Exception) else 0,
+            "last_event_id": last_id,
+        }
+
+    async def history(self, chat: Chat, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` rows of a durable chat: user and assistant text only (tool
+        rows and tool calls are the model's working, not the conversation)."""
+        if chat.temporary:
+            return []  # a private session's text lives only in its worker's memory
+        hkey = self.keys.session(chat.session_key)
+        count = int(text(await self.redis.hget(hkey, "count")) or 0)  # type: ignore[misc]
+        if count <= 0:
+            return []
+        first = max(0, count - limit)
+        raw = await self.redis.hmget(hkey, [f"m:{i}" for i in range(first, count)])  # type: ignore[misc]
+        out = []
+        for item in raw:
+            try:
+                row = json.loads(text(item) or "null")
+            except ValueError:
+                continue
+            if not isinstance(row, dict) or row.get("role") not in ("user", "assistant"):
+                continue
+            content = row.get("content")
+            if not isinstance(content, str) or not content:
+                continue
+            out.append({"role": row["role"], "content": content, "timestamp": row.get("timestamp")})
+        return out

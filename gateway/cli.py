@@ -1,0 +1,86 @@
+"""``agent-gateway``: serve the HTTP/SSE/WebSocket front door and the chat page."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from gateway.settings import GatewaySettings
+
+EPILOG = """\
+configuration (environment; options override):
+  AGENT_REDIS_URL / AGENT_GATEWAY_REDIS_URL   Redis URL, as the channel's gateway ACL user
+  AGENT_KEY_PREFIX                            key prefix (default agent)
+  AGENT_GATEWAY_CHANNEL                       the channel served (default web)
+  AGENT_GATEWAY_TOKENS                        token=user,token2=user2 (bearer tokens)
+  AGENT_GATEWAY_TOKENS_FILE                   a file of 'TOKEN USER' lines
+  AGENT_GATEWAY_TRUSTED_PROXIES               addresses/networks whose user header is believed
+  AGENT_GATEWAY_USER_HEADER                   that header (default X-Forwarded-User)
+  AGENT_GATEWAY_TICKET_TTL_S                  lifetime of EventSource/WebSocket tickets (60)
+  AGENT_GATEWAY_MAX_SESSIONS_PER_USER         durable chats per user (500)
+  AGENT_GATEWAY_MAX_STREAMS                   open event streams per process (10000)
+  AGENT_GATEWAY_REDIS_CONNECTIONS             pooled Redis connections per process (16), plus
+                                              one for the shared blocking event read
+  AGENT_GATEWAY_TEMPORARY_DISABLED_TOOLS      tools a temporary chat never gets
+                                              (create_goal,update_goal,spawn,cron)
+With no token and no trusted proxy configured every request is refused (401).
+Generate the Redis user with: agent-worker acl gateway --channel C --password PW
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agent-gateway",
+        description="HTTP/SSE/WebSocket gateway and chat page for redis-agent-worker "
+        "(a frontend of one channel; run any number of replicas behind any load balancer).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument("--channel", help="the channel this gateway serves (default web)")
+    p.add_argument("--redis-url", help="Redis URL (default redis://localhost:6379/0)")
+    p.add_argument("--prefix", dest="key_prefix", help="key prefix (default agent)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        settings = GatewaySettings(**overrides)
+        settings.all_tokens()
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"agent-gateway: bad configuration: {_first(exc)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvicorn
+
+    from gateway.app import create_app
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def _first(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        return f"{where}: {err['msg']}"
+    return str(exc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

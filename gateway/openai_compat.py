@@ -1,0 +1,180 @@
+"""``POST /v1/chat/completions``: any OpenAI client or bot library can talk to the agent.
+
+The agent keeps each conversation's history itself, so only the **last user message** of
+``messages`` is sent as the turn; earlier messages are ignored. The session is picked as:
+
+1. header ``X-Session-Id``: one of the caller's chats (as in the JSON API), else 404;
+2. otherwise the request's ``user`` field: one conversation per (caller, ``user``) —
+   a bot passes its end user's id and each end user gets their own history;
+3. neither: one default conversation per caller.
+
+Authentication is the gateway's (``Authorization: Bearer <token>``, i.e. the client's
+``api_key``). ``model`` is echoed back; the deployment's workers decide the real model.
+Streaming sends the worker's ``delta`` events as chunks (or the whole answer as one chunk
+when the workers do not stream deltas).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from bus_redis import OutboundMessage
+from gateway.api import caller, gw
+from gateway.app import Gateway
+from gateway.auth import User
+from gateway.chats import Chat, ChatLimitError
+
+router = APIRouter(prefix="/v1")
+ERROR_STATUS = {
+    "provider_error": 502,
+    "cancelled": 409,
+    "too_large": 413,
+    "busy": 429,
+    "limit_exceeded": 429,
+}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = "agent"
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    user: str | None = Field(None, max_length=256)
+
+
+@router.get("/models")
+async def models(user: Annotated[User, Depends(caller)]) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": "agent", "object": "model", "owned_by": "gateway"}]}
+
+
+@router.post("/chat/completions", response_model=None)
+async def completions(
+    request: Request,
+    body: CompletionRequest,
+    user: Annotated[User, Depends(caller)],
+    x_session_id: Annotated[str | None, Header()] = None,
+) -> JSONResponse | StreamingResponse:
+    g = gw(request)
+    content = _last_user_text(body.messages)
+    if content is None:
+        return _error(400, "invalid_request_error", "messages has no user message with text")
+    chat = await _pick(g, user, x_session_id, body.user)
+    message_id = f"oa-{uuid.uuid4().hex}"
+    cursor = await g.hub.last_id(g.keys.out(chat.session_key))
+    await g.client.send(g.message(user, chat, content, id=message_id))
+    completion_id = f"chatcmpl-{message_id}"
+    if body.stream:
+        chunks = _stream(g, chat, message_id, cursor, completion_id, body.model)
+        return StreamingResponse(
+            chunks, media_type="text/event-stream", headers={"X-Session-Id": chat.id}
+        )
+    ev = await g.wait_terminal(chat, message_id, cursor, g.settings.wait_max_s)
+    if ev is None:
+        return _error(504, "timeout", "the agent did not answer in time")
+    if ev.type == "error":
+        return _error(ERROR_STATUS.get(ev.code or "", 400), ev.code or "error", ev.content)
+    doc = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": ev.content},
+            }
+        ],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }
+    return JSONResponse(doc, headers={"X-Session-Id": chat.id})
+
+
+async def _pick(g: Gateway, user: User, session_id: str | None, end_user: str | None) -> Chat:
+    if session_id:
+        chat = await g.chats.owned(user, session_id)
+        if chat is None:
+            raise HTTPException(404, "no such session")
+        return chat
+    digest = hashlib.sha256(f"openai|{end_user or ''}".encode()).hexdigest()[:24]
+    try:
+        return await g.chats.ensure(user, f"{user.hash}-oa-{digest}")
+    except ChatLimitError as exc:
+        raise HTTPException(409, str(exc)) from None
+
+
+def _last_user_text(messages: list[ChatMessage]) -> str | None:
+    for m in reversed(messages):
+        if m.role != "user":
+            continue
+        if isinstance(m.content, str):
+            return m.content
+        if isinstance(m.content, list):
+            parts = [p.get("text", "") for p in m.content if p.get("type") == "text"]
+            return "\n".join(str(p) for p in parts)
+        return None
+    return None
+
+
+async def _stream(
+    g: Gateway, chat: Chat, message_id: str, cursor: str, completion_id: str, model: str
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        doc = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode()
+
+    yield chunk({"role": "assistant", "content": ""})
+    sent = ""
+    async with g.hub.subscribe(chat.session_key, cursor) as sub:
+        async for item in sub.events(g.settings.keepalive_s):
+            ev: OutboundMessage | None = item.event if item is not None else None
+            if item is None:
+                yield b": keep-alive\n\n"
+                continue
+            if ev is None or not _for(ev, message_id):
+                continue
+            if ev.type == "delta" and ev.content:
+                sent += ev.content
+                yield chunk({"content": ev.content})
+            elif ev.type == "message":
+                rest = ev.content[len(sent) :] if ev.content.startswith(sent) else ev.content
+                if rest:
+                    yield chunk({"content": rest})
+                yield chunk({}, "stop")
+                break
+            elif ev.type == "error":
+                err = {"error": {"message": ev.content, "type": ev.code, "code": ev.code}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+                break
+    yield b"data: [DONE]\n\n"
+
+
+def _for(ev: OutboundMessage, message_id: str) -> bool:
+    return ev.reply_to == message_id or message_id in (ev.covers or [])
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": kind}}, status)

@@ -1,0 +1,117 @@
+"""GatewaySettings: the gateway's configuration, from ``AGENT_*`` / ``AGENT_GATEWAY_*``."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from bus_redis.keys import valid_channel
+
+DURABLE_ONLY_TOOLS = ("create_goal", "update_goal", "spawn", "cron")  # nanobot's temporary chats
+
+
+class GatewaySettings(BaseSettings):
+    """One gateway replica. Every replica of a deployment uses the same values."""
+
+    model_config = SettingsConfigDict(env_prefix="AGENT_GATEWAY_", extra="ignore", frozen=True)
+
+    redis_url: str = Field(
+        default="redis://localhost:6379/0",
+        validation_alias=AliasChoices("AGENT_GATEWAY_REDIS_URL", "AGENT_REDIS_URL"),
+    )
+    key_prefix: str = Field(
+        default="agent",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        validation_alias=AliasChoices("AGENT_GATEWAY_KEY_PREFIX", "AGENT_KEY_PREFIX"),
+    )
+    channel: str = "web"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    # auth: bearer tokens ("token=user,token2=user2") and/or a file of "token user" lines
+    tokens: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    tokens_file: Path | None = None
+    # a header set by a trusted reverse proxy, accepted only from these addresses
+    user_header: str = "X-Forwarded-User"
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    ticket_ttl_s: int = Field(default=60, ge=5, le=3600)
+    max_sessions_per_user: int = Field(default=500, ge=1)
+    max_streams: int = Field(default=10_000, ge=1)  # open SSE/WebSocket subscriptions
+    redis_connections: int = Field(default=16, ge=2, le=1024)
+    keepalive_s: float = Field(default=15.0, gt=0)
+    sse_retry_ms: int = Field(default=2000, ge=100)
+    wait_max_s: float = Field(default=120.0, gt=0)
+    history_limit: int = Field(default=200, ge=1, le=10_000)
+    temporary_disabled_tools: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(DURABLE_ONLY_TOOLS)
+    )
+    log_level: str = "INFO"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        try:
+            urlsplit(value).port  # noqa: B018 - parses host and port
+        except ValueError:
+            raise ValueError("is not a valid URL (URL-encode the password)") from None
+        return value
+
+    @field_validator("channel")
+    @classmethod
+    def _channel(cls, value: str) -> str:
+        if not valid_channel(value):
+            raise ValueError("must be 1-64 letters, digits, '_' or '-' (not 'unified')")
+        return value
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens(cls, value: object) -> object:
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(",") if p.strip()]
+            out: dict[str, str] = {}
+            for pair in pairs:
+                token, sep, user = pair.partition("=")
+                if not sep or not token or not user:
+                    raise ValueError("must be token=user pairs separated by commas")
+                out[token] = user
+            return out
+        return value
+
+    @field_validator("trusted_proxies", "temporary_disabled_tools", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network") from None
+        return value
+
+    def all_tokens(self) -> dict[str, str]:
+        """Tokens from the environment and from ``tokens_file`` (``token user`` lines,
+        ``#`` comments)."""
+        tokens = dict(self.tokens)
+        if self.tokens_file is not None:
+            for n, line in enumerate(self.tokens_file.read_text().splitlines(), 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                token, _, user = line.partition(" ")
+                if not token or not user.strip():
+                    raise ValueError(f"{self.tokens_file}:{n}: expected 'TOKEN USER'")
+                tokens[token] = user.strip()
+        return tokens

@@ -1,0 +1,133 @@
+"""One WebSocket per page, carrying the events of many chats (as nanobot's web channel).
+
+Client -> server (JSON):  {"op": "subscribe", "session_id": ID, "after": CURSOR?}
+                          {"op": "unsubscribe", "session_id": ID}
+Server -> client (JSON):  {"type": "subscribed", "session_id", "cursor"}
+                          {"type": "event", "session_id", "id", "event": {...}}   (as in SSE)
+                          {"type": "gap", "session_id", "id"}
+                          {"type": "error", "session_id"?, "message"}
+Authentication: ``?ticket=`` (browsers) or an ``Authorization`` header. The resume rule
+is the SSE one: ``after`` is the last event id seen; nothing is lost or doubled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
+
+from gateway.api import CURSOR_RE, public_event
+from gateway.app import Gateway
+from gateway.auth import User
+from gateway.chats import Chat
+from gateway.hub import TooManyStreamsError
+
+router = APIRouter()
+MAX_SUBSCRIPTIONS = 64  # per socket
+MAX_FRAME = 4096  # bytes of a client frame
+OUTBOX = 512  # frames queued for a slow client before it is disconnected
+
+
+@router.websocket("/api/ws")
+async def socket(ws: WebSocket) -> None:
+    gw: Gateway = ws.app.state.gw
+    try:
+        user = await gw.auth.user(ws, ticket_ok=True)
+    except HTTPException:
+        await ws.close(code=4401, reason="authentication required")
+        return
+    await ws.accept()
+    await Connection(gw, user, ws).serve()
+
+
+class Connection:
+    def __init__(self, gw: Gateway, user: User, ws: WebSocket) -> None:
+        self.gw, self.user, self.ws = gw, user, ws
+        self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue(OUTBOX)
+        self.pumps: dict[str, asyncio.Task[None]] = {}
+        self.writer: asyncio.Task[None] | None = None
+
+    async def serve(self) -> None:
+        self.writer = asyncio.create_task(self._write())
+        try:
+            while not self.writer.done():
+                raw = await self.ws.receive_text()
+                if len(raw) > MAX_FRAME:
+                    self.put({"type": "error", "message": "frame too large"})
+                else:
+                    await self._handle(raw)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            tasks = [*self.pumps.values(), self.writer]
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    def put(self, frame: dict[str, Any]) -> None:
+        try:
+            self.outbox.put_nowait(frame)
+        except asyncio.QueueFull:  # a client that does not read: closed; it resumes later
+            if self.writer is not None:
+                self.writer.cancel()
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().create_task(self.ws.close(code=1013))
+
+    async def _write(self) -> None:
+        while True:
+            await self.ws.send_text(json.dumps(await self.outbox.get(), ensure_ascii=False))
+
+    async def _handle(self, raw: str) -> None:
+        try:
+            frame = json.loads(raw)
+            op, session_id = frame["op"], str(frame["session_id"])
+            after = str(frame.get("after") or "$")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self.put({"type": "error", "message": "expected {op, session_id}"})
+            return
+        if op == "unsubscribe":
+            task = self.pumps.pop(session_id, None)
+            if task is not None:
+                task.cancel()
+            return
+        chat = await self.gw.chats.owned(self.user, session_id)
+        if op != "subscribe" or chat is None or not CURSOR_RE.fullmatch(after):
+            self.put(
+                {"type": "error", "session_id": session_id, "message": "no such session or op"}
+            )
+            return
+        if session_id not in self.pumps and len(self.pumps) >= MAX_SUBSCRIPTIONS:
+            self.put(
+                {"type": "error", "session_id": session_id, "message": "too many subscriptions"}
+            )
+            return
+        old = self.pumps.pop(session_id, None)
+        if old is not None:
+            old.cancel()
+        self.pumps[session_id] = asyncio.create_task(self._pump(chat, after))
+
+    async def _pump(self, chat: Chat, after: str) -> None:
+        try:
+            async with self.gw.hub.subscribe(chat.session_key, after) as sub:
+                self.put({"type": "subscribed", "session_id": chat.id, "cursor": sub.cursor})
+                async for ev in sub.events(self.gw.settings.keepalive_s):
+                    if ev is None:
+                        continue
+                    if ev.kind == "gap":
+                        self.put({"type": "gap", "session_id": chat.id, "id": ev.entry_id})
+                    elif ev.event is not None:
+                        self.put(
+                            {
+                                "type": "event",
+                                "session_id": chat.id,
+                                "id": ev.entry_id,
+                                "event": public_event(chat, ev.event),
+                            }
+                        )
+        except TooManyStreamsError as exc:
+            self.put({"type": "error", "session_id": chat.id, "message": str(exc)})
