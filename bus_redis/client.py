@@ -1,7 +1,7 @@
 """FrontendClient: what a gateway, bot or CLI uses to talk to the workers.
 
 Everything here is plain Redis commands a frontend's ACL user may run for its own
-channel (see ``worker.acl``): no Lua, no consumer groups, nothing of another channel.
+channel (see ``bus_redis.acl``): no Lua, no consumer groups, nothing of another channel.
 """
 
 from __future__ import annotations

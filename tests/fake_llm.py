@@ -51,6 +51,11 @@ class FakeLLM:
     def release(self) -> None:
         self._release.set()
 
+    def rearm(self) -> None:
+        """Hold ``block`` / ``midway`` requests again (after a ``release()``)."""
+        self._release.clear()
+        self.started.clear()
+
     def _hold(self, conn: socket.socket | None) -> bool:
         """Hold a ``block`` request until ``release()``; False when the client hangs up."""
         while not self._release.wait(0.02):
@@ -102,6 +107,10 @@ class FakeLLM:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            def setup(self) -> None:
+                super().setup()  # no Nagle delay (~40 ms per call) between header and body
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")

@@ -15,7 +15,7 @@ from redis.exceptions import NoPermissionError
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from worker import AgentLoop, LoopConfig
-from worker.acl import frontend_acl, worker_acl
+from bus_redis.acl import frontend_acl, worker_acl
 from worker.providers import LLMResponse
 
 pytestmark = pytest.mark.real_redis

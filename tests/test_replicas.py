@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
-from worker.acl import frontend_acl, worker_acl
+from bus_redis.acl import frontend_acl, worker_acl
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 PW = "replica-pw-1"

@@ -24,8 +24,11 @@ class WorkerProcess:
             **(env or {}),
         }
         self._log = self.log_path.open("wb")
+        # the frontend suite runs in a venv without the worker's dependencies (newest
+        # redis-py): workers then come from the worker's own venv (scripts/test.sh)
+        python = os.environ.get("AGENT_WORKER_PYTHON") or sys.executable
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli.main", "run"],
+            [python, "-m", "worker.cli.main", "run"],
             env=full_env,
             stdout=self._log,
             stderr=self._log,

@@ -1,4 +1,4 @@
-"""``agent-worker acl frontend|worker``: print the Redis ACL commands to run."""
+"""``agent-worker acl frontend|gateway|worker``: print the Redis ACL commands to run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from worker.acl import frontend_acl, gateway_acl, worker_acl
+from bus_redis.acl import frontend_acl, gateway_acl, worker_acl
 from worker.settings import Settings
 
 
