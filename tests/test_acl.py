@@ -14,8 +14,8 @@ from helpers import ScriptedProvider
 from redis.exceptions import NoPermissionError
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
-from worker import AgentLoop, LoopConfig
 from bus_redis.acl import frontend_acl, worker_acl
+from worker import AgentLoop, LoopConfig
 from worker.providers import LLMResponse
 
 pytestmark = pytest.mark.real_redis

@@ -120,8 +120,10 @@ async def test_send_wait_stream_and_history_across_replicas(stack: Stack) -> Non
     async with httpx.AsyncClient(timeout=30) as http:
         sid = await _chat(http, stack.a)
         got = await _send(http, stack.b, sid, {"content": "hello", "client_id": "m1"})
-        assert got["event"]["type"] == "message" and got["event"]["content"] == "re: hello"
-        assert got["event"]["reply_to"] == "m1" and got["cursor"] == "0-0"
+        assert got["event"]["type"] == "message"
+        assert got["event"]["content"] == "re: hello"
+        assert got["event"]["reply_to"] == "m1"
+        assert got["cursor"] == "0-0"
         # the stream on replica A replays from the cursor what replica B's send produced
         replayed = []
         async for ev in sse(http, f"{stack.a}/api/sessions/{sid}/events?after=0", headers=ALICE):
@@ -129,7 +131,8 @@ async def test_send_wait_stream_and_history_across_replicas(stack: Stack) -> Non
             if ev["event"] == "message":
                 break
         final = replayed[-1]
-        assert final["id"] == got["event"]["id"] and final["data"]["session_id"] == sid
+        assert final["id"] == got["event"]["id"]
+        assert final["data"]["session_id"] == sid
         assert "".join(e["data"]["content"] for e in replayed[:-1]) == "re: hello"
         history = (await http.get(f"{stack.a}/api/sessions/{sid}/messages", headers=ALICE)).json()
         assert [(h["role"], h["content"]) for h in history] == [
@@ -137,8 +140,11 @@ async def test_send_wait_stream_and_history_across_replicas(stack: Stack) -> Non
             ("assistant", "re: hello"),
         ]
         status = (await http.get(f"{stack.b}/api/sessions/{sid}", headers=ALICE)).json()
-        assert status["state"] == "idle" and status["queued"] == 0 and status["messages"] == 2
-        assert status["title"] == "hello" and status["last_event_id"] == got["event"]["id"]
+        assert status["state"] == "idle"
+        assert status["queued"] == 0
+        assert status["messages"] == 2
+        assert status["title"] == "hello"
+        assert status["last_event_id"] == got["event"]["id"]
         listed = (await http.get(f"{stack.b}/api/sessions", headers=ALICE)).json()
         assert sid in [c["id"] for c in listed]
 
@@ -193,13 +199,11 @@ async def test_resume_on_the_other_replica_loses_and_doubles_nothing(stack: Stac
             if ev["event"] == "message":
                 break
     ids = [e["id"] for e in seen]
-    assert len(ids) == len(set(ids)) and ids == sorted(
-        ids, key=lambda i: tuple(map(int, i.split("-")))
-    )
+    assert len(ids) == len(set(ids))
+    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
     deltas = "".join(e["data"]["content"] for e in seen if e["event"] == "delta")
-    assert (
-        seen[0]["event"] == "delta" and deltas == seen[-1]["data"]["content"] == "re: midway story"
-    )
+    assert seen[0]["event"] == "delta"
+    assert deltas == seen[-1]["data"]["content"] == "re: midway story"
 
 
 async def test_a_temporary_chat_is_private_and_ends_when_discarded(stack: Stack) -> None:
@@ -217,7 +221,8 @@ async def test_a_temporary_chat_is_private_and_ends_when_discarded(stack: Stack)
             await http.get(f"{stack.a}/api/sessions/{sid}/messages", headers=ALICE)
         ).json() == []
         tools = json.dumps(stack.llm.requests[-1].get("tools", []))
-        assert "create_goal" not in tools and "spawn" not in tools
+        assert "create_goal" not in tools
+        assert "spawn" not in tools
         r = await http.post(f"{stack.b}/api/sessions/{sid}/discard", headers=ALICE)
         assert r.status_code == 202
         after = await _send(http, stack.a, sid, {"content": "still there?"})
@@ -296,7 +301,8 @@ async def test_forged_scope_override_and_metadata_from_the_client_are_ignored(st
         assert got["event"]["metadata"]["lang"] == "en"
         assert "_runtime_control" not in got["event"]["metadata"]
     meta = json.loads(stack.admin.hget(Keys().session(f"web:{sid}"), "meta") or "{}")
-    assert meta["scope"].startswith("web/scope:user-") and "bob" not in meta["scope"]
+    assert meta["scope"].startswith("web/scope:user-")
+    assert "bob" not in meta["scope"]
     assert not stack.admin.exists(Keys().session("web:bob-chat"))
 
 
