@@ -139,6 +139,10 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
             html, headers={"Cache-Control": "no-store", "Content-Security-Policy": CSP}
         )
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(status_code=204)
+
     @app.get("/livez", include_in_schema=False)
     async def livez() -> Response:
         return Response("ok\n", media_type="text/plain")

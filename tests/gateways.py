@@ -64,11 +64,13 @@ class GatewayProcess:
 
 
 class LoadBalancer:
-    """Round-robin TCP proxy: each new connection goes to the next backend that accepts
-    it, so a killed replica's clients reconnect to the others (no sticky sessions)."""
+    """TCP proxy: each new connection goes to the next backend that accepts it (round
+    robin), or to the first one that does (``failover``: one replica serves everything
+    until it dies), so a killed replica's clients reconnect to the others."""
 
-    def __init__(self, backends: list[int]) -> None:
+    def __init__(self, backends: list[int], *, failover: bool = False) -> None:
         self.backends = backends
+        self.failover = failover
         self._next = itertools.cycle(range(len(backends)))
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -88,8 +90,13 @@ class LoadBalancer:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
-        for _ in range(len(self.backends)):
-            port = self.backends[next(self._next)]
+        order = (
+            range(len(self.backends))
+            if self.failover
+            else (next(self._next) for _ in self.backends)
+        )
+        for i in order:
+            port = self.backends[i]
             try:
                 upstream = socket.create_connection(("127.0.0.1", port), timeout=2)
             except OSError:

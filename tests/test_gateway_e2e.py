@@ -13,85 +13,22 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-import redis
-from fake_llm import FakeLLM
-from gateways import GatewayProcess
-from servers import RedisServer, in_ci, redis_server_binary
 from sse import sse
-from workers import WorkerProcess
+from stacks import ALICE, BOB, Stack, running_stack
 
-from bus_redis.acl import gateway_acl, worker_acl
 from bus_redis.keys import Keys
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow, pytest.mark.frontend]
-GW_PW, WK_PW = "gw-s3cret-pw", "wk-s3cret-pw"
-ALICE = {"Authorization": "Bearer tok-alice-0123456789"}
-BOB = {"Authorization": "Bearer tok-bob-0123456789"}
-TOKENS = "tok-alice-0123456789=alice,tok-bob-0123456789=bob"
-
-
-@dataclass
-class Stack:
-    server: RedisServer
-    admin: redis.Redis
-    llm: FakeLLM
-    gateways: list[GatewayProcess]
-    workers: list[WorkerProcess]
-
-    @property
-    def a(self) -> str:
-        return self.gateways[0].url
-
-    @property
-    def b(self) -> str:
-        return self.gateways[1].url
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is missing in CI")
-        pytest.skip("redis-server not installed")
-    server = RedisServer().start()
-    admin = redis.Redis.from_url(server.url, decode_responses=True)
-    for line in [*gateway_acl("web", GW_PW), *worker_acl(WK_PW)]:
-        admin.execute_command(*line.split())
-    llm = FakeLLM().start()
-    host = server.url.removeprefix("redis://")
-    worker_env = {
-        "AGENT_PROVIDER": "openai",
-        "AGENT_MODEL": "fake-model",
-        "OPENAI_BASE_URL": llm.base_url,
-        "OPENAI_API_KEY": "test",
-        "AGENT_STREAM_DELTAS": "1",
-    }
-    workers = [
-        WorkerProcess(f"redis://agent-worker:{WK_PW}@{host}", worker_id=f"gw-w{i}", env=worker_env)
-        for i in range(2)
-    ]
-    gateways = [
-        GatewayProcess(
-            f"redis://gateway-web:{GW_PW}@{host}",
-            name=f"gw{i}",
-            env={"AGENT_GATEWAY_TOKENS": TOKENS, "AGENT_GATEWAY_KEEPALIVE_S": "1"},
-        )
-        for i in range(2)
-    ]
-    st = Stack(server, admin, llm, gateways, workers)
-    yield st
-    for proc in [*workers, *gateways]:
-        print(f"----- log of {getattr(proc, 'worker_id', getattr(proc, 'name', ''))} -----")
-        print(proc.log()[-3000:])
-        proc.close()
-    llm.stop()
-    admin.close()
-    server.cleanup()
+    with running_stack(gateways=2, workers=2) as st:
+        yield st
 
 
 async def _chat(http: httpx.AsyncClient, base: str, *, temporary: bool = False) -> str:

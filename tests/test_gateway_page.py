@@ -1,0 +1,188 @@
+"""The chat page in a real browser: Debian's chromium driven by Playwright (Python), against
+two gateway replicas behind a load balancer (one replica serves until it is killed), two
+worker processes and a local fake LLM that streams deltas.
+
+Screenshots are kept in ``$TEST_ARTIFACTS`` (default ``test-artifacts/``) as test artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import in_ci
+from stacks import ALICE_TOKEN, BOB_TOKEN, Stack, running_stack
+
+pytestmark = [pytest.mark.real_redis, pytest.mark.slow, pytest.mark.frontend]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", "test-artifacts"))
+TIMEOUT_MS = 20_000
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running_stack(gateways=2, workers=2, failover_lb=True) as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        if in_ci():
+            pytest.fail(
+                "chromium is missing in CI: scripts/test.sh installs it (apt-get install chromium)"
+            )
+        pytest.skip("chromium not installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield browser
+        browser.close()
+
+
+def _page(browser: Any, stack: Stack, token: str) -> Any:
+    assert stack.lb is not None
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(stack.lb.url)
+    page.get_by_test_id("login").wait_for()
+    page.fill("#token", token)
+    page.click("#login button")
+    page.wait_for_selector("body[data-ready]")  # the chat list is loaded
+    return page
+
+
+def _say(page: Any, text: str) -> None:
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+
+
+def _assistant(page: Any, text: str) -> Any:
+    return page.locator(".msg.assistant", has_text=text)
+
+
+def _until(page: Any, expression: str) -> None:
+    """Poll a JavaScript expression until it is true (``wait_for_function`` evaluates
+    strings with ``eval``, which the page's Content-Security-Policy forbids)."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"still false: {expression}"
+        page.wait_for_timeout(20)
+
+
+def _shot(page: Any, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_send_stream_stop_and_a_temporary_chat(browser: Any, stack: Stack) -> None:
+    page = _page(browser, stack, ALICE_TOKEN)
+    _say(page, "hello page")
+    _assistant(page, "re: hello page").wait_for()
+    assert page.locator("[data-testid=session]").count() == 1
+    hostile = "<b>bold</b><img src=x onerror=window.pwned=1>"
+    _say(page, hostile)
+    _assistant(page, "re: <b>bold</b>").wait_for()
+    assert page.locator("#log b, #log img").count() == 0  # text, never HTML
+    assert page.evaluate("window.pwned === undefined")
+    _shot(page, "page-streamed-reply")
+
+    stack.llm.rearm()
+    _say(page, "block until stopped")
+    assert stack.llm.started.wait(20)
+    page.wait_for_selector("#send.stop")  # Send became Stop while the turn runs
+    _say(page, "queued behind it")
+    page.locator(".msg.user", has_text="queued behind it").locator(
+        ".tag", has_text="queued"
+    ).wait_for()
+    page.click("#send")  # the input is empty again: this is Stop
+    # the stop covers the running message and the one queued before it
+    page.locator(".msg.error").nth(1).wait_for()
+    assert page.locator(".msg.error", has_text="Stopped.").count() == 2
+    page.wait_for_selector("#send:not(.stop)")
+    assert page.evaluate("window.badgeHistory") == ["reconnecting", "connected"]  # no drop
+    _shot(page, "page-stopped")
+    stack.llm.release()
+
+    page.check("#temporary")
+    page.click("#new")
+    page.get_by_test_id("temp-banner").wait_for(state="visible")
+    _say(page, "a private thought")
+    _assistant(page, "re: a private thought").wait_for()
+    assert page.locator("[data-testid=session]").count() == 1  # temporary chats are not listed
+    _shot(page, "page-temporary-chat")
+    page.click("#discard")
+    page.locator(".msg.system", has_text="Temporary chat discarded.").wait_for()
+    page.context.close()
+
+
+def test_reload_mid_reply_resumes_without_loss_or_doubling(browser: Any, stack: Stack) -> None:
+    page = _page(browser, stack, ALICE_TOKEN)
+    page.click("#new")
+    stack.llm.rearm()
+    _say(page, "midway through a reload")
+    assert stack.llm.started.wait(20)
+    page.locator(".msg.assistant").last.wait_for()  # the first deltas are shown
+    page.reload()
+    page.wait_for_selector("#badge.connected")
+    stack.llm.release()
+    final = "re: midway through a reload"
+    _assistant(page, final).wait_for()
+    _until(page, "document.querySelector('#send').textContent === 'Send'")
+    assert _assistant(page, final).count() == 1
+    assert page.locator(".msg.assistant").last.inner_text().strip() == final
+    _shot(page, "page-after-reload")
+    page.context.close()
+
+
+def test_the_page_survives_the_death_of_its_replica(browser: Any, stack: Stack) -> None:
+    page = _page(browser, stack, ALICE_TOKEN)
+    page.click("#new")
+    stack.llm.rearm()
+    _say(page, "midway while a replica dies")
+    assert stack.llm.started.wait(20)
+    page.locator(".msg.assistant").last.wait_for()
+    stack.gateways[0].kill()  # the replica serving the page and its event stream
+    _until(page, "(window.badgeHistory || []).includes('reconnecting')")
+    page.wait_for_selector("#badge.connected")
+    stack.llm.release()
+    final = "re: midway while a replica dies"
+    _assistant(page, final).wait_for()
+    _until(page, "document.querySelector('#send').textContent === 'Send'")
+    assert _assistant(page, final).count() == 1
+    assert page.locator(".msg.assistant").last.inner_text().strip() == final
+    _say(page, "after the replica died")
+    _assistant(page, "re: after the replica died").wait_for()
+    _shot(page, "page-after-replica-death")
+    page.context.close()
+
+
+def test_another_users_chats_never_appear(browser: Any, stack: Stack) -> None:
+    alice = _page(browser, stack, ALICE_TOKEN)
+    assert alice.locator("[data-testid=session]").count() >= 1
+    alice.context.close()
+    bob = _page(browser, stack, BOB_TOKEN)
+    assert bob.locator("[data-testid=session]").count() == 0
+    _say(bob, "bob here")
+    _assistant(bob, "re: bob here").wait_for()
+    assert bob.locator("[data-testid=session]").count() == 1
+    assert bob.locator(".msg", has_text="hello page").count() == 0
+    _shot(bob, "page-other-user")
+    bob.context.close()
