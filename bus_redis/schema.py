@@ -178,8 +178,12 @@ def decode_inbound(
         raise MessageRejectedError(
             "too_large", f"payload is {size} bytes, limit {max_bytes}", **origin
         )
-    if not _shallow(data):
-        raise MessageRejectedError("invalid_message", f"payload nests deeper than {MAX_DEPTH}")
+    depth = _depth(data, PARSE_DEPTH)
+    if depth > MAX_DEPTH:  # parsed only while the parser is safe, to answer the right id
+        origin = _origin(_try_json(data)) if depth <= PARSE_DEPTH else {}
+        raise MessageRejectedError(
+            "invalid_message", f"payload nests deeper than {MAX_DEPTH}", **origin
+        )
     doc = _try_json(data)
     if doc is _INVALID:
         raise MessageRejectedError("invalid_message", "payload is not valid JSON")
@@ -188,7 +192,9 @@ def decode_inbound(
     origin = _origin(doc)
     if not isinstance(doc, dict):
         raise MessageRejectedError("invalid_message", "payload is not a JSON object")
-    if doc.get("v", WIRE_VERSION) != WIRE_VERSION:
+    if "v" not in doc:
+        raise MessageRejectedError("invalid_message", 'missing wire version "v" (2)', **origin)
+    if doc["v"] != WIRE_VERSION or isinstance(doc["v"], bool):
         raise MessageRejectedError(
             "invalid_message", f"unsupported wire version {doc.get('v')!r}", **origin
         )
@@ -210,15 +216,16 @@ def decode_inbound(
 
 _INVALID = object()
 MAX_DEPTH = 32  # of arrays and objects in a payload (metadata included)
+PARSE_DEPTH = 256  # deeper than this is rejected without parsing (its id stays unknown)
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape (maybe unpaired)
 
 
-def _shallow(data: bytes) -> bool:
-    """Whether JSON text nests at most MAX_DEPTH deep (checked before parsing, so a hostile
-    payload never drives the parser into a RecursionError)."""
+def _depth(data: bytes, cap: int) -> int:
+    """How deep JSON text nests (arrays and objects), counted up to ``cap + 1``: checked
+    before parsing, so a hostile payload never drives the parser into a RecursionError."""
     if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
-        return True  # the usual case, decided at C speed
-    depth = 0
+        return 0  # the usual case, decided at C speed
+    depth = deepest = 0
     in_string = escaped = False
     for byte in data:
         if in_string:
@@ -232,11 +239,12 @@ def _shallow(data: bytes) -> bool:
             in_string = True
         elif byte in (0x5B, 0x7B):  # [ {
             depth += 1
-            if depth > MAX_DEPTH:
-                return False
+            deepest = max(deepest, depth)
+            if deepest > cap:
+                return deepest
         elif byte in (0x5D, 0x7D):
             depth -= 1
-    return True
+    return deepest
 
 
 def _without_lone_surrogates(doc: Any) -> Any:

@@ -124,6 +124,7 @@ class EventHub:
         self._wake_cursor = "0-0"
         self._junk: dict[str, float] = {}  # key that is no stream -> retry after (loop time)
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.reads = 0  # blocking reads issued (bench)
 
     @property
@@ -138,10 +139,16 @@ class EventHub:
         self._task = asyncio.create_task(self._run(), name="event-hub")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Let the blocked read end by itself (within ``block_ms``), then cancel: a read
+        cancelled mid-command costs its connection, and some clients hang on it."""
+        if self._task is None:
+            return
+        self._stopping = True
+        self._changed.set()
+        await asyncio.wait({self._task}, timeout=self.block_ms / 1000 + 1)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
     @contextlib.asynccontextmanager
     async def subscribe(self, session_key: str, after: str) -> AsyncIterator[Subscription]:
@@ -206,7 +213,7 @@ class EventHub:
 
     async def _run(self) -> None:
         delay_s = 0.1
-        while True:
+        while not self._stopping:
             if not self._streams:
                 self._changed.clear()
                 await self._changed.wait()

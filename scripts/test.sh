@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine with Python 3.11, pip and apt:
-#  - installs redis-server with apt when it is missing (as root);
-#  - creates .venv and installs the project with its test extras;
-#  - runs pytest; "no tests collected" (exit 5) counts as a failure.
+#  - installs redis-server and chromium with apt when they are missing (as root);
+#  - creates .venv, installs the project with its test extras and runs pytest
+#    (the worker's dependencies pin redis-py 5);
+#  - creates .venv-frontend with the frontend side only (no arq, the newest redis-py 8)
+#    and runs the frontend tests there again (workers come from .venv);
+#  - "no tests collected" (exit 5) counts as a failure.
+# Arguments are passed to the first pytest run (e.g. -x, -k NAME); FRONTEND=0 skips the second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing redis-server with apt-get" >&2
+    echo "installing ${missing[*]} with apt-get" >&2
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
-    echo "redis-server is missing and cannot be installed here (need root and apt-get)" >&2
+    echo "${missing[*]} missing and cannot be installed here (need root and apt-get)" >&2
   fi
 fi
 
@@ -20,11 +27,30 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test]'
 
-set +e
-.venv/bin/python -m pytest "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "pytest collected no tests: failing" >&2
-  exit 1
+run() {  # pytest, with exit 5 (nothing collected) as a failure
+  set +e
+  "$@"
+  local rc=$?
+  set -e
+  if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    return 1
+  fi
+  return "$rc"
+}
+
+rc=0
+run .venv/bin/python -m pytest "$@" || rc=$?
+
+if [ "${FRONTEND:-1}" = 1 ]; then
+  [ -x .venv-frontend/bin/python ] || "$PYTHON" -m venv .venv-frontend
+  .venv-frontend/bin/python -m pip install -q -e '.[frontend-test]' 'redis[hiredis]>=8,<9'
+  if .venv-frontend/bin/python -c 'import arq' 2>/dev/null; then
+    echo ".venv-frontend has arq: the frontend side must install without it" >&2
+    exit 1
+  fi
+  echo "frontend tests on redis-py $(.venv-frontend/bin/python -c 'import redis; print(redis.__version__)') without the worker's dependencies" >&2
+  mapfile -t files < <(grep -l 'mark.frontend' tests/test_*.py)  # modules that import no worker code
+  AGENT_WORKER_PYTHON="$PWD/.venv/bin/python" run .venv-frontend/bin/python -m pytest -m frontend -q "${files[@]}" || rc=$?
 fi
 exit "$rc"

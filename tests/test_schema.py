@@ -87,3 +87,25 @@ def test_open_transient() -> None:
     )
     assert isinstance(op, OpenTransient)
     assert op.session_key == "web:c"
+
+
+def test_every_rejection_names_the_message_id_when_it_can_be_read() -> None:
+    """Too deep, missing "v", a wrong version: the error still answers the message's own id
+    (a frontend waiting on ``reply_to`` hears back); past the parse limit it cannot be read."""
+    nested: object = "x"
+    for _ in range(33):
+        nested = [nested]
+    cases = [
+        {"v": 2, "id": "deep-1", "channel": "web", "sender_id": "u", "chat_id": "c", "metadata": {"a": nested}},
+        {"id": "nov-1", "channel": "web", "sender_id": "u", "chat_id": "c"},
+        {"v": 1, "id": "old-1", "channel": "web", "sender_id": "u", "chat_id": "c"},
+    ]
+    for doc in cases:
+        with pytest.raises(MessageRejectedError) as info:
+            decode_inbound(json.dumps(doc))
+        assert info.value.code == "invalid_message"
+        assert info.value.message_id == doc["id"]
+    abyss = '{"v":2,"id":"lost","metadata":' + "[" * 300 + "]" * 300 + "}"
+    with pytest.raises(MessageRejectedError) as info:
+        decode_inbound(abyss)
+    assert info.value.message_id is None

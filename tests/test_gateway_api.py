@@ -1,0 +1,161 @@
+"""The gateway's API in process (httpx over ASGI), on fakeredis and on a real redis-server:
+default deny, bearer tokens, a trusted proxy's header only from listed addresses,
+tickets any replica accepts, ownership, limits and input validation. No worker runs here:
+what needs one is in test_gateway_e2e.py."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from bus_redis.keys import Keys
+from gateway.app import Gateway, create_app
+from gateway.settings import GatewaySettings
+
+pytestmark = pytest.mark.frontend
+ALICE = {"Authorization": "Bearer alice-token-123"}
+BOB = {"Authorization": "Bearer bob-token-456"}
+TOKENS = {"alice-token-123": "alice", "bob-token-456": "bob"}
+
+
+@contextlib.asynccontextmanager
+async def _client(
+    make: Callable[[], aioredis.Redis], *, peer: str = "127.0.0.1", **settings: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    config = GatewaySettings(**{"tokens": TOKENS, **settings})
+    gw = Gateway(config, make(), make())
+    app = create_app(config, gw)
+    gw.hub.start()
+    app.state.gw = gw
+    transport = httpx.ASGITransport(app=app, client=(peer, 40000))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            yield http
+    finally:
+        await gw.hub.stop()
+
+
+async def test_every_route_refuses_a_caller_without_credentials(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory, tokens={}) as http:  # nothing configured: deny all
+        assert (await http.get("/api/sessions", headers=ALICE)).status_code == 401
+    async with _client(redis_factory) as http:
+        for method, path in [
+            ("GET", "/api/me"),
+            ("GET", "/api/sessions"),
+            ("POST", "/api/sessions"),
+            ("POST", "/api/tickets"),
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/v1/models"),
+        ]:
+            r = await http.request(method, path, json={})
+            assert r.status_code == 401, (method, path)
+            assert r.headers.get("www-authenticate") == "Bearer"
+        assert (
+            await http.get("/api/me", headers={"Authorization": "Bearer alice-token-12"})
+        ).status_code == 401
+        assert (
+            await http.get("/api/me", headers={"Authorization": "Basic alice-token-123"})
+        ).status_code == 401
+        assert (await http.get("/api/me", headers=ALICE)).json() == {"user": "alice"}
+        assert (await http.get("/livez")).status_code == 200
+        assert (await http.get("/readyz")).json() == {"ready": True}
+
+
+async def test_a_proxy_header_is_believed_only_from_a_trusted_address(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    header = {"X-Forwarded-User": "carol"}
+    async with _client(redis_factory, trusted_proxies=["10.0.0.0/8"], peer="10.1.2.3") as http:
+        assert (await http.get("/api/me", headers=header)).json() == {"user": "carol"}
+    async with _client(redis_factory, trusted_proxies=["10.0.0.0/8"], peer="192.168.1.9") as http:
+        assert (await http.get("/api/me", headers=header)).status_code == 401
+        assert (await http.get("/api/me", headers={**header, **ALICE})).json() == {"user": "alice"}
+
+
+async def test_a_ticket_from_one_replica_is_accepted_by_another_and_expires(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory, ticket_ttl_s=30) as one, _client(redis_factory) as two:
+        ticket = (await one.post("/api/tickets", headers=ALICE)).json()["ticket"]
+        chat = (await one.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        r = await two.get(f"/api/me?ticket={ticket}")
+        assert r.status_code == 401  # a ticket opens event streams only, not the JSON API
+        redis = redis_factory()
+        key = Keys().gw_ticket("web", ticket)
+        assert 0 < await redis.ttl(key) <= 30
+        assert await redis.get(key) == "alice"
+        await redis.delete(key)  # as if it expired
+        bad = await two.get(f"/api/sessions/{chat}/events?ticket={ticket}")
+        assert bad.status_code == 401
+
+
+async def test_ids_are_minted_by_the_server_and_owned_by_their_user(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory, max_sessions_per_user=2) as http:
+        r = await http.post("/api/sessions", json={"id": "mine", "title": "T"}, headers=ALICE)
+        assert r.status_code == 201
+        chat = r.json()
+        assert chat["id"] != "mine" and chat["title"] == "T" and chat["temporary"] is False
+        assert (await http.post("/api/sessions", json={}, headers=ALICE)).status_code == 201
+        full = await http.post("/api/sessions", json={}, headers=ALICE)
+        assert full.status_code == 409  # the per-user limit
+        assert (await http.post("/api/sessions", json={}, headers=BOB)).status_code == 201
+        for sid in [
+            chat["id"],
+            "web:" + chat["id"],
+            chat["id"] + "x",
+            "../" + chat["id"],
+            "0" * 24 + "-" + "0" * 24,
+        ]:
+            assert (await http.get(f"/api/sessions/{sid}", headers=BOB)).status_code == 404
+        bob_ids = [c["id"] for c in (await http.get("/api/sessions", headers=BOB)).json()]
+        assert chat["id"] not in bob_ids and len(bob_ids) == 1
+
+
+async def test_bad_input_is_refused_with_a_reason(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        send = f"/api/sessions/{sid}/messages"
+        assert (
+            await http.post(send, json={"content": "x", "client_id": "a b"}, headers=ALICE)
+        ).status_code == 422
+        assert (
+            await http.post(send, json={"content": "x" * 100_001}, headers=ALICE)
+        ).status_code == 422
+        assert (await http.post(send, json={}, headers=ALICE)).status_code == 422
+        r = await http.get(f"/api/sessions/{sid}/events?after=not-an-id", headers=ALICE)
+        assert r.status_code == 400
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "system", "content": "x"}]},
+            headers=ALICE,
+        )
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        accepted = await http.post(
+            send, json={"content": "queued", "client_id": "c-1"}, headers=ALICE
+        )
+        assert accepted.status_code == 202  # no worker here: accepted and queued
+        assert accepted.json() == {
+            "session_id": sid,
+            "message_id": "c-1",
+            "cursor": "0-0",
+            "event": None,
+        }
+        status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).json()
+        assert status["queued"] == 1 and status["state"] == "idle"
+
+
+async def test_the_openapi_schema_describes_the_api(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory) as http:
+        doc = (await http.get("/openapi.json")).json()
+    paths = set(doc["paths"])
+    assert {
+        "/api/sessions",
+        "/api/sessions/{session_id}",
+        "/api/sessions/{session_id}/messages",
+        "/api/sessions/{session_id}/events",
+        "/api/sessions/{session_id}/stop",
+        "/api/sessions/{session_id}/discard",
+        "/api/tickets",
+        "/v1/chat/completions",
+    } <= paths

@@ -1,0 +1,159 @@
+"""EventHub (one blocking read for every open event stream of a gateway process), on
+fakeredis and on a real redis-server: the resume rule (nothing lost or doubled however
+subscriptions, catch-up reads and the shared read interleave), gaps, slow subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from bus_redis import OutboundMessage
+from bus_redis.keys import Keys
+from gateway.hub import BUFFER_MAX, EventHub, HubEvent, Subscription
+
+pytestmark = pytest.mark.frontend
+K = Keys()
+
+
+def _event(session: str, n: int) -> dict[str, str]:
+    doc = OutboundMessage(
+        type="delta",
+        channel="web",
+        chat_id=session.partition(":")[2],
+        session_key=session,
+        reply_to="m",
+        content=str(n),
+    )
+    return {"payload": doc.model_dump_json()}
+
+
+@contextlib.asynccontextmanager
+async def _hub(make: Callable[[], aioredis.Redis]) -> AsyncIterator[EventHub]:
+    hub = EventHub(
+        make(), make(), K, wake_key=K.gw_wake("web", "test"), max_streams=1000, block_ms=200
+    )
+    hub.start()
+    try:
+        yield hub
+    finally:
+        await hub.stop()
+
+
+async def _take(sub: Subscription, n: int, timeout_s: float = 10) -> list[HubEvent]:
+    out: list[HubEvent] = []
+
+    async def collect() -> None:
+        async for ev in sub.events(0.05):
+            if ev is not None:
+                out.append(ev)
+                if len(out) == n:
+                    return
+
+    await asyncio.wait_for(collect(), timeout_s)
+    return out
+
+
+async def test_kept_events_after_the_cursor_then_live_ones(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    r = redis_factory()
+    ids = [await r.xadd(K.out("web:a"), _event("web:a", n)) for n in range(3)]
+    async with _hub(redis_factory) as hub, hub.subscribe("web:a", ids[0]) as sub:
+        first = await _take(sub, 2)
+        assert [e.entry_id for e in first] == ids[1:]
+        live = await r.xadd(K.out("web:a"), _event("web:a", 3))
+        nxt = await _take(sub, 1)
+        assert [e.entry_id for e in nxt] == [live]
+        assert nxt[0].event is not None and nxt[0].event.content == "3"
+
+
+async def test_a_cursor_older_than_what_is_kept_yields_a_gap_first(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    r = redis_factory()
+    ids = [await r.xadd(K.out("web:g"), _event("web:g", n)) for n in range(5)]
+    await r.xtrim(K.out("web:g"), maxlen=2, approximate=False)
+    async with _hub(redis_factory) as hub:
+        async with hub.subscribe("web:g", ids[0]) as sub:
+            got = await _take(sub, 3)
+            assert got[0].kind == "gap"
+            assert [e.entry_id for e in got[1:]] == ids[3:]
+        async with hub.subscribe("web:g", ids[3]) as sub:  # a cursor still kept: no gap
+            got = await _take(sub, 1, timeout_s=10)
+            assert [(e.kind, e.entry_id) for e in got] == [("event", ids[4])]
+
+
+async def test_a_subscriber_that_falls_behind_reads_the_rest_from_redis(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    r = redis_factory()
+    async with _hub(redis_factory) as hub, hub.subscribe("web:slow", "$") as sub:
+        ids = [
+            await r.xadd(K.out("web:slow"), _event("web:slow", n)) for n in range(BUFFER_MAX + 50)
+        ]
+        got = await _take(sub, len(ids), timeout_s=30)  # nothing read until all were added
+        assert [e.entry_id for e in got] == ids
+
+
+async def test_any_interleaving_of_subscribing_and_adding_loses_and_doubles_nothing(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Random rounds: events are added while subscribers join at random cursors (kept ids,
+    0 or $) and read at random paces; each gets exactly the ids after its cursor, in order."""
+    r = redis_factory()
+    rng = random.Random(7)
+    async with _hub(redis_factory) as hub:
+        for rnd in range(4):
+            key = f"web:mix{rnd}"
+            ids: list[str] = []
+            subs: list[tuple[int, list[str], asyncio.Task[None]]] = []
+            for step in range(60):
+                if rng.random() < 0.7:
+                    ids.append(await r.xadd(K.out(key), _event(key, step)))
+                if rng.random() < 0.15:
+                    choice = rng.choice(["0", "$", *ids[-5:]])
+                    start = (
+                        0 if choice == "0" else len(ids) if choice == "$" else ids.index(choice) + 1
+                    )
+                    got: list[str] = []
+                    ready = asyncio.Event()
+                    task = asyncio.create_task(_follow(hub, key, choice, got, ready))
+                    await ready.wait()
+                    subs.append((start, got, task))
+                if rng.random() < 0.3:
+                    await asyncio.sleep(0.005 * rng.random())  # the readers run meanwhile
+            for start, got, task in subs:
+                want = ids[start:]
+                deadline = asyncio.get_running_loop().time() + 10
+                while len(got) < len(want) and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                assert got == want
+        assert hub.open_streams == 0
+
+
+async def _follow(
+    hub: EventHub, key: str, after: str, got: list[str], ready: asyncio.Event
+) -> None:
+    async with hub.subscribe(key, after) as sub:
+        ready.set()
+        async for ev in sub.events(0.05):
+            if ev is not None:
+                got.append(ev.entry_id)
+
+
+async def test_subscriptions_of_many_sessions_share_one_blocking_read(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    r = redis_factory()
+    async with _hub(redis_factory) as hub, contextlib.AsyncExitStack() as stack:
+        subs = [await stack.enter_async_context(hub.subscribe(f"web:s{i}", "$")) for i in range(50)]
+        reads_before = hub.reads
+        async with r.pipeline(transaction=True) as pipe:  # 50 sessions' events at once
+            for i in range(50):
+                pipe.xadd(K.out(f"web:s{i}"), _event(f"web:s{i}", i))
+            await pipe.execute()
+        for i, sub in enumerate(subs):
+            got = await _take(sub, 1)
+            assert got[0].event is not None and got[0].event.content == str(i)
+        assert hub.open_streams == 50
+        assert hub.reads - reads_before <= 5  # one read served them all
