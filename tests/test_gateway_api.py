@@ -95,7 +95,9 @@ async def test_ids_are_minted_by_the_server_and_owned_by_their_user(redis_factor
         r = await http.post("/api/sessions", json={"id": "mine", "title": "T"}, headers=ALICE)
         assert r.status_code == 201
         chat = r.json()
-        assert chat["id"] != "mine" and chat["title"] == "T" and chat["temporary"] is False
+        assert chat["id"] != "mine"
+        assert chat["title"] == "T"
+        assert chat["temporary"] is False
         assert (await http.post("/api/sessions", json={}, headers=ALICE)).status_code == 201
         full = await http.post("/api/sessions", json={}, headers=ALICE)
         assert full.status_code == 409  # the per-user limit
@@ -109,7 +111,8 @@ async def test_ids_are_minted_by_the_server_and_owned_by_their_user(redis_factor
         ]:
             assert (await http.get(f"/api/sessions/{sid}", headers=BOB)).status_code == 404
         bob_ids = [c["id"] for c in (await http.get("/api/sessions", headers=BOB)).json()]
-        assert chat["id"] not in bob_ids and len(bob_ids) == 1
+        assert chat["id"] not in bob_ids
+        assert len(bob_ids) == 1
 
 
 async def test_bad_input_is_refused_with_a_reason(redis_factory) -> None:  # type: ignore[no-untyped-def]
@@ -130,7 +133,8 @@ async def test_bad_input_is_refused_with_a_reason(redis_factory) -> None:  # typ
             json={"messages": [{"role": "system", "content": "x"}]},
             headers=ALICE,
         )
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.status_code == 400
+        assert r.json()["error"]["type"] == "invalid_request_error"
         accepted = await http.post(
             send, json={"content": "queued", "client_id": "c-1"}, headers=ALICE
         )
@@ -142,7 +146,8 @@ async def test_bad_input_is_refused_with_a_reason(redis_factory) -> None:  # typ
             "event": None,
         }
         status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).json()
-        assert status["queued"] == 1 and status["state"] == "idle"
+        assert status["queued"] == 1
+        assert status["state"] == "idle"
 
 
 async def test_the_openapi_schema_describes_the_api(redis_factory) -> None:  # type: ignore[no-untyped-def]
