@@ -106,7 +106,7 @@ async def test_any_interleaving_of_subscribing_and_adding_loses_and_doubles_noth
         for rnd in range(4):
             key = f"web:mix{rnd}"
             ids: list[str] = []
-            subs: list[tuple[int, list[str], asyncio.Task[None]]] = []
+            subs: list[tuple[int, list[str], asyncio.Event, asyncio.Task[None]]] = []
             for step in range(60):
                 if rng.random() < 0.7:
                     ids.append(await r.xadd(K.out(key), _event(key, step)))
@@ -117,15 +117,16 @@ async def test_any_interleaving_of_subscribing_and_adding_loses_and_doubles_noth
                     )
                     got: list[str] = []
                     ready = asyncio.Event()
-                    task = asyncio.create_task(_follow(hub, key, choice, got, ready))
+                    grew = asyncio.Event()
+                    task = asyncio.create_task(_follow(hub, key, choice, got, ready, grew))
                     await ready.wait()
-                    subs.append((start, got, task))
+                    subs.append((start, got, grew, task))
                 if rng.random() < 0.3:
                     await asyncio.sleep(0.005 * rng.random())  # the readers run meanwhile
-            for start, got, task in subs:
+            for start, got, grew, task in subs:
                 want = ids[start:]
                 with contextlib.suppress(TimeoutError):  # then compared: short is a failure
-                    await asyncio.wait_for(_reached(got, len(want)), 10)
+                    await asyncio.wait_for(_reached(got, grew, len(want)), 10)
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -139,13 +140,14 @@ async def _reached(got: list[str], n: int) -> None:
 
 
 async def _follow(
-    hub: EventHub, key: str, after: str, got: list[str], ready: asyncio.Event
+    hub: EventHub, key: str, after: str, got: list[str], ready: asyncio.Event, grew: asyncio.Event
 ) -> None:
     async with hub.subscribe(key, after) as sub:
         ready.set()
         async for ev in sub.events(0.05):
             if ev is not None:
                 got.append(ev.entry_id)
+                grew.set()
 
 
 async def test_subscriptions_of_many_sessions_share_one_blocking_read(redis_factory) -> None:  # type: ignore[no-untyped-def]
