@@ -134,9 +134,12 @@ async def test_any_interleaving_of_subscribing_and_adding_loses_and_doubles_noth
         assert hub.open_streams == 0
 
 
-async def _reached(got: list[str], n: int) -> None:
-    while len(got) < n:
-        await asyncio.sleep(0.01)
+async def _reached(got: list[str], grew: asyncio.Event, n: int) -> None:
+    while True:
+        grew.clear()
+        if len(got) >= n:
+            return
+        await grew.wait()
 
 
 async def _follow(
