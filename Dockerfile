@@ -4,7 +4,8 @@ COPY pyproject.toml README.md ./
 COPY bus_redis ./bus_redis
 COPY session_store ./session_store
 COPY worker ./worker
-RUN pip install --no-cache-dir .
+COPY gateway ./gateway
+RUN pip install --no-cache-dir '.[worker,gateway]'
 USER nobody
 ENTRYPOINT []
 CMD ["agent-worker", "run"]

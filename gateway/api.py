@@ -204,29 +204,29 @@ async def events(
     cursor = last_event_id or after or "$"
     if not CURSOR_RE.fullmatch(cursor):
         raise HTTPException(400, "a cursor is an event id like 1700000000000-0, 0 or $")
-    try:
-        sub_cm = g.hub.subscribe(chat.session_key, cursor)
-        sub = await sub_cm.__aenter__()
-    except TooManyStreamsError as exc:
-        raise HTTPException(503, str(exc)) from None
+    if not g.hub.has_room(chat.session_key):
+        raise HTTPException(503, f"{g.settings.max_streams} event streams open")
 
     async def stream() -> AsyncIterator[ServerSentEvent]:
+        yield ServerSentEvent(comment="stream open", retry=g.settings.sse_retry_ms)
         try:
-            yield ServerSentEvent(comment="stream open", retry=g.settings.sse_retry_ms)
-            async for ev in sub.events(g.settings.keepalive_s):
-                if ev is None:
-                    yield ServerSentEvent(comment="keep-alive")
-                elif ev.kind == "gap":
-                    yield ServerSentEvent(
-                        _json({"after": ev.entry_id}), event="gap", id=ev.entry_id
-                    )
-                elif ev.event is not None:
-                    data = public_event(chat, ev.event)
-                    yield ServerSentEvent(_json(data), event=ev.event.type, id=ev.entry_id)
-        finally:
-            await sub_cm.__aexit__(None, None, None)
+            async with g.hub.subscribe(chat.session_key, cursor) as sub:
+                async for ev in sub.events(g.settings.keepalive_s):
+                    if ev is None:
+                        yield ServerSentEvent(comment="keep-alive")
+                    elif ev.kind == "gap":
+                        yield ServerSentEvent(
+                            _json({"after": ev.entry_id}), event="gap", id=ev.entry_id
+                        )
+                    elif ev.event is not None:
+                        data = public_event(chat, ev.event)
+                        yield ServerSentEvent(_json(data), event=ev.event.type, id=ev.entry_id)
+        except TooManyStreamsError:  # filled up meanwhile: the client retries
+            yield ServerSentEvent(comment="too many open streams, retry later")
 
-    return EventSourceResponse(stream(), ping=3600, headers={"Cache-Control": "no-store"})
+    return EventSourceResponse(
+        stream(), ping=3600, send_timeout=30, headers={"Cache-Control": "no-store"}
+    )
 
 
 def public_event(chat: Chat, ev: OutboundMessage) -> dict[str, Any]:

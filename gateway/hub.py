@@ -150,16 +150,23 @@ class EventHub:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
+    def has_room(self, session_key: str) -> bool:
+        """Whether following ``session_key`` stays within ``max_streams``."""
+        stream = self.keys.out(session_key)
+        return stream in self._streams or len(self._streams) < self.max_streams
+
     @contextlib.asynccontextmanager
     async def subscribe(self, session_key: str, after: str) -> AsyncIterator[Subscription]:
         """Follow ``session_key``'s events after ``after`` (an entry id, ``0`` for
         everything kept, ``$`` for new ones only)."""
         stream = self.keys.out(session_key)
-        if stream not in self._streams and len(self._streams) >= self.max_streams:
+        if not self.has_room(session_key):
             raise TooManyStreamsError(f"{self.max_streams} event streams open")
         last = await self.last_id(stream)
         cursor, gap = await self._start_point(stream, after, last)
         sub = Subscription(self, stream, cursor, gap)
+        if not self.has_room(session_key):  # others took the room while we read Redis
+            raise TooManyStreamsError(f"{self.max_streams} event streams open")
         if stream not in self._streams:
             self._streams[stream] = (last, set())
             await self._wake()
