@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from typing import Any
@@ -39,10 +38,24 @@ K = Keys()
 
 
 def rss_kib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
     return 0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def until(predicate: Any, timeout_s: float) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while not predicate() and time.perf_counter() < deadline:  # noqa: ASYNC110 - a bench poll
+        await asyncio.sleep(0.01)
 
 
 def payload(chat_id: str, sent_ns: int) -> dict[str, str]:
@@ -137,20 +150,19 @@ async def main(args: argparse.Namespace) -> None:
 
             # throughput: a burst spread over every stream, XADDs pipelined
             received.clear()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_s(gw.proc.pid)
             async with admin.pipeline(transaction=False) as pipe:
                 for i in range(args.burst):
                     chat = chats[i % len(chats)]
                     pipe.xadd(K.out(f"web:{chat}"), payload(chat, 0))
                 await pipe.execute()
-            while len(received) < args.burst:
-                await asyncio.sleep(0.01)
-                if time.perf_counter() - t0 > 120:
-                    break
+            await until(lambda: len(received) >= args.burst, 120)
             burst_s = time.perf_counter() - t0
+            burst_cpu = cpu_s(gw.proc.pid) - cpu0
             print(
                 f"burst: {len(received)}/{args.burst} events through the gateway in "
-                f"{burst_s:.2f} s = {len(received) / burst_s:,.0f} events/s"
+                f"{burst_s:.2f} s = {len(received) / burst_s:,.0f} events/s; gateway CPU "
+                f"{burst_cpu * 1e6 / max(1, len(received)):.0f} us per event"
             )
 
             # latency: paced events, gateway and direct reader side by side
@@ -161,17 +173,20 @@ async def main(args: argparse.Namespace) -> None:
             direct_task = asyncio.create_task(direct_reader(reader, chats, stop, direct))
             await asyncio.sleep(0.3)
             sent: dict[str, list[int]] = {}
+            cpu0, t0 = cpu_s(gw.proc.pid), time.perf_counter()
             for i in range(args.paced):
                 chat = chats[(i * 7919) % len(chats)]
                 now = time.perf_counter_ns()
                 await admin.xadd(K.out(f"web:{chat}"), payload(chat, now))
                 sent.setdefault(chat, []).append(now)
                 await asyncio.sleep(0.004)
-            deadline = time.perf_counter() + 10
-            while (
-                len(received) < args.paced or len(direct) < args.paced
-            ) and time.perf_counter() < deadline:
-                await asyncio.sleep(0.02)
+            await until(lambda: len(received) >= args.paced and len(direct) >= args.paced, 10)
+            paced_cpu = cpu_s(gw.proc.pid) - cpu0
+            print(
+                f"paced: {args.paced} events in {time.perf_counter() - t0:.1f} s; gateway CPU "
+                f"{paced_cpu * 1e6 / args.paced:.0f} us per event "
+                f"({paced_cpu / (time.perf_counter() - t0):.0%} of a core)"
+            )
             stop.set()
             await direct_task
             await reader.aclose()

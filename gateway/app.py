@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class Gateway:
     settings: GatewaySettings
     redis: Redis
-    reader: Redis
+    readers: list[Redis]
     replica: str = field(default_factory=lambda: secrets.token_hex(6))
 
     def __post_init__(self) -> None:
@@ -51,7 +51,7 @@ class Gateway:
         self.auth = Authenticator(s, self.redis)
         self.chats = Chats(self.redis, self.keys, s.channel, max_per_user=s.max_sessions_per_user)
         self.hub = EventHub(
-            self.reader,
+            self.readers,
             self.redis,
             self.keys,
             wake_key=self.keys.gw_wake(s.channel, self.replica),
@@ -95,7 +95,8 @@ class Gateway:
 
     async def close(self) -> None:
         await self.hub.stop()
-        await self.reader.aclose()
+        for reader in self.readers:
+            await reader.aclose()
         await self.redis.aclose()
 
 
@@ -103,8 +104,15 @@ def make_gateway(settings: GatewaySettings) -> Gateway:
     pool = BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=settings.redis_connections, timeout=10
     )
-    reader_pool = BlockingConnectionPool.from_url(settings.redis_url, max_connections=1, timeout=10)
-    return Gateway(settings, Redis(connection_pool=pool), Redis(connection_pool=reader_pool))
+    readers = [
+        Redis(
+            connection_pool=BlockingConnectionPool.from_url(
+                settings.redis_url, max_connections=1, timeout=10
+            )
+        )
+        for _ in range(settings.readers)
+    ]
+    return Gateway(settings, Redis(connection_pool=pool), readers)
 
 
 def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> FastAPI:

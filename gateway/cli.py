@@ -22,8 +22,9 @@ configuration (environment; options override):
   AGENT_GATEWAY_TICKET_TTL_S                  lifetime of EventSource/WebSocket tickets (60)
   AGENT_GATEWAY_MAX_SESSIONS_PER_USER         durable chats per user (500)
   AGENT_GATEWAY_MAX_STREAMS                   open event streams per process (10000)
-  AGENT_GATEWAY_REDIS_CONNECTIONS             pooled Redis connections per process (16), plus
-                                              one for the shared blocking event read
+  AGENT_GATEWAY_REDIS_CONNECTIONS             pooled Redis connections per process (16)
+  AGENT_GATEWAY_READERS                       blocking event reads sharing the open streams (8),
+                                              one connection each
   AGENT_GATEWAY_TEMPORARY_DISABLED_TOOLS      tools a temporary chat never gets
                                               (create_goal,update_goal,spawn,cron)
 With no token and no trusted proxy configured every request is refused (401).

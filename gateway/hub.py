@@ -1,9 +1,10 @@
 """EventHub: every open event stream of a gateway process over one blocking Redis read.
 
-One task runs ``XREAD BLOCK`` over the event streams (``P:{C}:out:S``) that any client of
-this process follows, plus the replica's own wake stream, and hands each entry to the
-subscribers of its session. So Redis connections stay bounded (one blocking connection
-plus the shared pool) however many SSE or WebSocket clients are open.
+A few tasks (``AGENT_GATEWAY_READERS``, one blocking connection each) run ``XREAD BLOCK``
+over the event streams (``P:{C}:out:S``) that any client of this process follows, each
+over its share of them plus its own wake stream, and hand each entry to the subscribers of
+its session. So Redis connections stay bounded (the readers plus the shared pool) however
+many SSE or WebSocket clients are open, and a wake-up re-sends only one reader's share.
 
 Resume rule: a subscriber starts *after* a cursor (an event's entry id). It is registered
 before it reads what is already kept after the cursor (catch-up), and every entry id it
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import zlib
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -100,10 +102,103 @@ class Subscription:
                 yield ev
 
 
+class _Reader:
+    """One blocking connection reading its share of the followed streams (a stream always
+    goes to the same reader) plus its own wake stream."""
+
+    def __init__(self, hub: EventHub, redis: Redis, wake_key: str) -> None:
+        self.hub = hub
+        self.redis = redis
+        self.wake_key = wake_key
+        self.streams: dict[str, tuple[str, set[Subscription]]] = {}  # stream -> (cursor, subs)
+        self.changed = asyncio.Event()
+        self.wake_cursor = "0-0"
+        self.junk: dict[str, float] = {}  # key that is no stream -> retry after (loop time)
+        self.task: asyncio.Task[None] | None = None
+
+    async def wake(self) -> None:
+        """End this reader's blocked read, so it follows a stream just added."""
+        try:
+            async with self.hub.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.pexpire(self.wake_key, 600_000)
+                await pipe.execute()
+        except RedisError:
+            log.warning(
+                "could not wake an event reader; new streams join within %d ms", self.hub.block_ms
+            )
+        self.changed.set()
+
+    async def run(self) -> None:
+        delay_s = 0.1
+        while not self.hub.stopping:
+            if not self.streams:
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            try:
+                await self.read_once()
+                delay_s = 0.1
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "event read failed (%s); retrying in %.1fs", type(exc).__name__, delay_s
+                )
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+
+    async def read_once(self) -> None:
+        hub = self.hub
+        now = asyncio.get_running_loop().time()
+        position: dict[Any, Any] = {
+            s: c for s, (c, _subs) in self.streams.items() if self.junk.get(s, 0.0) <= now
+        }
+        position[self.wake_key] = self.wake_cursor
+        hub.reads += 1
+        try:
+            reply = await self.redis.xread(position, count=hub.count, block=hub.block_ms)
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            await self.drop_junk(position)
+            return
+        for raw_stream, batch in reply or []:
+            stream = text(raw_stream)
+            if stream == self.wake_key:
+                self.wake_cursor = text(batch[-1][0])
+                continue
+            entry = self.streams.get(stream)
+            if entry is None or not batch:
+                continue
+            events = _decode(batch)
+            self.streams[stream] = (text(batch[-1][0]), entry[1])
+            for sub in list(entry[1]):
+                for ev in events:
+                    sub.push(ev)
+
+    async def drop_junk(self, position: dict[Any, Any]) -> None:
+        """A followed key that is no stream (junk a worker's next commit replaces): left
+        out of the shared read for a second at a time."""
+        async with self.hub.redis.pipeline(transaction=False) as pipe:
+            for stream in position:
+                pipe.type(stream)
+            kinds = await pipe.execute()
+        retry_at = asyncio.get_running_loop().time() + 1.0
+        for stream, kind in zip(position, kinds, strict=True):
+            if text(kind) not in ("stream", "none"):
+                self.junk[stream] = retry_at
+                if stream in self.streams:
+                    self.streams[stream] = ("0-0", self.streams[stream][1])
+        for stream in [s for s, t in self.junk.items() if t < retry_at - 1.0]:
+            del self.junk[stream]
+
+
 class EventHub:
+    """Followed streams are spread over ``len(readers)`` blocking connections (by a hash
+    of the stream name), so each wake-up re-sends only its reader's share of the streams."""
+
     def __init__(
         self,
-        reader: Redis,
+        readers: list[Redis],
         redis: Redis,
         keys: Keys,
         *,
@@ -112,48 +207,50 @@ class EventHub:
         block_ms: int = 5000,
         count: int = 200,
     ) -> None:
-        self.reader = reader  # the one blocking connection
         self.redis = redis  # the shared pool: catch-up reads, wake-ups
         self.keys = keys
-        self.wake_key = wake_key
         self.max_streams = max_streams
         self.block_ms = block_ms
         self.count = count
-        self._streams: dict[str, tuple[str, set[Subscription]]] = {}
-        self._changed = asyncio.Event()
-        self._wake_cursor = "0-0"
-        self._junk: dict[str, float] = {}  # key that is no stream -> retry after (loop time)
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
+        self._readers = [_Reader(self, r, f"{wake_key}:{i}") for i, r in enumerate(readers)]
+        self.stopping = False
         self.reads = 0  # blocking reads issued (bench)
 
     @property
     def open_streams(self) -> int:
-        return len(self._streams)
+        return sum(len(r.streams) for r in self._readers)
 
     @property
     def subscribers(self) -> int:
-        return sum(len(subs) for _c, subs in self._streams.values())
+        return sum(len(subs) for r in self._readers for _c, subs in r.streams.values())
+
+    def _reader(self, stream: str) -> _Reader:
+        return self._readers[zlib.crc32(stream.encode()) % len(self._readers)]
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="event-hub")
+        for i, reader in enumerate(self._readers):
+            reader.task = asyncio.create_task(reader.run(), name=f"event-reader-{i}")
 
     async def stop(self) -> None:
-        """Let the blocked read end by itself (within ``block_ms``), then cancel: a read
-        cancelled mid-command costs its connection, and some clients hang on it."""
-        if self._task is None:
+        """Let the blocked reads end by themselves (within ``block_ms``), then cancel: a
+        read cancelled mid-command costs its connection, and some clients hang on it."""
+        tasks = {r.task for r in self._readers if r.task is not None}
+        if not tasks:
             return
-        self._stopping = True
-        self._changed.set()
-        await asyncio.wait({self._task}, timeout=self.block_ms / 1000 + 1)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        self.stopping = True
+        for reader in self._readers:
+            reader.changed.set()
+        await asyncio.wait(tasks, timeout=self.block_ms / 1000 + 1)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def has_room(self, session_key: str) -> bool:
         """Whether following ``session_key`` stays within ``max_streams``."""
         stream = self.keys.out(session_key)
-        return stream in self._streams or len(self._streams) < self.max_streams
+        return stream in self._reader(stream).streams or self.open_streams < self.max_streams
 
     @contextlib.asynccontextmanager
     async def subscribe(self, session_key: str, after: str) -> AsyncIterator[Subscription]:
@@ -167,18 +264,19 @@ class EventHub:
         sub = Subscription(self, stream, cursor, gap)
         if not self.has_room(session_key):  # others took the room while we read Redis
             raise TooManyStreamsError(f"{self.max_streams} event streams open")
-        if stream not in self._streams:
-            self._streams[stream] = (last, set())
-            await self._wake()
-        self._streams[stream][1].add(sub)
+        reader = self._reader(stream)
+        if stream not in reader.streams:
+            reader.streams[stream] = (last, set())
+            await reader.wake()
+        reader.streams[stream][1].add(sub)
         try:
             yield sub
         finally:
-            entry = self._streams.get(stream)
+            entry = reader.streams.get(stream)
             if entry is not None:
                 entry[1].discard(sub)
                 if not entry[1]:
-                    del self._streams[stream]
+                    del reader.streams[stream]
 
     async def _start_point(self, stream: str, after: str, last: str) -> tuple[str, bool]:
         if after == "$":
@@ -205,79 +303,6 @@ class EventHub:
         except ResponseError:
             return []
         return [ev for _s, batch in reply or [] for ev in _decode(batch)]
-
-    async def _wake(self) -> None:
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
-                pipe.pexpire(self.wake_key, 600_000)
-                await pipe.execute()
-        except RedisError:
-            log.warning(
-                "could not wake the event reader; new streams join within %d ms", self.block_ms
-            )
-        self._changed.set()
-
-    async def _run(self) -> None:
-        delay_s = 0.1
-        while not self._stopping:
-            if not self._streams:
-                self._changed.clear()
-                await self._changed.wait()
-                continue
-            try:
-                await self._read_once()
-                delay_s = 0.1
-            except (RedisError, OSError) as exc:
-                log.warning(
-                    "event read failed (%s); retrying in %.1fs", type(exc).__name__, delay_s
-                )
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 5.0)
-
-    async def _read_once(self) -> None:
-        now = asyncio.get_running_loop().time()
-        position: dict[Any, Any] = {
-            s: c for s, (c, _subs) in self._streams.items() if self._junk.get(s, 0.0) <= now
-        }
-        position[self.wake_key] = self._wake_cursor
-        self.reads += 1
-        try:
-            reply = await self.reader.xread(position, count=self.count, block=self.block_ms)
-        except ResponseError as exc:
-            if "WRONGTYPE" not in str(exc):
-                raise
-            await self._drop_junk(position)
-            return
-        for raw_stream, batch in reply or []:
-            stream = text(raw_stream)
-            if stream == self.wake_key:
-                self._wake_cursor = text(batch[-1][0])
-                continue
-            entry = self._streams.get(stream)
-            if entry is None or not batch:
-                continue
-            events = _decode(batch)
-            self._streams[stream] = (text(batch[-1][0]), entry[1])
-            for sub in list(entry[1]):
-                for ev in events:
-                    sub.push(ev)
-
-    async def _drop_junk(self, position: dict[Any, Any]) -> None:
-        """A followed key that is no stream (junk a worker's next commit replaces): left
-        out of the shared read for a second at a time."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream in position:
-                pipe.type(stream)
-            kinds = await pipe.execute()
-        retry_at = asyncio.get_running_loop().time() + 1.0
-        for stream, kind in zip(position, kinds, strict=True):
-            if text(kind) not in ("stream", "none"):
-                self._junk[stream] = retry_at
-                if stream in self._streams:
-                    self._streams[stream] = ("0-0", self._streams[stream][1])
-        for stream in [s for s, t in self._junk.items() if t < retry_at - 1.0]:
-            del self._junk[stream]
 
 
 def _decode(batch: list[Any]) -> list[HubEvent]:

@@ -43,6 +43,7 @@ class GatewaySettings(BaseSettings):
     max_sessions_per_user: int = Field(default=500, ge=1)
     max_streams: int = Field(default=10_000, ge=1)  # open SSE/WebSocket subscriptions
     redis_connections: int = Field(default=16, ge=2, le=1024)
+    readers: int = Field(default=8, ge=1, le=64)  # blocking connections sharing the streams
     keepalive_s: float = Field(default=15.0, gt=0)
     sse_retry_ms: int = Field(default=2000, ge=100)
     wait_max_s: float = Field(default=120.0, gt=0)

@@ -28,7 +28,7 @@ async def _client(
     make: Callable[[], aioredis.Redis], *, peer: str = "127.0.0.1", **settings: Any
 ) -> AsyncIterator[httpx.AsyncClient]:
     config = GatewaySettings(**{"tokens": TOKENS, **settings})
-    gw = Gateway(config, make(), make())
+    gw = Gateway(config, make(), [make(), make()])
     app = create_app(config, gw)
     gw.hub.start()
     app.state.gw = gw

@@ -35,7 +35,12 @@ def _event(session: str, n: int) -> dict[str, str]:
 @contextlib.asynccontextmanager
 async def _hub(make: Callable[[], aioredis.Redis]) -> AsyncIterator[EventHub]:
     hub = EventHub(
-        make(), make(), K, wake_key=K.gw_wake("web", "test"), max_streams=1000, block_ms=200
+        [make(), make(), make()],
+        make(),
+        K,
+        wake_key=K.gw_wake("web", "test"),
+        max_streams=1000,
+        block_ms=200,
     )
     hub.start()
     try:
@@ -153,7 +158,7 @@ async def _follow(
                 grew.set()
 
 
-async def test_subscriptions_of_many_sessions_share_one_blocking_read(redis_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_subscriptions_of_many_sessions_share_a_few_blocking_reads(redis_factory) -> None:  # type: ignore[no-untyped-def]
     r = redis_factory()
     async with _hub(redis_factory) as hub, contextlib.AsyncExitStack() as stack:
         subs = [await stack.enter_async_context(hub.subscribe(f"web:s{i}", "$")) for i in range(50)]
@@ -167,4 +172,4 @@ async def test_subscriptions_of_many_sessions_share_one_blocking_read(redis_fact
             assert got[0].event is not None
             assert got[0].event.content == str(i)
         assert hub.open_streams == 50
-        assert hub.reads - reads_before <= 5  # one read served them all
+        assert hub.reads - reads_before <= 6  # each of the 3 readers: one or two reads for all
