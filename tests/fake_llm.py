@@ -3,7 +3,8 @@
 It answers ``re: <last user text>``. A user text ``[tag] ...`` marks the session ``tag``:
 two requests of one tag in flight at once are counted as an overlap. ``block`` in the
 text holds the request until ``release()``; ``midway`` streams the first two pieces of
-the answer, then holds the rest until ``release()``; ``fail`` answers HTTP 500.
+the answer, then holds the rest until ``release()``; ``fail`` answers HTTP 500; ``flaky``
+answers HTTP 500 to the first ``flaky_failures`` requests with that text, then normally.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class FakeLLM:
         self.inflight: dict[str, int] = {}
         self.overlaps = 0
         self.hangups = 0  # held requests whose client closed the connection
+        self.flaky_failures = 4  # a worker's provider tries 1 + 3 times a turn
+        self._flaky: dict[str, int] = {}
         self.started = threading.Event()
         self._release = threading.Event()
         self._lock = threading.Lock()
@@ -90,6 +93,12 @@ class FakeLLM:
                 time.sleep(random.uniform(low, high))
             if "fail" in text:
                 return 500, {"error": {"message": "scripted failure", "type": "server_error"}}
+            if "flaky" in text:
+                with self._lock:
+                    self._flaky[text] = self._flaky.get(text, 0) + 1
+                    failing = self._flaky[text] <= self.flaky_failures
+                if failing:
+                    return 500, {"error": {"message": "flaky failure", "type": "server_error"}}
             message = {"role": "assistant", "content": f"re: {text}"}
             return 200, {
                 "id": "chatcmpl-test",

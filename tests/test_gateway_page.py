@@ -174,6 +174,27 @@ def test_the_page_survives_the_death_of_its_replica(browser: Any, stack: Stack) 
     page.context.close()
 
 
+def test_a_provider_error_is_retried_with_the_same_message_id(browser: Any, stack: Stack) -> None:
+    page = _page(browser, stack, ALICE_TOKEN)
+    page.click("#new")
+    _say(page, "a flaky question")
+    page.locator(".msg.error", has_text="The model provider failed.").wait_for()
+    _shot(page, "page-provider-error")
+    page.get_by_test_id("retry").click()
+    _assistant(page, "re: a flaky question").wait_for()
+    assert page.locator(".msg.user", has_text="a flaky question").count() == 1
+    history = page.evaluate(
+        """async () => {
+            const id = localStorage.getItem("agent-current");
+            const r = await fetch(`/api/sessions/${id}/messages`,
+                {headers: {Authorization: "Bearer " + localStorage.getItem("agent-token")}});
+            return (await r.json()).map((m) => m.role + ": " + m.content);
+        }"""
+    )
+    assert history == ["user: a flaky question", "assistant: re: a flaky question"]
+    page.context.close()
+
+
 def test_another_users_chats_never_appear(browser: Any, stack: Stack) -> None:
     alice = _page(browser, stack, ALICE_TOKEN)
     assert alice.locator("[data-testid=session]").count() >= 1

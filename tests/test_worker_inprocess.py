@@ -285,3 +285,33 @@ async def test_stopping_worker_finishes_its_turn_and_hands_the_rest_over(redis_f
     await asyncio.wait_for(run_b, 10)
 
     assert [got[i][-1].metadata["worker"] for i in ids] == ["a", "b", "b"]
+
+
+async def test_a_message_answered_provider_error_can_be_retried_with_its_id(make_loop) -> None:  # type: ignore[no-untyped-def]
+    """The page's Retry after a provider error re-sends the same id: the turn runs again,
+    the user row stays once, and a later re-send is a duplicate of the answer."""
+    from worker.providers import ProviderError
+
+    prompts: list[list[dict[str, object]]] = []
+
+    async def flaky(**kw: object) -> LLMResponse:
+        prompts.append(list(kw["messages"]))  # type: ignore[call-overload]
+        if len(prompts) == 1:
+            raise ProviderError("InternalServerError: scripted")
+        return LLMResponse(content="finally")
+
+    loop = make_loop(ScriptedProvider(handler=flaky))
+    client = FrontendClient(loop.bus.redis)
+    msg = _m("r", "hello?")
+    first = await client.ask(msg, timeout_s=10)
+    assert first.code == "provider_error"
+    again = await client.ask(msg, timeout_s=10)
+    assert again.type == "message"
+    assert again.content == "finally"
+    assert [m["content"] for m in prompts[1] if m["role"] == "user"] == ["hello?"]
+    third = await client.ask(msg, timeout_s=10)
+    assert third.content == "finally"
+    assert third.metadata.get("duplicate") is True
+    assert len(prompts) == 2
+    rows = [(r["role"], r["content"]) for r in (await loop.sessions.store.load("web:r")).messages]  # type: ignore[union-attr]
+    assert rows == [("user", "hello?"), ("assistant", "finally")]

@@ -24,7 +24,7 @@ from worker.outcomes import (
 )
 from worker.providers import ProviderError
 from worker.tools import ToolContext
-from worker.turn import TurnState, is_duplicate, message_key, user_row
+from worker.turn import TurnState, is_duplicate, is_unanswered_retry, message_key, user_row
 
 if TYPE_CHECKING:
     from worker.holder import SessionHolder
@@ -107,7 +107,8 @@ class TurnExecution:
         session = await self._session(msg)
         self._check_scope(msg, session)
         row_id = message_key(msg, reply_to, folded=self.member != self.key)
-        if is_duplicate(msg, session, row_id):
+        retry = is_unanswered_retry(msg, session, row_id)
+        if not retry and is_duplicate(msg, session, row_id):
             return self._duplicate(msg, session, reply_to, row_id)
         memory = await self._memory(session)
         state = TurnState()
@@ -122,7 +123,7 @@ class TurnExecution:
         on_delta = None
         if self.rt.config.stream_deltas:
             on_delta = lambda text: self._emit(msg, reply_to, text, kind="delta")  # noqa: E731
-        turn = self.rt.runner.run(session, row, memory, ctx, state, puller, on_delta)
+        turn = self.rt.runner.run(session, row, memory, ctx, state, puller, on_delta, retry=retry)
         task = asyncio.create_task(turn)
         reason = await self._await_turn(task)
         outcome = await self._outcome(task, reason, msg, session, state, reply_to)

@@ -43,10 +43,13 @@ class ContextBuilder:
         return self._with_memory[2]
 
     def build(
-        self, session: Session, user_row: dict[str, Any], memory: str | None
+        self, session: Session, user_row: dict[str, Any] | None, memory: str | None
     ) -> list[dict[str, Any]]:
-        """``[system, *history, user]``; ``memory`` is None for transient sessions."""
+        """``[system, *history, user]``; ``memory`` is None for transient sessions;
+        ``user_row`` None: the history ends with the message to answer (a retry)."""
         history = session.get_history(max_tokens=self.history_tokens)
-        current = {"role": "user", "content": user_row["content"]}
         prompt = self.system_prompt(memory, session.policy.disabled_tools)
+        if user_row is None:
+            return [{"role": "system", "content": prompt}, *history]
+        current = {"role": "user", "content": user_row["content"]}
         return [{"role": "system", "content": prompt}, *history, current]

@@ -41,6 +41,15 @@ def is_duplicate(msg: InboundMessage, session: Session, key: str) -> bool:
     return bool(msg.id) and session.has_seen(key)
 
 
+def is_unanswered_retry(msg: InboundMessage, session: Session, key: str) -> bool:
+    """A re-sent client ``id`` whose turn ended at a provider error: its user row is the
+    session's last row, with nothing after it. It is answered now (the row is kept once)."""
+    if not msg.id or not session.messages or not session.has_seen(key):
+        return False
+    last = session.messages[-1]
+    return last.get("role") == "user" and last.get("message_id") == key
+
+
 def user_row(msg: InboundMessage, message_id: str) -> dict[str, Any]:
     content = (
         msg.content if msg.is_user_input else f"[system message from {msg.sender_id}] {msg.content}"
@@ -91,12 +100,17 @@ class TurnRunner:
         state: TurnState,
         followups: FollowUps | None = None,
         on_delta: DeltaCallback | None = None,
+        *,
+        retry: bool = False,
     ) -> str:
         """The tool loop. After each round of tool results, messages of the same session
-        that arrived meanwhile (``followups``) are injected as user rows."""
+        that arrived meanwhile (``followups``) are injected as user rows. ``retry``: the
+        session already ends with ``first_row`` (its turn failed at the provider), so it is
+        answered without being added again."""
         injections = 0
-        state.rows.append(first_row)
-        messages = self.context.build(session, first_row, memory)
+        if not retry:
+            state.rows.append(first_row)
+        messages = self.context.build(session, None if retry else first_row, memory)
         offered = self.tools.definitions(session.policy.disabled_tools)
         for _ in range(self.max_iterations):
             response = await self.provider.chat_with_retry(
