@@ -4,7 +4,7 @@ install:
 	python3 -m venv .venv && .venv/bin/pip install -e '.[test,dev,demo]'
 
 lint:
-	.venv/bin/ruff check . && .venv/bin/ruff format --check bus_redis session_store worker
+	.venv/bin/ruff check . && .venv/bin/ruff format --check bus_redis session_store worker gateway
 
 typecheck:
 	.venv/bin/mypy

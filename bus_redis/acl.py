@@ -33,9 +33,7 @@ def frontend_acl(
     return [" ".join(setuser), f"SADD {k.channels} {channel}"]
 
 
-def gateway_acl(
-    channel: str, password: str, *, prefix: str = "agent", user: str = ""
-) -> list[str]:
+def gateway_acl(channel: str, password: str, *, prefix: str = "agent", user: str = "") -> list[str]:
     """A gateway (``agent-gateway``) of ``channel``: everything a frontend may do, plus
     read-only looks at its channel's sessions (queued count, whether a turn runs, stored
     rows) and its own keys ``P:{C}:gw:*`` (users' chat lists, tickets, a wake stream)."""

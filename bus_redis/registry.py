@@ -208,11 +208,7 @@ class Registry:
             more: dict[str, str] = {}
             for key, entries in zip(starts, replies, strict=True):
                 op = next(
-                    (
-                        o
-                        for _e, raw in entries
-                        if (o := fields(raw).get("control")) in CONTROL_OPS
-                    ),
+                    (o for _e, raw in entries if (o := fields(raw).get("control")) in CONTROL_OPS),
                     None,
                 )
                 if op is not None:

@@ -25,7 +25,9 @@ class Entry:
     entry_id: str
     payload: str
     attempts: int
-    covered_by: str  # 'stop' / 'discard' / 'delete': a control marker queued after this entry; '' none
+    covered_by: (
+        str  # 'stop' / 'discard' / 'delete': a control marker queued after this entry; '' none
+    )
 
 
 @dataclass(frozen=True, slots=True)
