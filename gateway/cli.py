@@ -48,11 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def settings_from(argv: list[str] | None = None) -> GatewaySettings:
+    """The environment's settings with the command line's options on top."""
     args = build_parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    return GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        settings = GatewaySettings(**overrides)
+        settings = settings_from(argv)
         settings.all_tokens()
     except (ValidationError, ValueError, OSError) as exc:
         print(f"agent-gateway: bad configuration: {_first(exc)}", file=sys.stderr)

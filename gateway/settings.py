@@ -18,7 +18,11 @@ DURABLE_ONLY_TOOLS = ("create_goal", "update_goal", "spawn", "cron")  # nanobot'
 class GatewaySettings(BaseSettings):
     """One gateway replica. Every replica of a deployment uses the same values."""
 
-    model_config = SettingsConfigDict(env_prefix="AGENT_GATEWAY_", extra="ignore", frozen=True)
+    # populate_by_name: the aliased fields (redis_url, key_prefix) also take their own names
+    # as keyword arguments (the CLI's --redis-url / --prefix, the demo)
+    model_config = SettingsConfigDict(
+        env_prefix="AGENT_GATEWAY_", extra="ignore", frozen=True, populate_by_name=True
+    )
 
     redis_url: str = Field(
         default="redis://localhost:6379/0",

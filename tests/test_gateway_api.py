@@ -164,3 +164,23 @@ async def test_the_openapi_schema_describes_the_api(redis_factory) -> None:  # t
         "/api/tickets",
         "/v1/chat/completions",
     } <= paths
+
+
+def test_command_line_options_override_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from gateway.cli import settings_from
+
+    monkeypatch.setenv("AGENT_REDIS_URL", "redis://env-host:1/0")
+    monkeypatch.setenv("AGENT_KEY_PREFIX", "envprefix")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# comment\ntok-1 alice\n\ntok-2 bob smith\n")
+    monkeypatch.setenv("AGENT_GATEWAY_TOKENS_FILE", str(tokens))
+    s = settings_from(["--redis-url", "redis://cli-host:2/0", "--prefix", "cli", "--channel", "tg"])
+    assert (s.redis_url, s.key_prefix, s.channel) == ("redis://cli-host:2/0", "cli", "tg")
+    assert s.all_tokens() == {"tok-1": "alice", "tok-2": "bob smith"}
+    assert settings_from([]).redis_url == "redis://env-host:1/0"
+    monkeypatch.setenv("AGENT_GATEWAY_REDIS_URL", "redis://gw-host:3/0")
+    assert settings_from([]).redis_url == "redis://gw-host:3/0"
+    with pytest.raises(ValueError, match="channel"):
+        settings_from(["--channel", "unified"])

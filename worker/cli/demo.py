@@ -27,7 +27,9 @@ CHANNEL = "demo"
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("demo", help="run the embedded demo (own Redis, two workers, echo provider)")
     p.add_argument(
-        "--keep", action="store_true", help="keep Redis and the workers running afterwards"
+        "--keep",
+        action="store_true",
+        help="keep Redis and the workers running afterwards, with the gateway and its chat page",
     )
     p.set_defaults(handler=demo)
 
@@ -145,6 +147,27 @@ async def _conversation(script: _Script, loops: list[AgentLoop], redis_url: str)
     )
 
 
+async def _serve_page(url: str) -> None:
+    """The gateway and its chat page beside the demo's workers, until interrupted."""
+    try:
+        import uvicorn
+
+        from gateway.app import create_app
+        from gateway.settings import GatewaySettings
+    except ImportError:  # installed without the [gateway] extra
+        print("running; Ctrl-C to stop (install the [gateway] extra for the chat page)")
+        await asyncio.Event().wait()
+        return
+    token = uuid.uuid4().hex
+    port = _free_port()
+    settings = GatewaySettings(
+        redis_url=url, key_prefix="demo", channel=CHANNEL, port=port, tokens={token: "you"}
+    )
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    print(f"\nChat page: http://127.0.0.1:{port}/  (access token: {token}); Ctrl-C to stop")
+    await uvicorn.Server(config).serve()
+
+
 async def _value(client: FrontendClient, key: str) -> object:
     kind = await client.redis.type(key)
     if kind == "hash":
@@ -179,8 +202,7 @@ async def demo(args: argparse.Namespace, settings: Settings) -> int:
         try:
             await _conversation(script, loops, url)
             if args.keep:
-                print("running; Ctrl-C to stop")
-                await asyncio.Event().wait()
+                await _serve_page(url)
         finally:
             for loop in loops:
                 loop.stop()
