@@ -195,6 +195,35 @@ def test_a_provider_error_is_retried_with_the_same_message_id(browser: Any, stac
     page.context.close()
 
 
+def test_a_message_typed_while_a_chat_opens_goes_to_that_chat(browser: Any, stack: Stack) -> None:
+    """The history of a new chat is held back (a slow network): the message typed meanwhile
+    waits for the chat, is sent once, into it, and its bubble survives the late history."""
+    page = _page(browser, stack, ALICE_TOKEN)
+    before = page.locator("[data-testid=session]").count()
+    held: list[Any] = []
+
+    def hold(route: Any) -> None:
+        if route.request.method == "GET":
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/api/sessions/*/messages", hold)
+    page.click("#new")
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while not held:
+        assert time.monotonic() < deadline, "the history was never asked for"
+        page.wait_for_timeout(20)
+    _say(page, "typed while loading")
+    page.wait_for_timeout(100)  # the page has had its chance to send too early
+    held[0].continue_()
+    page.unroute("**/api/sessions/*/messages")
+    _assistant(page, "re: typed while loading").wait_for()
+    assert page.locator(".msg.user", has_text="typed while loading").count() == 1
+    _until(page, f"document.querySelectorAll('[data-testid=session]').length === {before + 1}")
+    page.context.close()
+
+
 def test_another_users_chats_never_appear(browser: Any, stack: Stack) -> None:
     alice = _page(browser, stack, ALICE_TOKEN)
     assert alice.locator("[data-testid=session]").count() >= 1
