@@ -11,6 +11,7 @@ WebSocket carrying several chats, and the OpenAI-compatible endpoint driven by `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -301,3 +302,22 @@ async def test_the_openai_compatible_endpoint(stack: Stack) -> None:
         )
     await alice.close()
     await bob.close()
+
+
+async def test_redis_connections_stay_bounded_however_many_streams_are_open(stack: Stack) -> None:
+    """80 open SSE streams on one replica: the gateways' Redis connections stay within
+    their pools (16 pooled + 8 readers each), not one per stream."""
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as http:
+        chats = [await _chat(http, stack.a) for _ in range(80)]
+        async with contextlib.AsyncExitStack() as streams:
+            for sid in chats:
+                r = await streams.enter_async_context(
+                    http.stream("GET", f"{stack.a}/api/sessions/{sid}/events", headers=ALICE)
+                )
+                lines = r.aiter_lines()
+                assert (await anext(lines)).startswith(":")  # the stream is open
+            clients = [c for c in stack.admin.client_list() if c.get("user") == "gateway-web"]
+            assert len(clients) <= 2 * (16 + 8), len(clients)
+            # and a chat still gets its reply while they are open
+            got = await _send(http, stack.b, chats[-1], {"content": "still served"})
+            assert got["event"]["content"] == "re: still served"
