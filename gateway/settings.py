@@ -5,11 +5,11 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 from typing import Annotated
-from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from bus_redis.config import check_log_level, check_redis_url
 from bus_redis.keys import valid_channel
 
 DURABLE_ONLY_TOOLS = ("create_goal", "update_goal", "spawn", "cron")  # nanobot's temporary chats
@@ -60,13 +60,12 @@ class GatewaySettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        try:
-            urlsplit(value).port  # noqa: B018 - parses host and port
-        except ValueError:
-            raise ValueError("is not a valid URL (URL-encode the password)") from None
-        return value
+        return check_redis_url(value)
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        return check_log_level(value)
 
     @field_validator("channel")
     @classmethod

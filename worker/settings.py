@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from bus_redis.config import check_log_level, check_redis_url
 from bus_redis.keys import valid_channel
 from worker.config import LoopConfig
 
@@ -29,22 +28,12 @@ class Settings(BaseSettings, LoopConfig):
     @field_validator("redis_url")
     @classmethod
     def _url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        try:
-            urlsplit(value).port  # noqa: B018 - parses host and port
-        except ValueError:
-            # the message must not echo the URL: a stray '#' or '/' cuts the password
-            raise ValueError("is not a valid URL (URL-encode the password)") from None
-        return value
+        return check_redis_url(value)
 
     @field_validator("log_level")
     @classmethod
     def _level(cls, value: str) -> str:
-        level = value.upper()
-        if level not in logging.getLevelNamesMapping():
-            raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
-        return level
+        return check_log_level(value)
 
     @field_validator("channels", mode="before")
     @classmethod
