@@ -65,10 +65,13 @@ class Subscription:
     gap: bool = False
     buffer: deque[HubEvent] = field(default_factory=deque)
     catch_up: bool = True
+    missed_from: str = ""  # set when the buffer overflowed
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def push(self, ev: HubEvent) -> None:
         if len(self.buffer) >= BUFFER_MAX:  # a slow reader: read again from Redis instead
+            if not self.missed_from:  # the oldest event it has not been given
+                self.missed_from = self.buffer[0].entry_id if self.buffer else ev.entry_id
             self.buffer.clear()
             self.catch_up = True
         else:
@@ -84,6 +87,11 @@ class Subscription:
             if self.catch_up:
                 self.catch_up = False
                 self.buffer.clear()
+                if self.missed_from:  # so far behind that Redis may have trimmed what it missed
+                    missed, self.missed_from = self.missed_from, ""
+                    first = await self.hub.first_id(self.stream)
+                    if first is None or id_key(first) > id_key(missed):
+                        yield HubEvent("gap", self.cursor)
                 for ev in await self.hub.read_after(self.stream, self.cursor):
                     self.cursor = ev.entry_id
                     yield ev
@@ -283,12 +291,24 @@ class EventHub:
             return last, False
         if after in ("0", "0-0", ""):
             return "0-0", False
-        # is the cursor itself (or an older entry) still kept? If not, a gap.
+        return after, not await self.cursor_kept(stream, after)
+
+    async def first_id(self, stream: str) -> str | None:
         try:
-            older = await self.redis.xrevrange(stream, after, "-", count=1)
+            reply = await self.redis.xread({stream: "0-0"}, count=1)
         except ResponseError:
-            older = []
-        return after, not older
+            return None
+        return text(reply[0][1][0][0]) if reply and reply[0][1] else None
+
+    async def cursor_kept(self, stream: str, cursor: str) -> bool:
+        """Whether the cursor itself, or an older entry, is still kept (else events after
+        it may have been trimmed: a gap)."""
+        if cursor == "0-0":
+            return True
+        try:
+            return bool(await self.redis.xrevrange(stream, cursor, "-", count=1))
+        except ResponseError:
+            return False
 
     async def last_id(self, stream: str) -> str:
         try:

@@ -173,3 +173,15 @@ async def test_subscriptions_of_many_sessions_share_a_few_blocking_reads(redis_f
             assert got[0].event.content == str(i)
         assert hub.open_streams == 50
         assert hub.reads - reads_before <= 6  # each of the 3 readers: one or two reads for all
+
+
+async def test_a_subscriber_behind_what_redis_keeps_is_told_of_the_gap(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """It fell behind its buffer and Redis trimmed what it had not read: a gap, then the
+    events still kept, in order."""
+    r = redis_factory()
+    async with _hub(redis_factory) as hub, hub.subscribe("web:far", "$") as sub:
+        ids = [await r.xadd(K.out("web:far"), _event("web:far", n)) for n in range(BUFFER_MAX + 10)]
+        await r.xtrim(K.out("web:far"), maxlen=5, approximate=False)
+        got = await _take(sub, 6, timeout_s=30)
+        assert got[0].kind == "gap"
+        assert [e.entry_id for e in got[1:]] == ids[-5:]
