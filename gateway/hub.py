@@ -273,11 +273,13 @@ class EventHub:
         if not self.has_room(session_key):  # others took the room while we read Redis
             raise TooManyStreamsError(f"{self.max_streams} event streams open")
         reader = self._reader(stream)
-        if stream not in reader.streams:
+        new = stream not in reader.streams
+        if new:
             reader.streams[stream] = (last, set())
-            await reader.wake()
-        reader.streams[stream][1].add(sub)
+        reader.streams[stream][1].add(sub)  # registered before any await: always undone
         try:
+            if new:
+                await reader.wake()
             yield sub
         finally:
             entry = reader.streams.get(stream)

@@ -185,3 +185,28 @@ async def test_a_subscriber_behind_what_redis_keeps_is_told_of_the_gap(redis_fac
         got = await _take(sub, 6, timeout_s=30)
         assert got[0].kind == "gap"
         assert [e.entry_id for e in got[1:]] == ids[-5:]
+
+
+async def test_a_subscriber_that_leaves_at_any_point_leaves_nothing_behind(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """Clients that go away while their subscription is being set up (its Redis reads,
+    the wake-up of a reader) leave no followed stream behind to fill ``max_streams``."""
+
+    async def follow(key: str) -> None:
+        async with hub.subscribe(key, "$") as sub:
+            async for _ev in sub.events(5):
+                pass
+
+    async with _hub(redis_factory) as hub:
+        for round_ in range(3):
+            for i in range(10):
+                key = f"web:gone{round_}-{i}"
+                task = asyncio.create_task(follow(key))
+                followed = hub._reader(K.out(key)).streams
+                while K.out(key) not in followed and not task.done():
+                    await asyncio.sleep(0)
+                for _ in range(i % 3):  # cancelled while the reader is being woken, or later
+                    await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            assert hub.open_streams == 0, round_
+            assert hub.subscribers == 0
