@@ -90,7 +90,7 @@ async def across_processes(url: str, turns: int) -> list[float]:
             await frontend.send(
                 InboundMessage(channel="proc", sender_id="u", chat_id=f"c{i}", content="block")
             )
-            while len(llm.requests) <= i:  # noqa: ASYNC110 - the server counts in its own thread
+            while len(llm.requests) <= i:
                 await asyncio.sleep(0.001)
             replies = frontend.events([key], after="0", block_ms=100)
             t0 = time.perf_counter()

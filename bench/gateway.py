@@ -54,7 +54,7 @@ def cpu_s(pid: int) -> float:
 
 async def until(predicate: Any, timeout_s: float) -> None:
     deadline = time.perf_counter() + timeout_s
-    while not predicate() and time.perf_counter() < deadline:  # noqa: ASYNC110 - a bench poll
+    while not predicate() and time.perf_counter() < deadline:
         await asyncio.sleep(0.01)
 
 
