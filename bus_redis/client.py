@@ -46,6 +46,11 @@ class FrontendClient:
         entry_id = await self._publish(msg.session_key, {"payload": _dump(msg)})
         return msg.id or entry_id
 
+    async def send_entry(self, msg: InboundMessage) -> str:
+        """Publish one message; returns its inbound entry id (the ``reply_to`` of an answer
+        to a payload whose ``id`` could not be read)."""
+        return await self._publish(msg.session_key, {"payload": _dump(msg)})
+
     async def send_raw(self, session_key: str, payload: str | bytes) -> str:
         """Publish an arbitrary payload (tests, replays of dead letters)."""
         return await self._publish(session_key, {"payload": payload})  # type: ignore[dict-item]

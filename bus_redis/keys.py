@@ -155,6 +155,10 @@ class Keys:
         """Sorted set: a gateway user's durable chat ids -> created (ms)."""
         return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:sessions"
 
+    def gw_temporary(self, channel: str, user_hash: str) -> str:
+        """Sorted set: a gateway user's open temporary chat ids -> created (ms); no text."""
+        return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:temporary"
+
     def gw_titles(self, channel: str, user_hash: str) -> str:
         """Hash: a gateway user's chat id -> title."""
         return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:titles"

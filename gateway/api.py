@@ -23,7 +23,17 @@ from gateway.chats import Chat, ChatLimitError
 from gateway.hub import TooManyStreamsError
 
 router = APIRouter(prefix="/api")
-CURSOR_RE = re.compile(r"\$|0|\d{1,20}-\d{1,20}")
+CURSOR_RE = re.compile(r"\$|0|[0-9]{1,20}-[0-9]{1,20}")
+MAX_ID_PART = 2**64 - 1
+
+
+def valid_cursor(cursor: str) -> bool:
+    """``$``, ``0`` or a stream entry id whose parts fit Redis' 64-bit integers."""
+    if not CURSOR_RE.fullmatch(cursor):
+        return False
+    return cursor in ("$", "0") or all(int(p) <= MAX_ID_PART for p in cursor.split("-"))
+
+
 CLIENT_ID = r"^[A-Za-z0-9_.:-]{1,128}$"
 
 
@@ -104,9 +114,12 @@ async def list_sessions(request: Request, user: Caller) -> list[dict[str, Any]]:
 async def create_session(request: Request, user: Caller, body: NewSession) -> dict[str, Any]:
     g = gw(request)
     try:
-        chat = await g.chats.create(user, temporary=body.temporary, title=body.title)
+        created = await g.chats.create(user, temporary=body.temporary, title=body.title)
     except ChatLimitError as exc:
         raise HTTPException(409, str(exc)) from None
+    chat = created.chat
+    if created.evicted:  # the user's oldest temporary chat made room for this one
+        await g.client.discard(f"{g.settings.channel}:{created.evicted}")
     if chat.temporary:
         await g.client.open_transient(
             g.settings.channel,
@@ -136,10 +149,10 @@ async def delete_session(request: Request, user: Caller, chat: Owned) -> Respons
     """A durable chat: its stored history and events are deleted (a running turn is
     cancelled first); a temporary chat is discarded."""
     g = gw(request)
+    await g.chats.forget(user, chat)
     if chat.temporary:
         await g.client.discard(chat.session_key)
     else:
-        await g.chats.forget(user, chat)
         await g.client.delete(chat.session_key)
     return Response(status_code=204)
 
@@ -157,11 +170,15 @@ async def send(
     message_id = body.client_id or uuid.uuid4().hex
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
     msg = g.message(user, chat, body.content, id=message_id, metadata=body.metadata)
-    await g.client.send(msg)
+    ids = await g.publish(msg)
     await g.chats.title_from(user, chat, body.content)
     accepted = Accepted(session_id=chat.id, message_id=message_id, cursor=cursor)
     if wait > 0:
-        event = await g.wait_terminal(chat, message_id, cursor, min(wait, g.settings.wait_max_s))
+        timeout_s = min(wait, g.settings.wait_max_s)
+        try:
+            event = await g.wait_terminal(user, chat, ids, cursor, timeout_s)
+        except TooManyStreamsError as exc:
+            raise HTTPException(429, f"sent, but cannot wait: {exc}") from None
         if event is not None:
             response.status_code = 200
             accepted.event = public_event(chat, event)
@@ -176,9 +193,12 @@ async def stop(request: Request, chat: Owned) -> dict[str, str]:
 
 
 @router.post("/sessions/{session_id}/discard", status_code=202)
-async def discard(request: Request, chat: Owned) -> dict[str, str]:
+async def discard(request: Request, user: Caller, chat: Owned) -> dict[str, str]:
     """Stop, and end a temporary chat for good (a durable chat keeps its history)."""
-    await gw(request).client.discard(chat.session_key)
+    g = gw(request)
+    if chat.temporary:
+        await g.chats.forget(user, chat)
+    await g.client.discard(chat.session_key)
     return {"session_id": chat.id, "op": "discard"}
 
 
@@ -202,15 +222,15 @@ async def events(
     if chat is None:
         raise HTTPException(404, "no such session")
     cursor = last_event_id or after or "$"
-    if not CURSOR_RE.fullmatch(cursor):
+    if not valid_cursor(cursor):
         raise HTTPException(400, "a cursor is an event id like 1700000000000-0, 0 or $")
-    if not g.hub.has_room(chat.session_key):
-        raise HTTPException(503, f"{g.settings.max_streams} event streams open")
+    if not g.has_room(user, chat):
+        raise HTTPException(429, "too many open event streams; close one or retry later")
 
     async def stream() -> AsyncIterator[ServerSentEvent]:
         yield ServerSentEvent(comment="stream open", retry=g.settings.sse_retry_ms)
         try:
-            async with g.hub.subscribe(chat.session_key, cursor) as sub:
+            async with g.subscribe(user, chat, cursor) as sub:
                 async for ev in sub.events(g.settings.keepalive_s):
                     if ev is None:
                         yield ServerSentEvent(comment="keep-alive")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,12 +27,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from bus_redis.keys import Keys
 from gateway.auth import Authenticator, User
 from gateway.chats import Chat, Chats
-from gateway.hub import EventHub
+from gateway.hub import EventHub, Subscription, TooManyStreamsError
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,14 @@ class Gateway:
         self.keys = Keys(s.key_prefix)
         self.client = FrontendClient(self.redis, s.key_prefix)
         self.auth = Authenticator(s, self.redis)
-        self.chats = Chats(self.redis, self.keys, s.channel, max_per_user=s.max_sessions_per_user)
+        self.chats = Chats(
+            self.redis,
+            self.keys,
+            s.channel,
+            max_per_user=s.max_sessions_per_user,
+            max_temporary=s.max_temporary_per_user,
+        )
+        self._user_streams: Counter[str] = Counter()
         self.hub = EventHub(
             self.readers,
             self.redis,
@@ -73,18 +82,42 @@ class Gateway:
             **fields,  # type: ignore[arg-type]
         )
 
+    def has_room(self, user: User, chat: Chat) -> bool:
+        return self._user_streams[
+            user.hash
+        ] < self.settings.max_streams_per_user and self.hub.has_room(chat.session_key)
+
+    @asynccontextmanager
+    async def subscribe(self, user: User, chat: Chat, after: str) -> AsyncIterator[Subscription]:
+        """Follow a chat's events for a user: at most ``max_streams_per_user`` at once per
+        process (so one user cannot take every stream of a replica)."""
+        if self._user_streams[user.hash] >= self.settings.max_streams_per_user:
+            raise TooManyStreamsError(f"{self.settings.max_streams_per_user} streams per user")
+        self._user_streams[user.hash] += 1
+        try:
+            async with self.hub.subscribe(chat.session_key, after) as sub:
+                yield sub
+        finally:
+            self._user_streams[user.hash] -= 1
+            if self._user_streams[user.hash] <= 0:
+                del self._user_streams[user.hash]
+
+    async def publish(self, msg: InboundMessage) -> set[str]:
+        """Send; the ids its terminal event may answer to: the message id, and the entry id
+        for a payload the worker cannot read that far."""
+        entry_id = await self.client.send_entry(msg)
+        return {msg.id or entry_id, entry_id}
+
     async def wait_terminal(
-        self, chat: Chat, reply_to: str, after: str, timeout_s: float
+        self, user: User, chat: Chat, reply_to: set[str], after: str, timeout_s: float
     ) -> OutboundMessage | None:
-        """The terminal event of message ``reply_to`` after cursor ``after``, or None."""
+        """The terminal event answering ``reply_to`` after cursor ``after``, or None."""
 
         async def find() -> OutboundMessage | None:
-            async with self.hub.subscribe(chat.session_key, after) as sub:
+            async with self.subscribe(user, chat, after) as sub:
                 async for ev in sub.events(timeout_s):
                     e = ev.event if ev is not None else None
-                    if e is None or not e.is_terminal:
-                        continue
-                    if e.reply_to == reply_to or reply_to in (e.covers or []):
+                    if e is not None and e.is_terminal and answers(e, reply_to):
                         return e
             return None
 
@@ -98,6 +131,11 @@ class Gateway:
         for reader in self.readers:
             await reader.aclose()
         await self.redis.aclose()
+
+
+def answers(ev: OutboundMessage, ids: set[str]) -> bool:
+    """Whether event ``ev`` is about one of the message ids ``ids``."""
+    return ev.reply_to in ids or not ids.isdisjoint(ev.covers or [])
 
 
 def make_gateway(settings: GatewaySettings) -> Gateway:
@@ -136,6 +174,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         summary="HTTP, SSE and WebSocket front door of redis-agent-worker (wire v2).",
         lifespan=lifespan,
     )
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(api.router)
     app.include_router(ws.router)
     app.include_router(openai_compat.router)
@@ -164,6 +203,57 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         return JSONResponse({"ready": True})
 
     return app
+
+
+class BodyLimit:
+    """Refuses a request body over ``limit`` bytes (413): by its Content-Length, or, when
+    it comes in chunks without one, by reading at most ``limit`` bytes of it first."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if b"transfer-encoding" not in headers:  # no body at all
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = bool(message.get("more_body"))
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        detail = f"request body over {self.limit} bytes"
+        await JSONResponse({"detail": detail}, 413)(scope, receive, send)
 
 
 # the page is self-contained: its own script and style only, no outside origin

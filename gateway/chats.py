@@ -33,6 +33,12 @@ class ChatLimitError(Exception):
 
 
 @dataclass(slots=True)
+class Created:
+    chat: Chat
+    evicted: str | None = None  # a temporary chat that made room (to be discarded)
+
+
+@dataclass(slots=True)
 class Chat:
     id: str
     session_key: str
@@ -50,11 +56,14 @@ class Chat:
 
 
 class Chats:
-    def __init__(self, redis: Redis, keys: Keys, channel: str, *, max_per_user: int) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, channel: str, *, max_per_user: int, max_temporary: int
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.channel = channel
         self.max_per_user = max_per_user
+        self.max_temporary = max_temporary
 
     def _index(self, user: User) -> str:
         return self.keys.gw_sessions(self.channel, user.hash)
@@ -62,16 +71,34 @@ class Chats:
     def _titles(self, user: User) -> str:
         return self.keys.gw_titles(self.channel, user.hash)
 
+    def _temporary(self, user: User) -> str:
+        return self.keys.gw_temporary(self.channel, user.hash)
+
     def _chat(self, chat_id: str, title: str = "", created_ms: int = 0) -> Chat:
         kind = CHAT_ID_RE.fullmatch(chat_id)
         temporary = bool(kind and kind.group("kind") == "t-")
         return Chat(chat_id, f"{self.channel}:{chat_id}", temporary, title, created_ms)
 
-    async def create(self, user: User, *, temporary: bool, title: str = "") -> Chat:
-        if temporary:  # a private session: not listed, nothing of it stored here
-            return self._chat(f"{user.hash}-t-{secrets.token_hex(12)}")
+    async def create(self, user: User, *, temporary: bool, title: str = "") -> Created:
+        if temporary:
+            return await self._open_temporary(user)
         chat_id = f"{user.hash}-{secrets.token_hex(12)}"
-        return await self._register(user, chat_id, title[:TITLE_MAX])
+        return Created(await self._register(user, chat_id, title[:TITLE_MAX]))
+
+    async def _open_temporary(self, user: User) -> Created:
+        """A private session: not listed, only its id kept (to know it is the user's);
+        past ``max_temporary`` the user's oldest one makes room."""
+        chat = self._chat(f"{user.hash}-t-{secrets.token_hex(12)}")
+        now = int(time.time() * 1000)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(self._temporary(user), {chat.id: now})
+            pipe.zcard(self._temporary(user))
+            _, count = await pipe.execute()
+        evicted = None
+        if count > self.max_temporary:
+            oldest = await self.redis.zpopmin(self._temporary(user))
+            evicted = text(oldest[0][0]) if oldest else None
+        return Created(chat, evicted)
 
     async def ensure(self, user: User, chat_id: str) -> Chat:
         """Register a deterministic chat id (OpenAI-compatible endpoint) if it is new."""
@@ -81,14 +108,17 @@ class Chats:
         return await self._register(user, chat_id, "")
 
     async def _register(self, user: User, chat_id: str, title: str) -> Chat:
+        """Added and counted in one transaction: concurrent creations never overshoot."""
         now = int(time.time() * 1000)
-        if await self.redis.zcard(self._index(user)) >= self.max_per_user:
-            raise ChatLimitError(f"at most {self.max_per_user} chats per user")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(self._index(user), {chat_id: now}, nx=True)
-            if title:
-                pipe.hset(self._titles(user), chat_id, title)
-            await pipe.execute()
+            pipe.zcard(self._index(user))
+            added, count = await pipe.execute()
+        if added and count > self.max_per_user:
+            await self.redis.zrem(self._index(user), chat_id)
+            raise ChatLimitError(f"at most {self.max_per_user} chats per user")
+        if title:
+            await self.redis.hset(self._titles(user), chat_id, title)  # type: ignore[misc]
         return self._chat(chat_id, title, now)
 
     async def owned(self, user: User, chat_id: str) -> Chat | None:
@@ -96,7 +126,9 @@ class Chats:
         match = CHAT_ID_RE.fullmatch(chat_id)
         if match is None or match.group("user") != user.hash:
             return None
-        if match.group("kind") == "t-":
+        if match.group("kind") == "t-":  # only while the gateway opened it and it is open
+            if await self.redis.zscore(self._temporary(user), chat_id) is None:
+                return None
             return self._chat(chat_id)
         score = await self.redis.zscore(self._index(user), chat_id)
         if score is None:
@@ -116,6 +148,9 @@ class Chats:
         ]
 
     async def forget(self, user: User, chat: Chat) -> None:
+        if chat.temporary:
+            await self.redis.zrem(self._temporary(user), chat.id)
+            return
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zrem(self._index(user), chat.id)
             pipe.hdel(self._titles(user), chat.id)

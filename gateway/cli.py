@@ -32,6 +32,9 @@ Generate the Redis user with: agent-worker acl gateway --channel C --password PW
 """
 
 
+WS_MAX_FRAME_BYTES = 64 * 1024  # uvicorn refuses a larger WebSocket frame before reading it
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="agent-gateway",
@@ -75,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=5,
+        # the peer address is the one the socket says: X-Forwarded-For would let anyone
+        # pose as a trusted proxy (AGENT_GATEWAY_TRUSTED_PROXIES decides whom to believe)
+        proxy_headers=False,
+        ws_max_size=WS_MAX_FRAME_BYTES,
     )
     return 0
 

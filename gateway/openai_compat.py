@@ -16,11 +16,12 @@ when the workers do not stream deltas).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
@@ -29,9 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bus_redis import OutboundMessage
 from gateway.api import caller, gw
-from gateway.app import Gateway
+from gateway.app import Gateway, answers
 from gateway.auth import User
 from gateway.chats import Chat, ChatLimitError
+from gateway.hub import TooManyStreamsError
 
 router = APIRouter(prefix="/v1")
 ERROR_STATUS = {
@@ -76,14 +78,19 @@ async def completions(
     chat = await _pick(g, user, x_session_id, body.user)
     message_id = f"oa-{uuid.uuid4().hex}"
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
-    await g.client.send(g.message(user, chat, content, id=message_id))
+    if not g.has_room(user, chat):
+        return _error(429, "rate_limit_exceeded", "too many open streams for this user")
+    ids = await g.publish(g.message(user, chat, content, id=message_id))
     completion_id = f"chatcmpl-{message_id}"
     if body.stream:
-        chunks = _stream(g, chat, message_id, cursor, completion_id, body.model)
+        chunks = _stream(g, user, chat, ids, cursor, completion_id, body.model)
         return StreamingResponse(
             chunks, media_type="text/event-stream", headers={"X-Session-Id": chat.id}
         )
-    ev = await g.wait_terminal(chat, message_id, cursor, g.settings.wait_max_s)
+    try:
+        ev = await g.wait_terminal(user, chat, ids, cursor, g.settings.wait_max_s)
+    except TooManyStreamsError:
+        return _error(429, "rate_limit_exceeded", "too many open streams for this user")
     if ev is None:
         return _error(504, "timeout", "the agent did not answer in time")
     if ev.type == "error":
@@ -132,9 +139,10 @@ def _last_user_text(messages: list[ChatMessage]) -> str | None:
 
 
 async def _stream(
-    g: Gateway, chat: Chat, message_id: str, cursor: str, completion_id: str, model: str
+    g: Gateway, user: User, chat: Chat, ids: set[str], cursor: str, completion_id: str, model: str
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
+    deadline = time.monotonic() + g.settings.wait_max_s
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
         doc = {
@@ -148,32 +156,45 @@ async def _stream(
 
     yield chunk({"role": "assistant", "content": ""})
     sent = ""
-    async with g.hub.subscribe(chat.session_key, cursor) as sub:
-        async for item in sub.events(g.settings.keepalive_s):
-            ev: OutboundMessage | None = item.event if item is not None else None
-            if item is None:
-                yield b": keep-alive\n\n"
-                continue
-            if ev is None or not _for(ev, message_id):
-                continue
-            if ev.type == "delta" and ev.content:
-                sent += ev.content
-                yield chunk({"content": ev.content})
-            elif ev.type == "message":
-                rest = ev.content[len(sent) :] if ev.content.startswith(sent) else ev.content
-                if rest:
-                    yield chunk({"content": rest})
-                yield chunk({}, "stop")
-                break
-            elif ev.type == "error":
-                err = {"error": {"message": ev.content, "type": ev.code, "code": ev.code}}
-                yield f"data: {json.dumps(err)}\n\n".encode()
-                break
+    try:
+        async with contextlib.aclosing(_events(g, user, chat, ids, cursor, deadline)) as events:
+            async for ev in events:
+                if ev is None:
+                    yield b": keep-alive\n\n"
+                elif ev.type == "delta" and ev.content:
+                    sent += ev.content
+                    yield chunk({"content": ev.content})
+                elif ev.type == "message":
+                    rest = ev.content[len(sent) :] if ev.content.startswith(sent) else ev.content
+                    if rest:
+                        yield chunk({"content": rest})
+                    yield chunk({}, "stop")
+                    break
+                elif ev.type == "error":
+                    err = {"error": {"message": ev.content, "type": ev.code, "code": ev.code}}
+                    yield f"data: {json.dumps(err)}\n\n".encode()
+                    break
+    except TimeoutError:
+        err = {"error": {"message": "the agent did not answer in time", "type": "timeout"}}
+        yield f"data: {json.dumps(err)}\n\n".encode()
+    except TooManyStreamsError:
+        err = {"error": {"message": "too many open streams", "type": "rate_limit_exceeded"}}
+        yield f"data: {json.dumps(err)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
-def _for(ev: OutboundMessage, message_id: str) -> bool:
-    return ev.reply_to == message_id or message_id in (ev.covers or [])
+async def _events(
+    g: Gateway, user: User, chat: Chat, ids: set[str], cursor: str, deadline: float
+) -> AsyncGenerator[OutboundMessage | None, None]:
+    """The events answering ``ids`` (None: a keep-alive tick) until ``deadline``."""
+    async with g.subscribe(user, chat, cursor) as sub:
+        async for item in sub.events(g.settings.keepalive_s):
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            if item is None:
+                yield None
+            elif item.event is not None and answers(item.event, ids):
+                yield item.event
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:

@@ -45,7 +45,10 @@ class GatewaySettings(BaseSettings):
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
     ticket_ttl_s: int = Field(default=60, ge=5, le=3600)
     max_sessions_per_user: int = Field(default=500, ge=1)
-    max_streams: int = Field(default=10_000, ge=1)  # open SSE/WebSocket subscriptions
+    max_temporary_per_user: int = Field(default=5, ge=1)  # more: the oldest is discarded
+    max_streams: int = Field(default=10_000, ge=1)  # followed event streams per process
+    max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route
     redis_connections: int = Field(default=16, ge=2, le=1024)
     readers: int = Field(default=8, ge=1, le=64)  # blocking connections sharing the streams
     keepalive_s: float = Field(default=15.0, gt=0)

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
 
-from gateway.api import CURSOR_RE, public_event
+from gateway.api import public_event, valid_cursor
 from gateway.app import Gateway
 from gateway.auth import User
 from gateway.chats import Chat
@@ -44,43 +44,60 @@ async def socket(ws: WebSocket) -> None:
 
 
 class Connection:
+    """One socket: a receiving task, a writing task, and a pump per followed chat. A client
+    that stops reading (its outbox full) is disconnected; it reconnects and resumes."""
+
     def __init__(self, gw: Gateway, user: User, ws: WebSocket) -> None:
         self.gw, self.user, self.ws = gw, user, ws
         self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue(OUTBOX)
         self.pumps: dict[str, asyncio.Task[None]] = {}
-        self.writer: asyncio.Task[None] | None = None
+        self.overflowed = False
+        self.ended = asyncio.Event()
 
     async def serve(self) -> None:
-        self.writer = asyncio.create_task(self._write())
+        tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._write())]
         try:
-            while not self.writer.done():
-                raw = await self.ws.receive_text()
-                if len(raw) > MAX_FRAME:
-                    self.put({"type": "error", "message": "frame too large"})
-                else:
-                    await self._handle(raw)
-        except (WebSocketDisconnect, RuntimeError):
-            pass
+            await self.ended.wait()
         finally:
-            tasks = [*self.pumps.values(), self.writer]
-            for task in tasks:
+            everything = [*tasks, *self.pumps.values()]
+            for task in everything:
                 task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await asyncio.gather(*everything, return_exceptions=True)
+            if self.overflowed:
+                with contextlib.suppress(Exception):
+                    await self.ws.close(code=1013, reason="too slow: reconnect and resume")
 
     def put(self, frame: dict[str, Any]) -> None:
         try:
             self.outbox.put_nowait(frame)
-        except asyncio.QueueFull:  # a client that does not read: closed; it resumes later
-            if self.writer is not None:
-                self.writer.cancel()
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().create_task(self.ws.close(code=1013))
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.ended.set()
+
+    async def _receive(self) -> None:
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                raw = message.get("text")
+                if raw is None:
+                    self.put({"type": "error", "message": "text frames only"})
+                elif len(raw) > MAX_FRAME:
+                    self.put({"type": "error", "message": "frame too large"})
+                else:
+                    await self._handle(raw)
+        except (WebSocketDisconnect, RuntimeError):
+            return
+        finally:
+            self.ended.set()
 
     async def _write(self) -> None:
-        while True:
-            await self.ws.send_text(json.dumps(await self.outbox.get(), ensure_ascii=False))
+        try:
+            while True:
+                await self.ws.send_text(json.dumps(await self.outbox.get(), ensure_ascii=False))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.ended.set()
 
     async def _handle(self, raw: str) -> None:
         try:
@@ -96,7 +113,7 @@ class Connection:
                 task.cancel()
             return
         chat = await self.gw.chats.owned(self.user, session_id)
-        if op != "subscribe" or chat is None or not CURSOR_RE.fullmatch(after):
+        if op != "subscribe" or chat is None or not valid_cursor(after):
             self.put(
                 {"type": "error", "session_id": session_id, "message": "no such session or op"}
             )
@@ -109,11 +126,17 @@ class Connection:
         old = self.pumps.pop(session_id, None)
         if old is not None:
             old.cancel()
-        self.pumps[session_id] = asyncio.create_task(self._pump(chat, after))
+        task = asyncio.create_task(self._pump(chat, after))
+        self.pumps[session_id] = task
+        task.add_done_callback(lambda t: self._ended_pump(session_id, t))
+
+    def _ended_pump(self, session_id: str, task: asyncio.Task[None]) -> None:
+        if self.pumps.get(session_id) is task:  # a pump that ended frees its slot
+            del self.pumps[session_id]
 
     async def _pump(self, chat: Chat, after: str) -> None:
         try:
-            async with self.gw.hub.subscribe(chat.session_key, after) as sub:
+            async with self.gw.subscribe(self.user, chat, after) as sub:
                 self.put({"type": "subscribed", "session_id": chat.id, "cursor": sub.cursor})
                 async for ev in sub.events(self.gw.settings.keepalive_s):
                     if ev is None:

@@ -75,6 +75,7 @@ def running_stack(*, gateways: int, workers: int, failover_lb: bool = False) -> 
                     env={
                         "AGENT_GATEWAY_TOKENS": f"{ALICE_TOKEN}=alice,{BOB_TOKEN}=bob",
                         "AGENT_GATEWAY_KEEPALIVE_S": "1",
+                        "AGENT_GATEWAY_TRUSTED_PROXIES": "10.9.9.9",  # a proxy that is not there
                     },
                 )
             )

@@ -184,3 +184,92 @@ def test_command_line_options_override_the_environment(
     assert settings_from([]).redis_url == "redis://gw-host:3/0"
     with pytest.raises(ValueError, match="channel"):
         settings_from(["--channel", "unified"])
+
+
+async def test_bodies_over_the_limit_are_refused_before_they_are_read(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory, max_body_bytes=4096) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        big = {"content": "x", "metadata": {"blob": "y" * 10_000}}
+        r = await http.post(f"/api/sessions/{sid}/messages", json=big, headers=ALICE)
+        assert r.status_code == 413
+
+        async def chunks():  # type: ignore[no-untyped-def]  # no Content-Length: counted
+            for _ in range(10):
+                yield b"x" * 1000
+
+        r = await http.post("/v1/chat/completions", content=chunks(), headers=ALICE)
+        assert r.status_code == 413
+        status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).json()
+        assert status["queued"] == 0  # nothing was sent
+
+
+async def test_temporary_chats_are_only_those_opened_and_a_few_per_user(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory, max_temporary_per_user=2) as http:
+        made = [
+            (await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)).json()["id"]
+            for _ in range(3)
+        ]
+        assert (
+            await http.get(f"/api/sessions/{made[0]}", headers=ALICE)
+        ).status_code == 404  # evicted
+        for sid in made[1:]:
+            assert (await http.get(f"/api/sessions/{sid}", headers=ALICE)).status_code == 200
+        invented = made[1][: -len("0000")] + "0000"
+        assert (await http.get(f"/api/sessions/{invented}", headers=ALICE)).status_code == 404
+        assert (
+            await http.post(f"/api/sessions/{made[1]}/discard", headers=ALICE)
+        ).status_code == 202
+        assert (await http.get(f"/api/sessions/{made[1]}", headers=ALICE)).status_code == 404
+        # the evicted one was discarded on the wire: its stream ends with a discard marker
+        redis = redis_factory()
+        entries = await redis.xrange(Keys().inbound(f"web:{made[0]}"))
+        assert entries[-1][1] == {"control": "discard"}
+
+
+async def test_concurrent_creations_never_overshoot_the_chat_limit(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    async with _client(redis_factory, max_sessions_per_user=5) as http:
+        replies = await asyncio.gather(
+            *[http.post("/api/sessions", json={}, headers=ALICE) for _ in range(20)]
+        )
+        assert sorted(r.status_code for r in replies) == [201] * 5 + [409] * 15
+        assert len((await http.get("/api/sessions", headers=ALICE)).json()) == 5
+
+
+async def test_one_user_cannot_take_every_stream_of_a_replica(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    from gateway.auth import User
+    from gateway.hub import TooManyStreamsError
+
+    config = GatewaySettings(tokens=TOKENS, max_streams_per_user=2)
+    gw = Gateway(config, redis_factory(), [redis_factory()])
+    gw.hub.start()
+    try:
+        bob, alice = User("bob"), User("alice")
+        chats = [(await gw.chats.create(bob, temporary=False)).chat for _ in range(3)]
+        mine = (await gw.chats.create(alice, temporary=False)).chat
+        async with gw.subscribe(bob, chats[0], "$"), gw.subscribe(bob, chats[1], "$"):
+            assert not gw.has_room(bob, chats[2])
+            with pytest.raises(TooManyStreamsError):
+                async with gw.subscribe(bob, chats[2], "$"):
+                    pass
+            assert gw.has_room(alice, mine)
+            async with gw.subscribe(alice, mine, "$"):
+                pass
+        assert gw.has_room(bob, chats[2])  # given back when they end
+    finally:
+        await gw.hub.stop()
+
+
+async def test_cursors_that_are_no_stream_ids_are_refused(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        for bad in [
+            "18446744073709551616-0",
+            "99999999999999999999-0",
+            "\u0661\u0662-\u0660",
+            "-1-0",
+            "abc",
+        ]:
+            r = await http.get(f"/api/sessions/{sid}/events", params={"after": bad}, headers=ALICE)
+            assert r.status_code == 400, bad

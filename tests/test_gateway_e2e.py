@@ -163,8 +163,10 @@ async def test_a_temporary_chat_is_private_and_ends_when_discarded(stack: Stack)
         assert "spawn" not in tools
         r = await http.post(f"{stack.b}/api/sessions/{sid}/discard", headers=ALICE)
         assert r.status_code == 202
-        after = await _send(http, stack.a, sid, {"content": "still there?"})
-        assert after["event"]["code"] == "session_not_active"
+        r = await http.post(f"{stack.a}/api/sessions/{sid}/messages", json={"content": "still there?"}, headers=ALICE)
+        assert r.status_code == 404  # gone for its owner too
+        made_up = sid[:-4] + "abcd"  # a temporary id the gateway never opened
+        assert (await http.get(f"{stack.a}/api/sessions/{made_up}/events", headers=ALICE)).status_code == 404
     for key in stack.admin.scan_iter(count=1000):
         if stack.admin.type(key) in ("hash", "string", "zset"):
             assert "4711" not in str(stack.admin.dump(key)), key
@@ -321,3 +323,29 @@ async def test_redis_connections_stay_bounded_however_many_streams_are_open(stac
             # and a chat still gets its reply while they are open
             got = await _send(http, stack.b, chats[-1], {"content": "still served"})
             assert got["event"]["content"] == "re: still served"
+
+
+async def test_a_forwarded_for_header_does_not_make_a_trusted_proxy(stack: Stack) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        spoof = {"X-Forwarded-User": "alice", "X-Forwarded-For": "10.9.9.9"}
+        assert (await http.get(f"{stack.a}/api/sessions", headers=spoof)).status_code == 401
+
+
+async def test_hostile_websocket_frames_get_errors_and_a_slow_reader_is_let_go(stack: Stack) -> None:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        ticket = (await http.post(f"{stack.a}/api/tickets", headers=ALICE)).json()["ticket"]
+        url = stack.a.replace("http://", "ws://") + f"/api/ws?ticket={ticket}"
+        async with connect(url) as ws:
+            await ws.send(b"\x00binary")
+            assert json.loads(await ws.recv())["message"] == "text frames only"
+            await ws.send("not json")
+            assert json.loads(await ws.recv())["type"] == "error"
+            await ws.send(json.dumps({"op": "subscribe", "session_id": "x", "after": "99999999999999999999999-0"}))
+            assert json.loads(await ws.recv())["type"] == "error"
+        async with connect(url, max_size=None) as ws:  # a frame over 64 KiB: refused
+            await ws.send("x" * 70_000)
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 10)

@@ -163,7 +163,10 @@ async def _serve_page(url: str) -> None:
     settings = GatewaySettings(
         redis_url=url, key_prefix="demo", channel=CHANNEL, port=port, tokens={token: "you"}
     )
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False
+    )
     print(f"\nChat page: http://127.0.0.1:{port}/  (access token: {token}); Ctrl-C to stop")
     await uvicorn.Server(config).serve()
 
