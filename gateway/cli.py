@@ -21,7 +21,11 @@ configuration (environment; options override):
   AGENT_GATEWAY_USER_HEADER                   that header (default X-Forwarded-User)
   AGENT_GATEWAY_TICKET_TTL_S                  lifetime of EventSource/WebSocket tickets (60)
   AGENT_GATEWAY_MAX_SESSIONS_PER_USER         durable chats per user (500)
+  AGENT_GATEWAY_MAX_TEMPORARY_PER_USER        open temporary chats per user (5; more discards
+                                              the oldest)
   AGENT_GATEWAY_MAX_STREAMS                   open event streams per process (10000)
+  AGENT_GATEWAY_MAX_STREAMS_PER_USER          ... of them for one user (64)
+  AGENT_GATEWAY_MAX_BODY_BYTES                a request body (1048576)
   AGENT_GATEWAY_REDIS_CONNECTIONS             pooled Redis connections per process (16)
   AGENT_GATEWAY_READERS                       blocking event reads sharing the open streams (8),
                                               one connection each
