@@ -118,8 +118,8 @@ async def create_session(request: Request, user: Caller, body: NewSession) -> di
     except ChatLimitError as exc:
         raise HTTPException(409, str(exc)) from None
     chat = created.chat
-    if created.evicted:  # the user's oldest temporary chat made room for this one
-        await g.client.discard(f"{g.settings.channel}:{created.evicted}")
+    for evicted in created.evicted:  # the user's oldest temporary chats made room
+        await g.client.discard(f"{g.settings.channel}:{evicted}")
     if chat.temporary:
         await g.client.open_transient(
             g.settings.channel,
@@ -128,6 +128,11 @@ async def create_session(request: Request, user: Caller, body: NewSession) -> di
             disabled_tools=g.settings.temporary_disabled_tools,
             scope=f"user-{user.hash}",
         )
+        # a concurrent creation may have evicted (and discarded) it before it was opened:
+        # a discard after the open closes it on the worker too
+        if not await g.chats.still_open(user, chat):
+            await g.client.discard(chat.session_key)
+            raise HTTPException(409, "too many temporary chats opened at once; try again")
     return await g.chats.status(chat)
 
 
@@ -167,6 +172,8 @@ async def send(
     wait: Annotated[float, Query(ge=0, description="seconds to wait for the terminal event")] = 0,
 ) -> Accepted:
     g = gw(request)
+    if wait > 0 and not g.has_room(user, chat):  # refused before anything is sent
+        raise HTTPException(429, "too many open streams to wait; send without ?wait=")
     message_id = body.client_id or uuid.uuid4().hex
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
     msg = g.message(user, chat, body.content, id=message_id, metadata=body.metadata)

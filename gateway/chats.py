@@ -14,7 +14,7 @@ import json
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -35,7 +35,7 @@ class ChatLimitError(Exception):
 @dataclass(slots=True)
 class Created:
     chat: Chat
-    evicted: str | None = None  # a temporary chat that made room (to be discarded)
+    evicted: list[str] = field(default_factory=list)  # temporary chats that made room
 
 
 @dataclass(slots=True)
@@ -94,11 +94,16 @@ class Chats:
             pipe.zadd(self._temporary(user), {chat.id: now})
             pipe.zcard(self._temporary(user))
             _, count = await pipe.execute()
-        evicted = None
-        if count > self.max_temporary:
-            oldest = await self.redis.zpopmin(self._temporary(user))
-            evicted = text(oldest[0][0]) if oldest else None
+        evicted: list[str] = []
+        if count > self.max_temporary:  # every one over the limit, oldest first
+            oldest = await self.redis.zpopmin(self._temporary(user), count - self.max_temporary)
+            evicted = [text(member) for member, _score in oldest]
         return Created(chat, evicted)
+
+    async def still_open(self, user: User, chat: Chat) -> bool:
+        """Whether a temporary chat is still registered (a concurrent creation may have
+        made room by evicting it)."""
+        return await self.redis.zscore(self._temporary(user), chat.id) is not None
 
     async def ensure(self, user: User, chat_id: str) -> Chat:
         """Register a deterministic chat id (OpenAI-compatible endpoint) if it is new."""

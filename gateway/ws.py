@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
+from redis.exceptions import RedisError
 
 from gateway.api import public_event, valid_cursor
 from gateway.app import Gateway
@@ -154,3 +155,6 @@ class Connection:
                         )
         except TooManyStreamsError as exc:
             self.put({"type": "error", "session_id": chat.id, "message": str(exc)})
+        except (RedisError, OSError):
+            message = "events unavailable; subscribe again to resume"
+            self.put({"type": "error", "session_id": chat.id, "message": message})

@@ -273,3 +273,45 @@ async def test_cursors_that_are_no_stream_ids_are_refused(redis_factory) -> None
         ]:
             r = await http.get(f"/api/sessions/{sid}/events", params={"after": bad}, headers=ALICE)
             assert r.status_code == 400, bad
+
+
+async def test_concurrent_temporary_chats_never_leave_one_open_beyond_the_limit(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Twenty at once with a limit of 2: every chat that does not stay registered ends with
+    a discard after its open on the wire, so no worker keeps it."""
+    import asyncio
+
+    async with _client(redis_factory, max_temporary_per_user=2) as http:
+        replies = await asyncio.gather(
+            *[
+                http.post("/api/sessions", json={"temporary": True}, headers=ALICE)
+                for _ in range(20)
+            ]
+        )
+        kept = [r.json()["id"] for r in replies if r.status_code == 201]
+        assert {r.status_code for r in replies} <= {201, 409}
+        redis = redis_factory()
+        registered = {
+            m for m in await redis.zrange(Keys().gw_temporary("web", _alice_hash()), 0, -1)
+        }
+        assert len(registered) <= 2
+        async for key in redis.scan_iter(match="agent:{web}:in:web:*-t-*"):
+            entries = [fields for _id, fields in await redis.xrange(key)]
+            chat_id = key.split(":in:web:", 1)[1]
+            opened = [i for i, f in enumerate(entries) if "open_transient" in f.get("payload", "")]
+            discards = [i for i, f in enumerate(entries) if f.get("control") == "discard"]
+            if chat_id in registered:
+                continue
+            assert discards, (chat_id, entries)
+            assert opened, (chat_id, entries)
+            assert max(discards) > max(opened), (chat_id, entries)
+        for sid in kept:
+            status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).status_code
+            assert status == (200 if sid in registered else 404)
+
+
+def _alice_hash() -> str:
+    from gateway.auth import User
+
+    return User("alice").hash

@@ -165,7 +165,12 @@ async def _serve_page(url: str) -> None:
     )
     app = create_app(settings)
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        proxy_headers=False,
+        ws_max_size=64 * 1024,
     )
     print(f"\nChat page: http://127.0.0.1:{port}/  (access token: {token}); Ctrl-C to stop")
     await uvicorn.Server(config).serve()
