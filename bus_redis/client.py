@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
 from bus_redis.keys import Keys, channel_of
 from bus_redis.schema import ControlMessage, InboundMessage, OpenTransient, OutboundMessage
@@ -134,6 +135,7 @@ class FrontendClient:
                 if "WRONGTYPE" not in str(exc):  # of its session replaces it
                     raise
                 reply = await self._read_streams_only(position, count=count)
+            still_wanted()
             for stream, batch in reply or []:
                 for eid, raw in batch:
                     position[text(stream)] = text(eid)

@@ -29,6 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from bus_redis import OutboundMessage
+from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
 from bus_redis.keys import Keys
 
@@ -84,15 +85,19 @@ class Subscription:
         if self.gap:
             yield HubEvent("gap", self.cursor)
         while True:
+            still_wanted()
             if self.catch_up:
                 self.catch_up = False
                 self.buffer.clear()
                 if self.missed_from:  # so far behind that Redis may have trimmed what it missed
                     missed, self.missed_from = self.missed_from, ""
                     first = await self.hub.first_id(self.stream)
+                    still_wanted()
                     if first is None or id_key(first) > id_key(missed):
                         yield HubEvent("gap", self.cursor)
-                for ev in await self.hub.read_after(self.stream, self.cursor):
+                events = await self.hub.read_after(self.stream, self.cursor)
+                still_wanted()
+                for ev in events:
                     self.cursor = ev.entry_id
                     yield ev
                     self.catch_up = True  # read on until nothing is left
@@ -269,6 +274,7 @@ class EventHub:
             raise TooManyStreamsError(f"{self.max_streams} event streams open")
         last = await self.last_id(stream)
         cursor, gap = await self._start_point(stream, after, last)
+        still_wanted()
         sub = Subscription(self, stream, cursor, gap)
         if not self.has_room(session_key):  # others took the room while we read Redis
             raise TooManyStreamsError(f"{self.max_streams} event streams open")
@@ -280,6 +286,7 @@ class EventHub:
         try:
             if new:
                 await reader.wake()
+                still_wanted()
             yield sub
         finally:
             entry = reader.streams.get(stream)
