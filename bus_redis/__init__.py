@@ -8,6 +8,9 @@ registry  channels, owner records, sweeps, worker clean-up
 results   typed script results and the commit request
 scripts   the Lua scripts in lua/, one file each
 codec     decoding of redis-py replies; escaping for logs
+acl       the Redis ACL lines for frontends, gateways and workers
+config    checks shared by worker and gateway settings
+aio       still_wanted(): a cancellation redis-py 8 swallowed is raised again
 """
 
 from bus_redis.client import FrontendClient
