@@ -1,7 +1,7 @@
 """The gateway's event fan-out with many open SSE streams, against a real redis-server.
 
 One ``agent-gateway`` process (under its generated ACL user) serves ``--streams`` open SSE
-streams (one chat each). Events are written into the chats' event streams with ``XADD``
+streams (one chat each, spread over 50 users). Events are written into the chats' event streams with ``XADD``
 exactly as a worker writes them, and read back two ways in the same run:
 
 - through the gateway: the SSE clients (one asyncio process, httpx);
@@ -33,7 +33,7 @@ from bus_redis import OutboundMessage
 from bus_redis.acl import gateway_acl
 from bus_redis.keys import Keys
 
-TOKEN = "bench-token-0123456789"
+USERS = 50  # the streams are spread over this many users (a user may hold 64 per process)
 K = Keys()
 
 
@@ -112,27 +112,32 @@ async def main(args: argparse.Namespace) -> None:
         f"redis://gateway-web:bench-gw-pw@{host}",
         name="bench-gw",
         env={
-            "AGENT_GATEWAY_TOKENS": f"{TOKEN}=bench",
+            "AGENT_GATEWAY_TOKENS": ",".join(f"bench-token-{u:04d}=user{u}" for u in range(USERS)),
             "AGENT_GATEWAY_MAX_SESSIONS_PER_USER": "100000",
             "AGENT_LOG_LEVEL": "WARNING",
             "AGENT_GATEWAY_LOG_LEVEL": "WARNING",
         },
     )
-    headers = {"Authorization": f"Bearer {TOKEN}"}
+    headers = [{"Authorization": f"Bearer bench-token-{u:04d}"} for u in range(USERS)]
     limits = httpx.Limits(max_connections=args.streams + 50, max_keepalive_connections=50)
     try:
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             chats = [
-                (await http.post(f"{gw.url}/api/sessions", json={}, headers=headers)).json()["id"]
-                for _ in range(args.streams)
+                (
+                    await http.post(f"{gw.url}/api/sessions", json={}, headers=headers[i % USERS])
+                ).json()["id"]
+                for i in range(args.streams)
             ]
-            ticket = (await http.post(f"{gw.url}/api/tickets", headers=headers)).json()["ticket"]
+            tickets = [
+                (await http.post(f"{gw.url}/api/tickets", headers=h)).json()["ticket"]
+                for h in headers
+            ]
             rss_before = rss_kib(gw.proc.pid)
             received: list[tuple[str, int]] = []
             readies = [asyncio.Event() for _ in chats]
             tasks = [
-                asyncio.create_task(follow(http, gw.url, c, ticket, e, received))
-                for c, e in zip(chats, readies, strict=True)
+                asyncio.create_task(follow(http, gw.url, c, tickets[i % USERS], e, received))
+                for i, (c, e) in enumerate(zip(chats, readies, strict=True))
             ]
             t0 = time.perf_counter()
             for e in readies:
