@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
 from bus_redis.codec import text
 from bus_redis.keys import Keys
@@ -179,10 +178,8 @@ class Chats:
             pipe.exists(k.lease(s))
             pipe.hget(k.session(s), "count")
             pipe.xrevrange(k.out(s), "+", "-", count=1)
-            try:
-                waiting, running, count, last = await pipe.execute(raise_on_error=False)
-            except ResponseError:
-                waiting, running, count, last = 0, 0, 0, []
+            # a wrong-typed key answers an error object in its place, read as "nothing"
+            waiting, running, count, last = await pipe.execute(raise_on_error=False)
         waiting = waiting if isinstance(waiting, int) else 0
         running = bool(running) if isinstance(running, int) else False
         last_id = text(last[0][0]) if isinstance(last, list) and last else "0-0"

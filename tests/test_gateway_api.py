@@ -315,3 +315,13 @@ def _alice_hash() -> str:
     from gateway.auth import User
 
     return User("alice").hash
+
+
+async def test_status_reads_junk_keys_as_nothing(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        redis, k = redis_factory(), Keys()
+        await redis.set(k.inbound(f"web:{sid}"), "junk")  # wrong types where streams belong
+        await redis.set(k.out(f"web:{sid}"), "junk")
+        status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).json()
+        assert (status["queued"], status["state"], status["last_event_id"]) == (0, "idle", "0-0")
