@@ -12,13 +12,15 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from bus_redis.codec import fields, stream_id_ms, strict_text, text, texts
+from redis.exceptions import NoScriptError
+
+from bus_redis.codec import stream_id_ms, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, valid_channel
 from bus_redis.schema import CONTROL_OPS
+from bus_redis.scripts import script_sha
 from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000
-MARKER_SCAN = 1000
 IN_FLIGHT_MS = 1000
 log = logging.getLogger(
     __name__
@@ -194,28 +196,31 @@ class Registry:
 
     async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
         """For running turns ``{K: (S, entry id)}``: the op of the first control marker
-        queued after the running entry. One pipelined round trip in the usual case (a
-        short queue); a long queue is read on in steps until a marker or its end."""
-        if not running:
-            return {}
-        starts = {key: (f"({eid}" if eid else "-") for key, (_m, eid) in running.items()}
+        queued after the running entry. One pipelined round trip in the usual case; a long
+        queue is read on in bounded steps (``lua/markers.lua``), each entry read once
+        however many controls ask (memos in the stream's attempts hash)."""
+        todo = {key: (member, eid, "") for key, (member, eid) in running.items() if eid}
         found: dict[str, str] = {}
-        while starts:
+        while todo:
+            k = self.keys
             async with self.redis.pipeline(transaction=False) as pipe:
-                for key, start in starts.items():
-                    pipe.xrange(self.keys.inbound(running[key][0]), start, "+", count=MARKER_SCAN)
-                replies = await pipe.execute()
-            more: dict[str, str] = {}
-            for key, entries in zip(starts, replies, strict=True):
-                op = next(
-                    (o for _e, raw in entries if (o := fields(raw).get("control")) in CONTROL_OPS),
-                    None,
-                )
-                if op is not None:
-                    found[key] = op
-                elif len(entries) == MARKER_SCAN:
-                    more[key] = f"({text(entries[-1][0])}"
-            starts = more
+                for member, entry_id, resume in todo.values():
+                    keys = [k.inbound(member), k.attempts(member), k.control_hint(member)]
+                    pipe.evalsha(script_sha("markers"), 3, *keys, entry_id, resume)
+                try:
+                    replies = await pipe.execute()
+                except NoScriptError:
+                    await self.bus.scripts.load_all()
+                    continue
+            more: dict[str, tuple[str, str, str]] = {}
+            for key, reply in zip(todo, replies, strict=True):
+                parts = texts(reply)
+                if parts and parts[0] in CONTROL_OPS:
+                    found[key] = parts[0]
+                elif parts and parts[0] == "again":
+                    member, entry_id, _ = todo[key]
+                    more[key] = (member, entry_id, parts[1])
+            todo = more
         return found
 
     # --- workers --------------------------------------------------------------------

@@ -44,6 +44,11 @@ class More:
 
 
 @dataclass(frozen=True, slots=True)
+class Again:
+    """A bounded step (control markers consumed, a marker scan) left work: call again."""
+
+
+@dataclass(frozen=True, slots=True)
 class Released:
     pass
 
@@ -53,7 +58,7 @@ class Lost:
     pass
 
 
-Step = Entry | ControlReached | More | Released | Lost
+Step = Entry | ControlReached | More | Again | Released | Lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +117,8 @@ def parse_step(raw: list[Any]) -> Step | None:
         return ControlReached(parts[1], parts[2])
     if kind == "more":
         return More(tuple(parts[1:]))
+    if kind == "again":
+        return Again()
     if kind == "released":
         return Released()
     return Lost()

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.client import NEVER_DECODE
 from redis.exceptions import NoScriptError
 
-_WITH_PRELUDE = frozenset({"acquire", "next", "commit"})
+_WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers"})
 SCRIPT_NAMES = (
     "acquire",
     "next",
@@ -29,6 +29,7 @@ SCRIPT_NAMES = (
     "owner_lost",
     "consolidate",
     "delete",
+    "markers",
 )
 
 

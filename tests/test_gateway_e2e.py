@@ -163,10 +163,16 @@ async def test_a_temporary_chat_is_private_and_ends_when_discarded(stack: Stack)
         assert "spawn" not in tools
         r = await http.post(f"{stack.b}/api/sessions/{sid}/discard", headers=ALICE)
         assert r.status_code == 202
-        r = await http.post(f"{stack.a}/api/sessions/{sid}/messages", json={"content": "still there?"}, headers=ALICE)
+        r = await http.post(
+            f"{stack.a}/api/sessions/{sid}/messages",
+            json={"content": "still there?"},
+            headers=ALICE,
+        )
         assert r.status_code == 404  # gone for its owner too
         made_up = sid[:-4] + "abcd"  # a temporary id the gateway never opened
-        assert (await http.get(f"{stack.a}/api/sessions/{made_up}/events", headers=ALICE)).status_code == 404
+        assert (
+            await http.get(f"{stack.a}/api/sessions/{made_up}/events", headers=ALICE)
+        ).status_code == 404
     for key in stack.admin.scan_iter(count=1000):
         if stack.admin.type(key) in ("hash", "string", "zset"):
             assert "4711" not in str(stack.admin.dump(key)), key
@@ -331,7 +337,9 @@ async def test_a_forwarded_for_header_does_not_make_a_trusted_proxy(stack: Stack
         assert (await http.get(f"{stack.a}/api/sessions", headers=spoof)).status_code == 401
 
 
-async def test_hostile_websocket_frames_get_errors_and_a_slow_reader_is_let_go(stack: Stack) -> None:
+async def test_hostile_websocket_frames_get_errors_and_a_slow_reader_is_let_go(
+    stack: Stack,
+) -> None:
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
@@ -343,7 +351,11 @@ async def test_hostile_websocket_frames_get_errors_and_a_slow_reader_is_let_go(s
             assert json.loads(await ws.recv())["message"] == "text frames only"
             await ws.send("not json")
             assert json.loads(await ws.recv())["type"] == "error"
-            await ws.send(json.dumps({"op": "subscribe", "session_id": "x", "after": "99999999999999999999999-0"}))
+            await ws.send(
+                json.dumps(
+                    {"op": "subscribe", "session_id": "x", "after": "99999999999999999999999-0"}
+                )
+            )
             assert json.loads(await ws.recv())["type"] == "error"
         async with connect(url, max_size=None) as ws:  # a frame over 64 KiB: refused
             await ws.send("x" * 70_000)

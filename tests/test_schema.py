@@ -96,7 +96,14 @@ def test_every_rejection_names_the_message_id_when_it_can_be_read() -> None:
     for _ in range(33):
         nested = [nested]
     cases = [
-        {"v": 2, "id": "deep-1", "channel": "web", "sender_id": "u", "chat_id": "c", "metadata": {"a": nested}},
+        {
+            "v": 2,
+            "id": "deep-1",
+            "channel": "web",
+            "sender_id": "u",
+            "chat_id": "c",
+            "metadata": {"a": nested},
+        },
         {"id": "nov-1", "channel": "web", "sender_id": "u", "chat_id": "c"},
         {"v": 1, "id": "old-1", "channel": "web", "sender_id": "u", "chat_id": "c"},
     ]

@@ -61,6 +61,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "consolidate": ([k.lease(K), k.session(K), k.memory("web/a")], ["x", "{}", 0, "s"]),
         "delete": ([k.lease(K), k.session(K), k.sessions_index("web"), k.sessions_index("web")],
                    ["x", K]),
+        "markers": (stream[:3], ["1-1", ""]),
     }  # fmt: skip
     assert set(calls) == set(SCRIPT_NAMES)
     for name, (keys, args) in calls.items():

@@ -1,35 +1,68 @@
-"""Controls: what a worker does with a stop or discard that reached it over pub/sub.
+"""Controls: what a worker does with a stop, discard or delete that reached it over pub/sub.
 
 The pub/sub message only says "look": a turn is cancelled once a marker is confirmed
 queued after the entry it runs (so a late message of an earlier control never cancels a
 newer turn), and a control that finds no entry being handled is remembered briefly for an
 entry that may be between its selection and its registration.
+
+A flood costs O(1): the listener only marks the session as "to look at" (a set, so any
+number of controls for one session is one look) and one task confirms all marked
+sessions per round trip. Only sessions running here are marked (at most the worker's
+concurrency); a control for anything else is remembered in a bounded per-channel table.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
 from bus_redis import ControlMessage
 from worker.runtime import Runtime
 
+log = logging.getLogger(__name__)
 FORGETTING = ("discard", "delete")  # ops that make a worker forget the session
 
 
 class Controls:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self._marked: set[str] = set()  # effective keys of running turns to look at
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
 
     def on_control(self, control: ControlMessage) -> None:
         """A stop / discard / delete for session S (called by the control subscription)."""
         rt, target = self.rt, control.session_key
-        running = {k: v for k, v in rt.turns.running().items() if target in (k, v[0])}
+        running = [k for k, v in rt.turns.running().items() if target in (k, v[0])]
         if running:
-            rt.spawn(self.confirm_and_cancel(running))
-        else:
-            rt.turns.note_control(target)  # an entry may be between select and begin
+            self._marked.update(running)
+            self._wake.set()
+            self._ensure_task()
+        else:  # an entry may be between select and begin
+            rt.turns.note_control(target)
         if control.op in FORGETTING and not rt.sessions.is_transient(target):
             rt.sessions.invalidate(target)
         # A private session is forgotten (and its owner record dropped) when its holder
         # reaches the discard marker: exactly in stream order, under its lease.
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._confirm_marked())
+
+    async def _confirm_marked(self) -> None:
+        """Confirm marked sessions, all of them in one pipelined round trip per pass,
+        until none is left (controls arriving meanwhile join the next pass)."""
+        while self._marked:
+            self._wake.clear()
+            marked, self._marked = self._marked, set()
+            running = {k: v for k, v in self.rt.turns.running().items() if k in marked}
+            try:
+                await self.confirm_and_cancel(running)
+            except Exception:  # a failed pass must not stop later controls
+                log.warning("confirming controls failed; looking again", exc_info=True)
+                self._marked |= marked
+                await asyncio.sleep(0.05)
 
     async def confirm_and_cancel(self, running: dict[str, tuple[str, str]]) -> None:
         """Cancel the running entries that a queued marker covers; a discard also forgets
@@ -48,3 +81,9 @@ class Controls:
     async def check_missed(self) -> None:
         """After (re)subscribing: apply controls published while we were not listening."""
         await self.confirm_and_cancel(self.rt.turns.running())
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

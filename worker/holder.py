@@ -25,6 +25,7 @@ from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.results import (
     Acquired,
+    Again,
     CommitSpec,
     ControlReached,
     Entry,
@@ -89,6 +90,8 @@ class SessionHolder:
                     step = await self._process(step)
                 elif isinstance(step, ControlReached):
                     await self.discarded(step.member, step.op)
+                    step = await self._next()
+                elif isinstance(step, Again):  # bounded work per call: other clients between
                     step = await self._next()
                 elif isinstance(step, More):
                     # the pending set is the truth: streams emptied, or left alone (private

@@ -214,6 +214,7 @@ class AgentLoop:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await self.controls.close()
             await self.rt.jobs.aclose()
             await self.maintenance.leave()
             await self.bus.aclose()

@@ -16,6 +16,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+RECENT_PER_CHANNEL = 1024  # controls remembered per channel for entries not yet begun
+
 
 @dataclass(slots=True)
 class Slot:
@@ -34,7 +36,8 @@ class TurnRegistry:
         self._slots: dict[str, Slot] = {}
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
         self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
-        self._recent: OrderedDict[str, float] = OrderedDict()  # controls with no slot yet
+        # per channel: controls with no slot yet (session -> when)
+        self._recent: dict[str, OrderedDict[str, float]] = {}
         self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
         self.stopping = False
 
@@ -84,17 +87,27 @@ class TurnRegistry:
     # --- controls that found no slot ----------------------------------------------------
     def note_control(self, target: str, *, keep_s: float = 5.0) -> None:
         """A control for a session with no entry being handled here: an entry selected
-        just before the marker was queued may still be on its way to :meth:`begin`."""
+        just before the marker was queued may still be on its way to :meth:`begin`.
+        At most RECENT_PER_CHANNEL are kept per channel (a flood of controls for sessions
+        that run nowhere forgets the oldest of its own channel only)."""
         now = time.monotonic()
-        self._recent[target] = now
-        while self._recent and next(iter(self._recent.values())) < now - keep_s:
-            self._recent.popitem(last=False)
+        recent = self._recent.setdefault(target.partition(":")[0], OrderedDict())
+        recent.pop(target, None)
+        recent[target] = now
+        while recent and (
+            len(recent) > RECENT_PER_CHANNEL or next(iter(recent.values())) < now - keep_s
+        ):
+            recent.popitem(last=False)
 
     def take_recent(self, *targets: str, keep_s: float = 5.0) -> bool:
         """Whether a control for one of ``targets`` came recently (forgetting it)."""
         now = time.monotonic()
-        found = [t for t in targets if now - self._recent.pop(t, -keep_s - 1) <= keep_s]
-        return bool(found)
+        found = False
+        for t in targets:
+            recent = self._recent.get(t.partition(":")[0])
+            if recent is not None and now - recent.pop(t, -keep_s - 1) <= keep_s:
+                found = True
+        return found
 
     @staticmethod
     def _cancel(slot: Slot, reason: str) -> int:
@@ -139,4 +152,4 @@ class TurnRegistry:
         return key in self._owned
 
     def empty(self) -> bool:
-        return not self._slots and not self._owned and not self._recent
+        return not self._slots and not self._owned and not any(self._recent.values())

@@ -4,7 +4,8 @@
 -- with S itself in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
 -- discard / delete marker published by the frontend: it covers exactly the entries before it).
 local unpack = unpack or table.unpack
-local MARKER_SCAN = 1000  -- entries read per step while looking for a control marker
+local MARKER_SCAN = 256  -- entries read per call while looking for a control marker
+local HEAD_BATCH = 64  -- control markers consumed per call at the head of a stream
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -51,10 +52,12 @@ local function streams_of(first_key, first_arg)
   return out
 end
 
--- The op of the first control marker after entry `id`, or '' (looked for only while the
--- hint says markers may be queued). The marker found is remembered in the attempts hash
--- (field `_mark`: "<id> <op>"), so each marker costs one scan of the entries before it,
--- however long the queue; a hint with no marker left is deleted.
+-- The op of the first control marker after entry `id`; '' when none is queued; nil when
+-- not known yet (MARKER_SCAN entries were read without reaching a marker or the end:
+-- the caller answers 'again' and the next call reads on). Looked for only while the hint
+-- says markers may be queued. Two memos in the attempts hash make each entry read once,
+-- however often a frontend re-sets the hint: `_mark` ("<id> <op>", the first marker) and
+-- `_scan` (an id: no marker is queued up to it; entries are only ever appended after it).
 local function covering_op(s, id)
   local hint = tonumber(safe(false, 'GET', s[3]) or '0') or 1
   if hint <= 0 then return '' end
@@ -63,39 +66,47 @@ local function covering_op(s, id)
     local mid, mop = string.match(mark, '(%S+) (%S+)')
     if mid and id_less(id, mid) then return mop end
   end
-  local start = '(' .. id
-  while true do
-    local rest = redis.call('XRANGE', s[1], start, '+', 'COUNT', MARKER_SCAN)
-    for _, e in ipairs(rest) do
-      local op = field(e[2], 'control')
-      if op then
-        redis.call('HSET', s[2], '_mark', e[1] .. ' ' .. op)
-        return op
-      end
-    end
-    if #rest < MARKER_SCAN then break end
-    start = '(' .. rest[#rest][1]
+  local from = id
+  local scanned = redis.call('HGET', s[2], '_scan')
+  if scanned and string.match(scanned, '^%d+%-%d+$') and id_less(from, scanned) then
+    from = scanned
   end
-  redis.call('DEL', s[3])  -- `id` is the oldest entry: no marker is queued at all
+  local rest = redis.call('XRANGE', s[1], '(' .. from, '+', 'COUNT', MARKER_SCAN)
+  for _, e in ipairs(rest) do
+    local op = field(e[2], 'control')
+    if op then
+      redis.call('HSET', s[2], '_mark', e[1] .. ' ' .. op)
+      return op
+    end
+  end
+  if #rest > 0 then redis.call('HSET', s[2], '_scan', rest[#rest][1]) end
+  if #rest == MARKER_SCAN then return nil end
+  redis.call('DEL', s[3])  -- no marker is queued at all
   return ''
 end
 
--- Consume control markers at the head of a stream (everything before them is done).
--- Returns the oldest real entry (or nil) and the op of a consumed discard or delete marker
--- (delete wins: it also forgets the session).
+-- Consume control markers at the head of a stream (everything before them is done), at
+-- most HEAD_BATCH per call. Returns the oldest real entry (or nil), the op of a consumed
+-- discard or delete marker (delete wins: it also forgets the session), and whether the
+-- batch ran out before a real entry or the end (the caller answers 'again').
 local function head(s)
   local discarded = nil
-  while true do
-    local e = safe({}, 'XRANGE', s[1], '-', '+', 'COUNT', 1)[1]
-    if not e then return nil, discarded end
+  local batch = safe({}, 'XRANGE', s[1], '-', '+', 'COUNT', HEAD_BATCH)
+  local consumed = {}
+  local entry = nil
+  for _, e in ipairs(batch) do
     local op = field(e[2], 'control')
-    if not op then return e, discarded end
-    redis.call('XDEL', s[1], e[1])
-    redis.call('HDEL', s[2], '_mark')
-    local n = safe(false, 'DECR', s[3])  -- a hint that is no integer is junk: deleted
-    if not n or n <= 0 then redis.call('DEL', s[3]) end
+    if not op then entry = e break end
+    consumed[#consumed + 1] = e[1]
     if op == 'delete' or (op == 'discard' and not discarded) then discarded = op end
   end
+  if #consumed > 0 then
+    redis.call('XDEL', s[1], unpack(consumed))
+    redis.call('HDEL', s[2], '_mark')
+    local n = safe(false, 'DECRBY', s[3], #consumed)  -- a hint that is no integer is junk
+    if not n or n <= 0 then redis.call('DEL', s[3]) end
+  end
+  return entry, discarded, (not entry and #batch == HEAD_BATCH)
 end
 
 -- Whether a stream folded under K (S ~= K) must be left alone: it is no longer pending
@@ -115,14 +126,16 @@ local function leave_alone(s, key, pending, maxlen)
 end
 
 -- The oldest unprocessed entry over the given streams; counts one delivery attempt.
+-- {'again'} when a bounded step (markers consumed, a marker scan) left work for the next call.
 local function select_next(streams, key, pending, maxlen)
   local best, best_entry
   for i, s in ipairs(streams) do
     if leave_alone(s, key, pending, maxlen) then
       s.skip = true
     else
-      local e, discarded = head(s)
+      local e, discarded, more = head(s)
       if discarded then return {'control', s[6], discarded} end
+      if more then return {'again'} end
       if e and (not best_entry or id_less(e[1], best_entry[1])) then
         best, best_entry = i, e
       end
@@ -130,9 +143,11 @@ local function select_next(streams, key, pending, maxlen)
   end
   if not best then return nil end
   local s = streams[best]
+  local op = covering_op(s, best_entry[1])
+  if op == nil then return {'again'} end
   local attempts = redis.call('HINCRBY', s[2], best_entry[1], 1)
   local payload = field(best_entry[2], 'payload') or ''
-  return {'entry', s[6], best_entry[1], payload, attempts, covering_op(s, best_entry[1])}
+  return {'entry', s[6], best_entry[1], payload, attempts, op}
 end
 
 -- Nothing left in the known streams: forget them; release the lease only when the

@@ -1,0 +1,127 @@
+"""Bounded work per script call (issue 12): what one frontend queued is consumed or read
+in bounded steps across calls, so no call stalls Redis for the other channels, and the
+guarantee stays exact (a marker covers exactly the messages before it).
+
+The bounds are asserted on behaviour (what one call consumed or read), never on time.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis.registry import Registry
+from bus_redis.results import Acquired, Again, ControlReached, Entry
+
+K = "web:s"
+HEAD_BATCH = 64  # bus_redis/lua/_common.lua
+MARKER_SCAN = 256
+
+
+def _msg(text: str) -> InboundMessage:
+    return InboundMessage(channel="web", sender_id="u", chat_id="s", content=text)
+
+
+async def _stops(redis: aioredis.Redis, n: int, op: str = "stop") -> None:
+    """``n`` markers as a hostile frontend queues them (what FrontendClient.control does,
+    without the pub/sub), in one pipeline."""
+    bus = RedisBus(redis)
+    async with redis.pipeline(transaction=False) as pipe:
+        for _ in range(n):
+            pipe.xadd(bus.keys.inbound(K), {"control": op})
+            pipe.incr(bus.keys.control_hint(K))
+        await pipe.execute()
+
+
+async def test_markers_at_the_head_are_consumed_a_batch_per_call(redis: aioredis.Redis) -> None:
+    client, bus = FrontendClient(redis), RedisBus(redis, lock_ttl_ms=5000)
+    n = 3 * HEAD_BATCH + 10
+    await _stops(redis, n)
+    await client.send(_msg("after the stops"))
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    steps = [got.step]
+    lengths = [await redis.xlen(bus.keys.inbound(K))]
+    while isinstance(steps[-1], Again):
+        steps.append(await bus.next(K, got.token, [K]))
+        lengths.append(await redis.xlen(bus.keys.inbound(K)))
+    # every call consumed at most one batch, and the message after them was reached
+    assert [type(s) for s in steps] == [Again, Again, Again, Entry]
+    assert lengths == [n + 1 - HEAD_BATCH, n + 1 - 2 * HEAD_BATCH, n + 1 - 3 * HEAD_BATCH, 1]
+    entry = steps[-1]
+    assert isinstance(entry, Entry)
+    assert entry.attempts == 1  # the steps before counted no delivery
+    assert entry.covered_by == ""  # the stops were all before it
+    assert not await redis.exists(bus.keys.control_hint(K))
+
+
+async def test_a_discard_among_many_markers_is_reported_then_the_rest_consumed(
+    redis: aioredis.Redis,
+) -> None:
+    client, bus = FrontendClient(redis), RedisBus(redis, lock_ttl_ms=5000)
+    await _stops(redis, 10)
+    await _stops(redis, 1, op="discard")
+    await _stops(redis, 2 * HEAD_BATCH)
+    await client.send(_msg("x"))
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert got.step == ControlReached(K, "discard")
+    steps = []
+    step = await bus.next(K, got.token, [K])
+    while not isinstance(step, Entry):
+        steps.append(step)
+        step = await bus.next(K, got.token, [K])
+    assert all(isinstance(s, Again) for s in steps)
+    assert len(steps) <= 2
+
+
+async def test_a_long_queue_is_scanned_for_markers_in_steps_and_once(
+    redis: aioredis.Redis,
+) -> None:
+    """A hint set again and again over a long queue without markers: each call reads at
+    most MARKER_SCAN entries, and once the end was reached a re-set hint costs nothing."""
+    client, bus = FrontendClient(redis), RedisBus(redis, lock_ttl_ms=5000)
+    n = 2 * MARKER_SCAN + 5
+    for i in range(n):
+        await client.send(_msg(f"m{i}"))
+    hint = bus.keys.control_hint(K)
+    await redis.set(hint, 1_000_000)  # the frontend claims markers are queued
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    steps = [got.step]
+    while isinstance(steps[-1], Again):
+        steps.append(await bus.next(K, got.token, [K]))
+    assert [type(s) for s in steps] == [Again, Again, Entry]
+    assert steps[-1].covered_by == ""
+    assert steps[-1].attempts == 1
+    assert not await redis.exists(hint)  # no marker queued: the hint is gone
+
+    await redis.set(hint, 5)  # set again: the memo says the queue was read to its end
+    await redis.delete(bus.keys.lease(K))
+    again = await bus.acquire(K, "w2", member=K)
+    assert isinstance(again, Acquired)
+    assert isinstance(again.step, Entry)
+    await client.stop(K)  # a real marker after all of them
+    # the running entry's confirmation finds it in one step (memo: read to the old end)
+    found = await Registry(bus).markers_after({K: (K, again.step.entry_id)})
+    assert found == {K: "stop"}
+    await redis.delete(bus.keys.lease(K))
+    third = await bus.acquire(K, "w3", member=K)
+    assert isinstance(third, Acquired)
+    assert isinstance(third.step, Entry)
+    assert third.step.covered_by == "stop"
+
+
+async def test_a_marker_far_behind_a_running_entry_is_confirmed(redis: aioredis.Redis) -> None:
+    client, bus = FrontendClient(redis), RedisBus(redis, lock_ttl_ms=5000)
+    for i in range(MARKER_SCAN * 3):
+        await client.send(_msg(f"m{i}"))
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
+    registry = Registry(bus)
+    assert await registry.markers_after({K: (K, got.step.entry_id)}) == {}
+    await client.stop(K)
+    assert await registry.markers_after({K: (K, got.step.entry_id)}) == {K: "stop"}
+    # an entry that is not the oldest (the in-process API's marker) is read without memos
+    assert await registry.markers_after({K: (K, "1-0")}) == {K: "stop"}
