@@ -28,6 +28,7 @@ def frontend_acl(
     setuser += ["+ping", "+multi", "+exec", "+discard"]
     setuser += ["+xadd", f"%W~{tag}:in:*", f"%W~{k.ready(channel)}"]  # publish; never read back
     setuser += [f"(+incrby ~{tag}:ctl:*)"]  # the marker hint
+    setuser += [f"(+zadd ~{k.queued(channel)})"]  # the sweep's index of sessions with work
     setuser += [f"(+xread +xrevrange +xdel +type ~{tag}:out:*)"]  # events; delete a private one's
     setuser += [f"(+publish &{k.control(channel)})"]
     return [" ".join(setuser), f"SADD {k.channels} {channel}"]

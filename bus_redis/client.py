@@ -34,12 +34,15 @@ class FrontendClient:
         self.keys = Keys(prefix)
 
     async def _publish(self, session_key: str, entry: dict[str, str]) -> str:
-        """MULTI: XADD the session stream, XADD its channel's ready queue. Returns the id."""
-        ready = self.keys.ready(channel_of(session_key))
+        """MULTI: XADD the session stream, ZADD NX its channel's queued index (the sweep's
+        safety net), XADD its channel's ready queue. Returns the entry id."""
+        channel = channel_of(session_key)
+        ready = self.keys.ready(channel)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.inbound(session_key), entry)  # type: ignore[arg-type]
+            pipe.zadd(self.keys.queued(channel), {session_key: 0}, nx=True)
             pipe.xadd(ready, {"session": session_key}, maxlen=READY_MAXLEN, approximate=True)
-            entry_id, _ = await pipe.execute()
+            entry_id, _, _ = await pipe.execute()
         return text(entry_id)
 
     async def send(self, msg: InboundMessage) -> str:
@@ -205,6 +208,7 @@ class FrontendClient:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.inbound(session_key), {"control": op})
             pipe.incr(self.keys.control_hint(session_key))
+            pipe.zadd(self.keys.queued(channel), {session_key: 0}, nx=True)
             pipe.xadd(
                 self.keys.ready(channel),
                 {"session": session_key},

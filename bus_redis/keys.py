@@ -142,6 +142,12 @@ class Keys:
         """Sorted set of the channel's durable sessions by updated time (ms)."""
         return f"{self.prefix}:{{{channel}}}:sessions"
 
+    def queued(self, channel: str) -> str:
+        """Sorted set: the channel's sessions that may have queued entries -> when the
+        stranded-stream sweep looks at them next (ms; 0 = at once). A frontend adds its
+        session at publish (``ZADD NX 0``); the sweep reschedules and removes members."""
+        return f"{self.prefix}:{{{channel}}}:queued"
+
     def leases(self, channel: str) -> str:
         """Sorted set: effective key -> lease expiry (ms); swept for dead holders."""
         return f"{self.prefix}:{{{channel}}}:leases"

@@ -14,17 +14,14 @@ from collections.abc import Iterable, Sequence
 
 from redis.exceptions import NoScriptError
 
-from bus_redis.codec import stream_id_ms, strict_text, text, texts
-from bus_redis.keys import UNIFIED_CHANNEL, channel_of, valid_channel
+from bus_redis.codec import strict_text, text, texts
+from bus_redis.keys import channel_of, valid_channel
 from bus_redis.schema import CONTROL_OPS
 from bus_redis.scripts import script_sha
-from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
+from bus_redis.streams import WORKER_GROUP, RedisBus
+from bus_redis.sweeps import SCAN_COUNT, Sweeps
 
-SCAN_COUNT = 1000
-IN_FLIGHT_MS = 1000
-log = logging.getLogger(
-    __name__
-)  # a younger queued entry is assumed to have its notification on the way
+log = logging.getLogger(__name__)
 
 
 class Registry:
@@ -32,8 +29,7 @@ class Registry:
         self.bus = bus
         self.redis = bus.redis
         self.keys = bus.keys
-        self._cursor = 0  # of the stranded-stream sweep, kept across ticks
-        self._hint_cursor = 0  # of the hint sweep
+        self.sweeps = Sweeps(bus)
 
     # --- channels -------------------------------------------------------------------
     async def register_channel(self, channel: str) -> None:
@@ -65,18 +61,18 @@ class Registry:
 
     # --- transient owners -----------------------------------------------------------
     async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:
-        keys = [self.keys.owner(key), self.keys.owners(channel_of(key))]
+        keys = [self.keys.owner(key), self.keys.owners(channel_of(key)), self.keys.out(key)]
         args = ["renew", worker_id, member, self.bus.owner_ttl_ms]
         return bool(await self.bus.scripts.call("owner", keys, args))
 
     async def drop_owner(self, key: str, worker_id: str, member: str) -> None:
-        keys = [self.keys.owner(key), self.keys.owners(channel_of(key))]
+        keys = [self.keys.owner(key), self.keys.owners(channel_of(key)), self.keys.out(key)]
         await self.bus.scripts.call("owner", keys, ["drop", worker_id, member, 0])
 
     async def abandon_owner(self, key: str, worker_id: str) -> None:
         """Delete our owner record but keep its registry entry, so that
         :meth:`report_owner_lost` tells the frontend."""
-        keys = [self.keys.owner(key), self.keys.owners(channel_of(key))]
+        keys = [self.keys.owner(key), self.keys.owners(channel_of(key)), self.keys.out(key)]
         await self.bus.scripts.call("owner", keys, ["abandon", worker_id, "", 0])
 
     async def due_owners(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
@@ -120,79 +116,6 @@ class Registry:
     async def take_sweep_turn(self, worker_id: str, period_ms: int) -> bool:
         """One worker per period runs the stranded-stream sweep."""
         return bool(await self.redis.set(self.keys.sweeper, worker_id, nx=True, px=period_ms))
-
-    async def sweep_leases(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
-        """Re-notify keys whose lease expired without a release (their holder died): a
-        session continues one lease TTL (plus a tick) after its holder's death."""
-        done: list[str] = []
-        for channel in channels:
-            keys = [self.keys.leases(channel), self.keys.ready(channel)]
-            done += texts(await self.bus.scripts.call("sweep", keys, [limit, READY_MAXLEN]))
-        return done
-
-    async def sweep_stranded(
-        self, *, unified: bool, count: int = SCAN_COUNT, in_flight_ms: int = IN_FLIGHT_MS
-    ) -> list[str]:
-        """Re-notify sessions that have queued entries and nobody serving them (a lost or
-        trimmed notification, a dead holder). One SCAN step per call; a full pass over
-        the keyspace is one sweep period."""
-        self._cursor, found = await self.bus.raw.scan(
-            self._cursor, match=self.keys.inbound_pattern, count=count, _type="stream"
-        )
-        sessions: list[str] = []
-        junk: list[bytes] = []
-        for raw_key in found:
-            name = strict_text(raw_key)
-            session = self.keys.session_of_inbound(name) if name else None
-            if session:
-                sessions.append(session)
-            else:
-                junk.append(raw_key)
-        if junk:  # no session key names these streams: no worker could ever serve them
-            log.warning("deleted %d inbound streams with malformed names", len(junk))
-            await self.bus.raw.delete(*junk)
-        if not sessions:
-            return []
-        k = self.keys
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for s in sessions:
-                pipe.exists(k.owner(s))
-                pipe.exists(k.lease(s))
-                pipe.xrange(k.inbound(s), "-", "+", count=1)
-            pipe.exists(k.lease(f"{UNIFIED_CHANNEL}:default"))
-            pipe.time()
-            res = await pipe.execute()
-        seconds, micros = res[-1]
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        unified_held = bool(res[-2])
-        stranded = []
-        for i, s in enumerate(sessions):
-            private, held, first = bool(res[3 * i]), bool(res[3 * i + 1]), res[3 * i + 2]
-            if not first or stream_id_ms(text(first[0][0])) > now_ms - in_flight_ms:
-                continue
-            if not held and (private or not unified or not unified_held):
-                stranded.append(s)
-        for s in stranded:
-            await self.bus.notify(s)
-        return stranded
-
-    async def sweep_hints(self, *, count: int = SCAN_COUNT) -> int:
-        """Delete control hints with no inbound stream beside them (a frontend's INCRBY
-        for a session with nothing queued, or one whose stream ended): one SCAN step."""
-        self._hint_cursor, found = await self.bus.raw.scan(
-            self._hint_cursor, match=self.keys.hint_pattern, count=count
-        )
-        names = [(raw, strict_text(raw)) for raw in found]
-        streams = [self.keys.inbound_of_hint(n) if n else None for _, n in names]
-        checks = [s for s in streams if s]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream in checks:
-                pipe.exists(stream)
-            alive = dict(zip(checks, await pipe.execute(), strict=True))
-        orphans = [raw for (raw, _), s in zip(names, streams, strict=True) if not s or not alive[s]]
-        if orphans:
-            await self.bus.raw.delete(*orphans)
-        return len(orphans)
 
     async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
         """For running turns ``{K: (S, entry id)}``: the op of the first control marker

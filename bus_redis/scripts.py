@@ -30,6 +30,8 @@ SCRIPT_NAMES = (
     "consolidate",
     "delete",
     "markers",
+    "tidy",
+    "compact",
 )
 
 

@@ -205,7 +205,7 @@ class RedisBus:
         k = self.keys
         for m in members:
             keys += [k.inbound(m), k.attempts(m), k.control_hint(m), k.owner(m)]
-            keys += [k.ready(channel_of(m)), k.lease(m)]
+            keys += [k.ready(channel_of(m)), k.lease(m), k.queued(channel_of(m))]
             args.append(m)
         return keys, args
 
@@ -315,6 +315,12 @@ class RedisBus:
         keys = [self.keys.lease(key), self.keys.out(member)]
         ttl = r.transient_ttl_ms if transient else r.ttl_ms
         return bool(await self.scripts.call("emit", keys, [token, payload, r.maxlen, ttl]))
+
+    async def compact_private(self, key: str, token: str, member: str, *, limit: int = 64) -> int:
+        """Rewrite a private session's events with only the live ones (see
+        ``lua/compact.lua``); -1 when skipped."""
+        keys = [self.keys.lease(key), self.keys.out(member)]
+        return int(text(await self.scripts.call("compact", keys, [token, limit])))
 
     async def consolidate(
         self, key: str, token: str, *, meta: str, version: int, summary: str, memory_key: str

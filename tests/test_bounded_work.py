@@ -7,6 +7,8 @@ The bounds are asserted on behaviour (what one call consumed or read), never on 
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
@@ -125,3 +127,57 @@ async def test_a_marker_far_behind_a_running_entry_is_confirmed(redis: aioredis.
     assert await registry.markers_after({K: (K, got.step.entry_id)}) == {K: "stop"}
     # an entry that is not the oldest (the in-process API's marker) is read without memos
     assert await registry.markers_after({K: (K, "1-0")}) == {K: "stop"}
+
+
+def test_controls_for_sessions_running_nowhere_are_remembered_per_channel_and_bounded() -> None:
+    from worker.turns import RECENT_PER_CHANNEL, TurnRegistry
+
+    turns = TurnRegistry()
+    turns.note_control("telegram:t")
+    for i in range(20_000):  # a flood of controls for made-up web sessions
+        turns.note_control(f"web:f{i}")
+    assert len(turns._recent["web"]) == RECENT_PER_CHANNEL
+    assert turns.take_recent("telegram:t")  # another channel's control was not pushed out
+    assert turns.take_recent(f"web:f{20_000 - 1}")
+    assert not turns.take_recent("web:f0")
+
+
+async def test_a_control_flood_for_a_running_session_is_one_look() -> None:
+    """Any number of controls for a running session while a look is under way cost one
+    more look, not one task (or one Redis call) each."""
+    from bus_redis import ControlMessage
+    from worker.controls import Controls
+
+    calls: list[dict[str, tuple[str, str]]] = []
+
+    class Rt:  # the slice of Runtime that Controls uses
+        def __init__(self) -> None:
+            from worker.turns import TurnRegistry
+
+            self.turns = TurnRegistry()
+            self.turns.begin(K, K, "1-0")
+            self.sessions = type(
+                "S",
+                (),
+                {
+                    "is_transient": staticmethod(lambda k: False),
+                    "invalidate": staticmethod(lambda k: None),
+                },
+            )()
+
+    rt = Rt()
+    controls = Controls(rt)  # type: ignore[arg-type]
+
+    async def confirm(running: dict[str, tuple[str, str]]) -> None:
+        calls.append(running)
+        await asyncio.sleep(0.01)
+
+    controls.confirm_and_cancel = confirm  # type: ignore[method-assign]
+    for _ in range(10_000):
+        controls.on_control(ControlMessage(op="stop", session_key=K))
+    assert controls._task is not None
+    await controls._task
+    assert calls == [{K: (K, "1-0")}]
+    for _ in range(10_000):
+        controls.on_control(ControlMessage(op="stop", session_key="web:elsewhere"))
+    assert len(calls) == 1  # not running here: remembered (bounded), nothing confirmed

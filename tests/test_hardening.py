@@ -136,7 +136,7 @@ async def test_a_message_for_a_private_session_survives_its_owners_death(
                     await bus.release(key, result.token)
         else:  # the owner is gone: its record lapses
             await redis.delete(bus.keys.owner(key))
-    await registry.sweep_stranded(unified=False, in_flight_ms=0)
+    await registry.sweeps.keyspace(unified=False, in_flight_ms=0)
     notes = await bus.read_notifications(
         "w2", bus.note_streams("w2", ["web"]), count=10, block_ms=1
     )

@@ -42,6 +42,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         k.owner(K),
         k.ready("web"),
         k.lease(K),
+        k.queued("web"),
     ]
     calls = {
         "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), k.leases("web"), k.lease(K), *stream],
@@ -55,13 +56,15 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "renew": ([k.lease(K), k.pending(K), k.leases("web")], ["x", 1000, K]),
         "sweep": ([k.leases("web"), k.ready("web")], [100, 100]),
         "emit": ([k.lease(K), k.out(K)], ["x", "{}", 100, 1000]),
-        "owner": ([k.owner(K), k.owners("web")], ["renew", "w", "m", 1000]),
+        "owner": ([k.owner(K), k.owners("web"), k.out(K)], ["renew", "w", "m", 1000]),
         "owner_lost": ([k.owner(K), k.owners("web"), k.out(K), k.ready("web")],
                        ["m", "{}", K, 100, 1000]),
         "consolidate": ([k.lease(K), k.session(K), k.memory("web/a")], ["x", "{}", 0, "s"]),
         "delete": ([k.lease(K), k.session(K), k.sessions_index("web"), k.sessions_index("web")],
                    ["x", K]),
         "markers": (stream[:3], ["1-1", ""]),
+        "compact": ([k.lease(K), k.out(K)], ["x", 64]),
+        "tidy": ([*stream[:3], k.lease(K), k.owner(K), k.queued("web")], [K]),
     }  # fmt: skip
     assert set(calls) == set(SCRIPT_NAMES)
     for name, (keys, args) in calls.items():
@@ -245,10 +248,10 @@ async def test_an_expired_lease_is_swept_back_onto_its_channels_queue(
     bus = await _queued(redis, "one")
     got = await bus.acquire(K, "dead", member=K)
     assert isinstance(got, Acquired)
-    assert await Registry(bus).sweep_leases(["web"]) == []  # alive: nothing to do
+    assert await Registry(bus).sweeps.leases(["web"]) == []  # alive: nothing to do
     await redis.delete(bus.keys.lease(K))  # its lease ran out
     await redis.zadd(bus.keys.leases("web"), {K: 1})
-    assert await Registry(bus).sweep_leases(["web"]) == [K]
+    assert await Registry(bus).sweeps.leases(["web"]) == [K]
     last = await redis.xrevrange(bus.keys.ready("web"), count=1)
     assert last[0][1] == {"session": K, "effective": "1"}
     again = await bus.acquire(K, "w2")  # the re-notified key: its pending set names S

@@ -163,6 +163,9 @@ class SessionHolder:
         self, spec: CommitSpec, *, select: list[str] | None
     ) -> tuple[int, Step | None]:
         rt = self.rt
+        if spec.transient and spec.reply and not self.lease.lost:
+            # delivered (XDEL'd) private events leave no bytes behind: a fresh stream
+            await rt.bus.compact_private(self.key, self.token, spec.member)
         try:
             version, gen, step = await rt.bus.commit(
                 self.key, self.token, rt.worker_id, spec, select=select

@@ -17,10 +17,12 @@ from bus_redis import OutboundMessage
 from bus_redis.codec import safe
 from bus_redis.keys import UNIFIED_CHANNEL
 from bus_redis.results import Notification
+from worker.registration import eviction_policy
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 DEAD_WORKER_AFTER_TTLS = 6  # a worker silent for this many lease TTLs is forgotten
+POLICY_CHECK_TICKS = 10  # Redis's eviction policy is looked at again every this many ticks
 
 
 class Maintenance:
@@ -40,6 +42,7 @@ class Maintenance:
         self.set_channels = set_channels
         self.channels: set[str] = set()
         self.started_ms = int(time.time() * 1000)
+        self.ticks = 0
 
     @property
     def every_s(self) -> float:
@@ -67,6 +70,15 @@ class Maintenance:
 
     async def tick(self) -> None:
         rt = self.rt
+        self.ticks += 1
+        if self.ticks % POLICY_CHECK_TICKS == 0:
+            policy = await eviction_policy(rt.bus)
+            if policy is not None:  # checked at start; an operator changed it since
+                log.error(
+                    "Redis now evicts keys (maxmemory-policy %s): leases, queued messages and "
+                    "history can vanish; set maxmemory-policy noeviction",
+                    policy,
+                )
         await self.heartbeat()
         await self.refresh_channels()
         for key in rt.turns.idle(rt.config.private_idle_s):
@@ -77,7 +89,7 @@ class Maintenance:
                 rt.forget(key)
         await self.check_owned()
         channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
-        for key in await rt.registry.sweep_leases(channels):
+        for key in await rt.registry.sweeps.leases(channels):
             log.info("lease of %s expired without release; re-notified", safe(key))
         await self.sweep()
         streams = self.streams()
@@ -108,13 +120,20 @@ class Maintenance:
         rt = self.rt
         if not await rt.registry.take_sweep_turn(rt.worker_id, rt.config.sweep_interval_ms):
             return
-        await self.refresh_channels(discover=True)  # a SCAN: once per period, for all workers
-        await rt.registry.sweep_hints()
-        stranded = await rt.registry.sweep_stranded(unified=rt.config.unified_session)
+        sweeps, unified = rt.registry.sweeps, rt.config.unified_session
+        stranded: list[str] = []
+        for channel in sorted(self.channels):  # each channel's own index, bounded per call
+            try:
+                stranded += await sweeps.queued(channel, unified=unified)
+            except (RedisError, OSError) as exc:
+                log.warning("sweep of channel %s failed: %s", safe(channel), type(exc).__name__)
         if stranded:
             log.info(
                 "%d sessions had queued entries and nobody serving them; re-notified", len(stranded)
             )
+        await self.refresh_channels(discover=True)  # a SCAN: once per period, for all workers
+        await sweeps.hints()
+        await sweeps.keyspace(unified=unified)
 
     async def check_owned(self) -> None:
         """Serve our transient sessions that have messages but no notification reached

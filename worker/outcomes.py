@@ -89,14 +89,17 @@ def dead_letter(entry: Entry, reason: str, worker_id: str, *, private: bool) -> 
 
 
 def looks_private(payload: str) -> bool:
-    """Whether a (possibly invalid) payload belongs to a private session."""
+    """Whether a (possibly invalid) payload may belong to a private session: it says so
+    (in any form), or it cannot be read well enough to tell. Its dead letter then keeps
+    no text, whichever worker writes it."""
     try:
         doc = json.loads(payload)
     except (ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and (
-        doc.get("require_existing_session") is True or doc.get("op") == "open_transient"
-    )
+        return True
+    if not isinstance(doc, dict):
+        return True
+    private_flag = doc.get("require_existing_session") not in (None, False)
+    return private_flag or doc.get("op") == "open_transient"
 
 
 def legal_prefix(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

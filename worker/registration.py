@@ -1,12 +1,16 @@
-"""Checks a worker makes before it serves: no live twin with its id, one folding mode.
+"""Checks a worker makes before it serves: a Redis that keeps what it is given, no live
+twin with its id, one folding mode.
 
-Two processes with one worker id would share an inbox and owner records (private
-sessions would fail at random); workers that disagree on unified mode would split one
-chat's history between two sessions. Both are operator mistakes: refuse to start.
+An evicting ``maxmemory-policy`` drops keys under memory pressure: a lease (fencing
+gone), a queued message, a row of someone's history; workers refuse it. Two processes
+with one worker id would share an inbox and owner records (private sessions would fail
+at random); workers that disagree on unified mode would split one chat's history between
+two sessions. All are operator mistakes: refuse to start, with one line that says why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -14,9 +18,43 @@ import time
 from bus_redis import RedisBus
 from bus_redis.codec import text
 
+log = logging.getLogger(__name__)
+SAFE_POLICIES = frozenset({"noeviction"})
+
 
 class WorkerConflictError(RuntimeError):
     """This worker must not start next to the ones already serving."""
+
+
+async def redis_info(bus: RedisBus, section: str) -> dict[str, str]:
+    """One INFO section as text (empty when the server does not say: fakeredis)."""
+    try:
+        info = await bus.redis.info(section)
+    except Exception:
+        return {}
+    return {str(k): text(v) for k, v in info.items()}
+
+
+async def eviction_policy(bus: RedisBus) -> str | None:
+    """The server's ``maxmemory-policy`` when it evicts keys, else None."""
+    policy = (await redis_info(bus, "memory")).get("maxmemory_policy", "noeviction")
+    return None if policy in SAFE_POLICIES else policy
+
+
+async def check_redis(bus: RedisBus) -> None:
+    """Refuse an evicting Redis; warn when it keeps nothing across a restart."""
+    policy = await eviction_policy(bus)
+    if policy is not None:
+        raise WorkerConflictError(
+            f"Redis evicts keys (maxmemory-policy {policy}): leases, queued messages and "
+            f"history could vanish; set maxmemory-policy noeviction (CONFIG SET or redis.conf)"
+        )
+    persistence = await redis_info(bus, "persistence")
+    if persistence.get("aof_enabled") == "0":
+        log.warning(
+            "Redis has appendonly off: a Redis restart loses what was written since its last "
+            "snapshot (queued messages, history); set appendonly yes for production"
+        )
 
 
 def _pid_alive(pid: str) -> bool:
@@ -32,6 +70,7 @@ def _pid_alive(pid: str) -> bool:
 async def check_can_serve(
     bus: RedisBus, worker_id: str, *, unified: bool, single_owner: bool = False
 ) -> None:
+    await check_redis(bus)
     info = {
         text(k): text(v)
         for k, v in (await bus.redis.hgetall(bus.keys.worker_info(worker_id))).items()  # type: ignore[misc]

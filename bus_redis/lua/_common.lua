@@ -1,7 +1,7 @@
 -- Shared prelude, prepended to the scripts that select the next entry or release a lease.
--- Not a script of its own. Each inbound stream S is passed as six KEYS (inbound stream,
--- attempts hash, control hint, owner record, ready stream of S's channel, S's own lease)
--- with S itself in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
+-- Not a script of its own. Each inbound stream S is passed as seven KEYS (inbound stream,
+-- attempts hash, control hint, owner record, ready stream of S's channel, S's own lease,
+-- queued index of S's channel) with S itself in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
 -- discard / delete marker published by the frontend: it covers exactly the entries before it).
 local unpack = unpack or table.unpack
 local MARKER_SCAN = 256  -- entries read per call while looking for a control marker
@@ -40,13 +40,13 @@ local function field(fields, name)
   return nil
 end
 
--- streams: list of {in, attempts, hint, owner, ready, member, lease of S}
+-- streams: list of {in, attempts, hint, owner, ready, member, lease of S, queued index}
 local function streams_of(first_key, first_arg)
   local out = {}
   local n = 0
-  for i = first_key, #KEYS, 6 do
+  for i = first_key, #KEYS, 7 do
     out[#out + 1] = {KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], KEYS[i + 4], ARGV[first_arg + n],
-                     KEYS[i + 5]}
+                     KEYS[i + 5], KEYS[i + 6]}
     n = n + 1
   end
   return out
@@ -157,6 +157,7 @@ local function try_release(lease, pending, registry, key, streams)
     if not s.skip and redis.call('XLEN', s[1]) == 0 then
       redis.call('SREM', pending, s[6])
       redis.call('DEL', s[1], s[2], s[3])
+      redis.call('ZREM', s[8], s[6])
     end
   end
   local left = redis.call('SMEMBERS', pending)

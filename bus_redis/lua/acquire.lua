@@ -7,7 +7,7 @@
 -- KEYS[6] notes    the stream the notification came from (ready queue or inbox)
 -- KEYS[7] leases   P:{C}:leases      lease registry of K's channel (K -> expiry ms)
 -- KEYS[8] lease S  P:{C}:lease:S     the notified stream's own lease (= KEYS[1] when K = S)
--- KEYS[9..14]      stream keys of S (see _common.lua), only when selecting
+-- KEYS[9..15]      stream keys of S (see _common.lua), only when selecting
 -- ARGV[1] worker id   ARGV[2] lease ttl ms   ARGV[3] K   ARGV[4] S ('' when none)
 -- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
 -- ARGV[6] owner ttl ms   ARGV[7] '1' to select the first entry (or release at once)

@@ -7,7 +7,7 @@
 -- KEYS[9] owners registry (of S)
 -- KEYS[10] pending K      KEYS[11] dead letters (of S's channel)
 -- KEYS[12] lease registry of K's channel
--- KEYS[13..] stream keys for the next selection, six per stream (see _common.lua)
+-- KEYS[13..] stream keys for the next selection, seven per stream (see _common.lua)
 -- ARGV[1] token  ARGV[2] entry ids to delete, space separated  ARGV[3] event JSON ('' none)
 -- ARGV[4] MAXLEN of streams  ARGV[5] out stream ttl ms  ARGV[6] session meta JSON ('' = nothing
 -- to persist)  ARGV[7] K  ARGV[8] owner op ('', 'set', 'del')  ARGV[9] worker id

@@ -1,6 +1,6 @@
 -- next: select the next entry of a held session, or release the lease when none is left.
 -- KEYS[1] lease  KEYS[2] pending  KEYS[3] lease registry of K's channel
--- KEYS[4..] stream keys, six per stream (see _common.lua)
+-- KEYS[4..] stream keys, seven per stream (see _common.lua)
 -- ARGV[1] token  ARGV[2] K  ARGV[3] ready MAXLEN  ARGV[4..] the streams' session keys
 -- returns {'lost'} | {'entry', S, id, payload, attempts, covering op} | {'control', S, op}
 --       | {'more', S...} | {'released'}

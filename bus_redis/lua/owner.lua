@@ -1,14 +1,18 @@
 -- owner: renew or drop the owner record of a transient session.
--- KEYS[1] owner  KEYS[2] owners registry
--- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry)  ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
+-- KEYS[1] owner  KEYS[2] owners registry  KEYS[3] the session's event stream
+-- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry)
+-- ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
 -- returns 1 done, 0 the record is not ours (renew: it expired or moved)
+-- The private session ends with 'drop' (discarded) and 'abandon' (closed, its worker
+-- leaves): its events are deleted with it, so none of its text outlives it in Redis
+-- (an XDEL'd event's bytes stay in the stream's memory while its node has live entries).
 local cur = redis.call('HGET', KEYS[1], 'worker')
 if ARGV[1] == 'abandon' then
-  if cur == ARGV[2] then redis.call('DEL', KEYS[1]) end
+  if cur == ARGV[2] then redis.call('DEL', KEYS[1], KEYS[3]) end
   return 1
 end
 if ARGV[1] == 'drop' then
-  if cur == ARGV[2] then redis.call('DEL', KEYS[1]) end
+  if cur == ARGV[2] then redis.call('DEL', KEYS[1], KEYS[3]) end
   redis.call('ZREM', KEYS[2], ARGV[3])
   return 1
 end

@@ -1,14 +1,14 @@
 -- owner_lost: a transient session's owner stopped renewing: tell the frontend once and
 -- re-notify the session so that queued messages are answered session_not_active.
+-- Its earlier events are deleted: none of a private session's text outlives it.
 -- KEYS[1] owner  KEYS[2] owners registry  KEYS[3] out stream of S  KEYS[4] ready stream of S's channel
 -- ARGV[1] registry member  ARGV[2] session_lost event JSON  ARGV[3] S  ARGV[4] MAXLEN
 -- ARGV[5] out stream ttl ms
 -- returns 1 when this call reported the loss, 0 otherwise
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
-local t = redis.call('TYPE', KEYS[3])
-t = t.ok or t
-if t ~= 'stream' and t ~= 'none' then redis.call('DEL', KEYS[3]) end  -- junk a frontend wrote
+-- the session ended: its events go with it (a fresh stream holds only the notice)
+redis.call('DEL', KEYS[3])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'session', ARGV[3])

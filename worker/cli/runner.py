@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.app import make_loop, make_redis
+from worker.backoff import Backoff
 from worker.logs import setup_logging
 from worker.settings import Settings
 
@@ -37,6 +38,28 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.set_defaults(handler=run)
 
 
+async def _connect(redis: Any, where: str, stopped: Any) -> bool:
+    """Wait for Redis with backoff (it may be starting, restarting or out of connections:
+    ``maxclients``); wrong credentials and missing permissions end the worker at once.
+    False when a signal asked to stop meanwhile."""
+    import asyncio
+
+    from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
+
+    backoff = Backoff(f"connecting to Redis at {where}", log, first_s=0.2, cap_s=5.0)
+    while not stopped.is_set():
+        try:
+            await redis.ping()
+            return True
+        except (AuthenticationError, NoPermissionError):
+            raise
+        except (RedisError, OSError) as exc:
+            log.warning("cannot reach Redis at %s: %s", where, str(exc)[:200])
+            await backoff.after(exc)
+        await asyncio.sleep(0)
+    return False
+
+
 def _settings_epilog() -> str:
     special = {
         "worker_id": "host-pid-random",
@@ -58,9 +81,14 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
 
     setup_logging(settings.log_level)
     redis = make_redis(settings.redis_url)
-    await redis.ping()
-    loop = make_loop(settings, redis)
+    stopped = asyncio.Event()
     aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, stopped.set)
+    if not await _connect(redis, redact_url(settings.redis_url), stopped):
+        await redis.aclose()
+        return 0
+    loop = make_loop(settings, redis)
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, loop.stop)
     log.info(
