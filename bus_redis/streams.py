@@ -9,6 +9,7 @@ owner / worker registries are in ``bus_redis.registry``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 from collections.abc import Iterable, Sequence
@@ -108,13 +109,15 @@ class RedisBus:
             count=count,
             block=block_ms,
         )
-        notes: list[Notification] = []
+        per_stream: list[list[Notification]] = []
         junk: list[Notification] = []
-        for stream, entries in reply or []:
-            self._sort(text(stream), entries, notes, junk)
+        for stream, entries in reply or []:  # COUNT is per stream: at most n per channel
+            per_stream.append([])
+            self._sort(text(stream), entries, per_stream[-1], junk)
         if junk:
             await self.ack(junk)
-        return notes
+        # channels take turns, so none is served only after another's whole batch
+        return [n for row in itertools.zip_longest(*per_stream) for n in row if n is not None]
 
     def _sort(
         self, stream: str, entries: Iterable[Any], notes: list[Notification], junk: list[Any]

@@ -31,7 +31,7 @@ def test_bad_configuration_is_one_line() -> None:
 
 def test_unreachable_redis_is_one_line_without_the_password() -> None:
     url = f"redis://app:hunter2-secret@127.0.0.1:{free_port()}/0"
-    for command in (["send", "hi", "--timeout", "1"], ["run"], ["status"]):
+    for command in (["send", "hi", "--timeout", "1"], ["status"]):
         res = _run(*command, "--redis-url", url)
         assert res.returncode == 1, command
         assert "hunter2" not in res.stdout + res.stderr, command
@@ -40,6 +40,31 @@ def test_unreachable_redis_is_one_line_without_the_password() -> None:
         "cannot reach Redis at redis://app:***@127.0.0.1"
         in _run("send", "x", "--redis-url", url).stderr
     )
+
+
+def test_a_worker_waits_for_redis_and_stops_on_sigterm() -> None:
+    """``run`` retries with backoff (Redis may be starting or out of connections) and
+    says so without the password; SIGTERM ends the wait with exit 0."""
+    import os
+    import signal
+
+    url = f"redis://app:hunter2-secret@127.0.0.1:{free_port()}/0"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli.main", "run", "--redis-url", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "AGENT_LOG_LEVEL": "INFO"},
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # blocks until the worker reports the failed attempt
+    assert "cannot reach Redis at redis://app:***@127.0.0.1" in first
+    assert proc.poll() is None  # still trying
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "hunter2" not in first + rest
+    assert "Traceback" not in rest
 
 
 def test_a_bad_log_level_is_one_line() -> None:

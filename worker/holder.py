@@ -163,7 +163,7 @@ class SessionHolder:
         self, spec: CommitSpec, *, select: list[str] | None
     ) -> tuple[int, Step | None]:
         rt = self.rt
-        if spec.transient and spec.reply and not self.lease.lost:
+        if spec.transient and spec.reply and spec.owner_op != "set" and not self.lease.lost:
             # delivered (XDEL'd) private events leave no bytes behind: a fresh stream
             await rt.bus.compact_private(self.key, self.token, spec.member)
         try:
