@@ -1,7 +1,7 @@
 """AgentLoop: the worker. Reads session notifications, holds leases, runs turns.
 
     run()
-     ├── ControlListener        pub/sub controls (stop / discard) -> cancel turns
+     ├── ControlListener        pub/sub controls, a connection per channel -> cancel turns
      ├── _consume()             channels' ready queues + own inbox -> one _serve() task each
      │     └── _serve()         acquire lease -> SessionHolder drains the session
      └── Maintenance            heartbeats, owners, channel discovery, sweeps
@@ -107,6 +107,7 @@ class AgentLoop:
         self._slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._consumer: asyncio.Task[None] | None = None
+        self._listener: ControlListener | None = None
         self._streams: list[str] = []
         self._new_streams: list[str] | None = None
         self.maintenance = Maintenance(
@@ -195,10 +196,12 @@ class AgentLoop:
             single_owner=self.config.single_owner,
         )
         await self.bus.scripts.load_all()
+        listener = self._listener = ControlListener(
+            self.bus.raw, self.bus.keys, self.on_control, self.check_flags
+        )
         await self.maintenance.refresh_channels(discover=True)
         self._set_channels(self.maintenance.channels)
         await self._apply_streams()
-        listener = ControlListener(self.bus.raw, self.bus.keys, self.on_control, self.check_flags)
         background = [
             asyncio.create_task(listener.run(), name="control"),
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
@@ -232,6 +235,8 @@ class AgentLoop:
             self._consumer.cancel()
 
     def _set_channels(self, channels: set[str]) -> None:
+        if self._listener is not None:
+            self._listener.set_channels(channels)
         if self.config.unified_session:
             channels = channels | {UNIFIED_CHANNEL}
         self._new_streams = self.bus.note_streams(self.worker_id, channels)
