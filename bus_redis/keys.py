@@ -20,6 +20,8 @@ from functools import lru_cache
 _ESCAPED = frozenset("{}%") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 CHANNEL_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 UNIFIED_CHANNEL = "unified"  # reserved: the channel part of ``unified:default``
+MAX_SESSION_KEY = 64 + 1 + 4096  # channel, ':', chat id or override (schema: 4096 at most)
+CACHED_KEY_CHARS = 256  # key names of longer session keys are not cached
 RESERVED_CHANNELS = frozenset({UNIFIED_CHANNEL})
 
 
@@ -34,17 +36,31 @@ def channel_of(session_key: str) -> str:
 
 
 def in_channel(session_key: str, channel: str) -> bool:
-    """Whether ``session_key`` belongs to ``channel`` (starts with ``channel:``, non-empty rest)."""
+    """Whether ``session_key`` belongs to ``channel`` (starts with ``channel:``, non-empty
+    rest) and is no longer than any key the wire allows (:data:`MAX_SESSION_KEY`): a
+    longer one, met in a notification, an index or a key name, is junk."""
+    if len(session_key) > MAX_SESSION_KEY:
+        return False
     head, sep, rest = session_key.partition(":")
     return head == channel and bool(sep) and bool(rest)
 
 
-@lru_cache(maxsize=16_384)
 def encode_session(session_key: str) -> str:
-    """Percent-encode the characters that could break a key name or its hash tag."""
+    """Percent-encode the characters that could break a key name or its hash tag (cached
+    for the short keys every turn names again; a long one is encoded each time, so the
+    cache's memory stays bounded)."""
+    if len(session_key) <= CACHED_KEY_CHARS:
+        return _encode_cached(session_key)
+    return _encode(session_key)
+
+
+def _encode(session_key: str) -> str:
     if not any(ch in _ESCAPED for ch in session_key):
         return session_key
     return "".join(f"%{ord(ch):02X}" if ch in _ESCAPED else ch for ch in session_key)
+
+
+_encode_cached = lru_cache(maxsize=16_384)(_encode)
 
 
 def decode_session(encoded: str) -> str:
@@ -251,11 +267,20 @@ class Keys:
         return None
 
 
-@lru_cache(maxsize=65_536)
 def _session_key(prefix: str, kind: str, session_key: str) -> str:
-    """``P:{C}:kind:S``; cached, since a turn names the same few keys many times."""
+    """``P:{C}:kind:S``; cached for short keys, since a turn names the same few keys many
+    times."""
+    if len(session_key) <= CACHED_KEY_CHARS:
+        return _session_key_cached(prefix, kind, session_key)
+    return _build_session_key(prefix, kind, session_key)
+
+
+def _build_session_key(prefix: str, kind: str, session_key: str) -> str:
     channel = encode_session(channel_of(session_key))  # validated upstream; encoded anyway
     return f"{prefix}:{{{channel}}}:{kind}:{encode_session(session_key)}"
+
+
+_session_key_cached = lru_cache(maxsize=65_536)(_build_session_key)
 
 
 def _scoped(prefix: str, scope: str, kind: str) -> str:

@@ -117,33 +117,47 @@ class Registry:
         """One worker per period runs the stranded-stream sweep."""
         return bool(await self.redis.set(self.keys.sweeper, worker_id, nx=True, px=period_ms))
 
-    async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
-        """For running turns ``{K: (S, entry id)}``: the op of the first control marker
-        queued after the running entry. One pipelined round trip in the usual case; a long
-        queue is read on in bounded steps (``lua/markers.lua``), each entry read once
-        however many controls ask (memos in the stream's attempts hash)."""
-        todo = {key: (member, eid, "") for key, (member, eid) in running.items() if eid}
-        found: dict[str, str] = {}
-        while todo:
-            k = self.keys
+    async def markers_step(
+        self, running: dict[str, tuple[str, str]], resume: dict[str, str] | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """One bounded step for each running turn ``{K: (S, entry id)}``, in one pipelined
+        round trip: ``(found, again)`` — the op of the first control marker queued after
+        the running entry, and where to go on for turns whose step read its whole budget
+        without an answer (``lua/markers.lua``; each entry is read once however many
+        controls ask, thanks to memos in the stream's attempts hash)."""
+        todo = {key: v for key, v in running.items() if v[1]}
+        if not todo:
+            return {}, {}
+        resume = resume or {}
+        k = self.keys
+        for _ in range(2):  # a server that lost its scripts (restart) gets them again
             async with self.redis.pipeline(transaction=False) as pipe:
-                for member, entry_id, resume in todo.values():
+                for key, (member, entry_id) in todo.items():
                     keys = [k.inbound(member), k.attempts(member), k.control_hint(member)]
-                    pipe.evalsha(script_sha("markers"), 3, *keys, entry_id, resume)
+                    pipe.evalsha(script_sha("markers"), 3, *keys, entry_id, resume.get(key, ""))
                 try:
                     replies = await pipe.execute()
+                    break
                 except NoScriptError:
                     await self.bus.scripts.load_all()
-                    continue
-            more: dict[str, tuple[str, str, str]] = {}
-            for key, reply in zip(todo, replies, strict=True):
-                parts = texts(reply)
-                if parts and parts[0] in CONTROL_OPS:
-                    found[key] = parts[0]
-                elif parts and parts[0] == "again":
-                    member, entry_id, _ = todo[key]
-                    more[key] = (member, entry_id, parts[1])
-            todo = more
+        else:
+            return {}, {key: resume.get(key, "") for key in todo}
+        found: dict[str, str] = {}
+        again: dict[str, str] = {}
+        for key, reply in zip(todo, replies, strict=True):
+            parts = texts(reply)
+            if parts and parts[0] in CONTROL_OPS:
+                found[key] = parts[0]
+            elif parts and parts[0] == "again":
+                again[key] = parts[1]
+        return found, again
+
+    async def markers_after(self, running: dict[str, tuple[str, str]]) -> dict[str, str]:
+        """Steps until every running turn has its answer (tests, administration)."""
+        found, again = await self.markers_step(running)
+        while again:
+            more, again = await self.markers_step({k: running[k] for k in again}, again)
+            found.update(more)
         return found
 
     # --- workers --------------------------------------------------------------------

@@ -32,6 +32,7 @@ SCRIPT_NAMES = (
     "markers",
     "tidy",
     "compact",
+    "hint",
 )
 
 

@@ -195,8 +195,13 @@ class Sweeps:
             return []
         now = await self._now_ms()
         look = await self._look(valid, unified=unified, now=now, in_flight_ms=in_flight_ms)
-        for s in look.empty:
-            await self.bus.scripts.call("tidy", self._tidy_keys(s), [s])
+        if look.empty:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for s in look.empty:
+                    pipe.evalsha(script_sha("tidy"), 6, *self._tidy_keys(s), s)
+                replies = await pipe.execute(raise_on_error=False)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                await self.bus.scripts.load_all()
         for s in look.stranded:
             try:
                 await self.bus.notify(s)
@@ -212,12 +217,16 @@ class Sweeps:
         )
         names = [(raw, strict_text(raw)) for raw in found]
         streams = [self.keys.inbound_of_hint(n) if n else None for _, n in names]
-        checks = [s for s in streams if s]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream in checks:
-                pipe.exists(stream)
-            alive = dict(zip(checks, await pipe.execute(), strict=True))
-        orphans = [raw for (raw, _), s in zip(names, streams, strict=True) if not s or not alive[s]]
-        if orphans:
-            await self.bus.raw.delete(*orphans)
-        return len(orphans)
+        junk = [raw for (raw, _), stream in zip(names, streams, strict=True) if not stream]
+        if junk:  # no session's hint: nobody ever reads it
+            await self.bus.raw.delete(*junk)
+        pairs = [(raw, s) for (raw, _), s in zip(names, streams, strict=True) if s]
+        if not pairs:
+            return len(junk)
+        async with self.bus.raw.pipeline(transaction=False) as pipe:
+            for raw, stream in pairs:  # the check and the delete in one call
+                pipe.evalsha(script_sha("hint"), 2, raw, stream)
+            replies = await pipe.execute(raise_on_error=False)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            await self.bus.scripts.load_all()
+        return len(junk) + sum(1 for r in replies if r == 1)

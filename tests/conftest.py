@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import fakeredis
-import pytest
+import hypothesis  # noqa: F401 - imported up front: its plugin's late import (terminal
+import pytest  # summary) can hit CPython 3.11.7's "AST constructor recursion depth mismatch"
 import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -181,3 +181,99 @@ async def test_a_control_flood_for_a_running_session_is_one_look() -> None:
     for _ in range(10_000):
         controls.on_control(ControlMessage(op="stop", session_key="web:elsewhere"))
     assert len(calls) == 1  # not running here: remembered (bounded), nothing confirmed
+
+
+async def test_ids_beyond_double_precision_are_compared_exactly(redis: aioredis.Redis) -> None:
+    """Explicit ids above 2^53 (a frontend may XADD them) neither loop the scan nor hide a
+    marker: ids are compared as digit strings."""
+    bus = RedisBus(redis, lock_ttl_ms=5000)
+    stream, big = bus.keys.inbound(K), 2**53
+    first = _msg("first").model_dump_json(exclude_none=True)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xadd(stream, {"payload": first}, id=f"{big}-0")
+        for i in range(MARKER_SCAN + 10):
+            pipe.xadd(stream, {"payload": first}, id=f"{big + 1}-{i}")
+        pipe.xadd(stream, {"control": "stop"}, id=f"{big + 1}-{MARKER_SCAN + 10}")
+        pipe.incr(bus.keys.control_hint(K))
+        await pipe.execute()
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    steps = [got.step]
+    while isinstance(steps[-1], Again) and len(steps) < 10:
+        steps.append(await bus.next(K, got.token, [K]))
+    assert [type(s) for s in steps] == [Again, Entry]
+    assert steps[-1].covered_by == "stop"  # type: ignore[union-attr]
+    assert steps[-1].entry_id == f"{big}-0"  # type: ignore[union-attr]
+
+
+async def test_a_marker_scan_reads_a_bounded_number_of_bytes(redis: aioredis.Redis) -> None:
+    client, bus = FrontendClient(redis), RedisBus(redis, lock_ttl_ms=5000)
+    await client.send(_msg("small"))
+    for _ in range(10):
+        await client.send(_msg("x" * 300_000))  # 3 MB queued behind it
+    await client.stop(K)
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    steps = [got.step]
+    while isinstance(steps[-1], Again):
+        steps.append(await bus.next(K, got.token, [K]))
+    # each call stops once it has read 1 MiB (4 entries of 300 kB): 4 + 4, then 2 and the stop
+    assert [type(s) for s in steps] == [Again, Again, Entry]
+    assert steps[-1].covered_by == "stop"  # type: ignore[union-attr]
+
+
+async def test_one_sessions_long_queue_never_holds_back_anothers_stop(
+    redis: aioredis.Redis,
+) -> None:
+    """One bounded step per session and pass: a session whose look needs many steps (its
+    running entry is not the oldest, so no memo helps) gets ``again``; another session's
+    marker is found in the same pass."""
+    client, bus = FrontendClient(redis), RedisBus(redis, lock_ttl_ms=5000)
+    registry = Registry(bus)
+    other = "web:other"
+    for i in range(3 * MARKER_SCAN):
+        await client.send(_msg(f"m{i}"))
+    await redis.incr(bus.keys.control_hint(K))
+    await client.send(InboundMessage(channel="web", sender_id="u", chat_id="other", content="x"))
+    await client.stop(other)
+    second = (await redis.xrange(bus.keys.inbound(K), count=2))[1][0]
+    running = {K: (K, second), other: (other, "1-0")}
+    found, again = await registry.markers_step(running)
+    assert found == {other: "stop"}
+    assert set(again) == {K}
+    steps = 1
+    while again:
+        found, again = await registry.markers_step({K: running[K]}, again)
+        steps += 1
+    assert found == {}
+    assert steps == 3  # 766 entries after the running one, 256 a step
+
+
+async def test_compaction_keeps_ids_and_the_id_floor(redis: aioredis.Redis) -> None:
+    """The rewrite of a private session's events keeps their ids, and the next event gets
+    an id above every id the stream ever had (a reader's position stays valid)."""
+    bus = RedisBus(redis, lock_ttl_ms=5000)
+    out = bus.keys.out(K)
+    await redis.set(bus.keys.lease(K), "n|w")
+    ids = [await redis.xadd(out, {"payload": f"e{i}"}) for i in range(5)]
+    await redis.pexpire(out, 50_000)
+    await redis.xdel(out, ids[0], ids[3], ids[4])  # read and deleted, the newest too
+    assert await bus.compact_private(K, "n|w", K) == 2
+    assert [e for e, _ in await redis.xrange(out)] == [ids[1], ids[2]]
+    assert 0 < await redis.pttl(out) <= 50_000
+    new = await redis.xadd(out, {"payload": "next"})
+    assert new > ids[4] or len(new) > len(ids[4])
+    reply = await redis.xread({out: ids[4]})
+    assert [e for e, _ in reply[0][1]] == [new]
+
+
+async def test_keys_longer_than_the_wire_allows_are_junk(redis: aioredis.Redis) -> None:
+    from bus_redis.keys import MAX_SESSION_KEY, in_channel
+    from bus_redis.sweeps import Sweeps
+
+    long_key = "web:" + "x" * MAX_SESSION_KEY
+    assert not in_channel(long_key, "web")
+    bus = RedisBus(redis)
+    await redis.zadd(bus.keys.queued("web"), {long_key: 0, "telegram:t": 0})
+    assert await Sweeps(bus).queued("web", unified=False) == []
+    assert await redis.zcard(bus.keys.queued("web")) == 0

@@ -374,3 +374,21 @@ async def _dump_bytes(admin: aioredis.Redis) -> bytes:
         if value is not None:
             parts += [key, value]
     return b"\n".join(parts)
+
+
+async def test_a_payload_too_deep_to_parse_is_answered_to_its_own_id(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    """Point 9: a payload nested 33 deep is rejected with ``reply_to`` = its ``id``."""
+    web, _ = clients
+    deep: object = "x"
+    for _ in range(33):
+        deep = {"k": deep}
+    body = {"v": 2, "id": "deep-1", "channel": "web", "sender_id": "u", "chat_id": "deep",
+            "content": "hi", "metadata": deep}  # fmt: skip
+    client = FrontendClient(web)
+    events = client.events(["web:deep"], after="0-0")
+    await client.send_raw("web:deep", json.dumps(body))
+    ev = await asyncio.wait_for(anext(events), 20)
+    assert ev.code == "invalid_message"
+    assert ev.reply_to == "deep-1"

@@ -64,6 +64,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
                    ["x", K]),
         "markers": (stream[:3], ["1-1", ""]),
         "compact": ([k.lease(K), k.out(K)], ["x", 64]),
+        "hint": ([k.control_hint(K), k.inbound(K)], []),
         "tidy": ([*stream[:3], k.lease(K), k.owner(K), k.queued("web")], [K]),
     }  # fmt: skip
     assert set(calls) == set(SCRIPT_NAMES)

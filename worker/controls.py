@@ -28,6 +28,7 @@ class Controls:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self._marked: set[str] = set()  # effective keys of running turns to look at
+        self._resume: dict[tuple[str, str], str] = {}  # (K, entry id) -> where a look goes on
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -65,11 +66,14 @@ class Controls:
                 await asyncio.sleep(0.05)
 
     async def confirm_and_cancel(self, running: dict[str, tuple[str, str]]) -> None:
-        """Cancel the running entries that a queued marker covers; a discard also forgets
-        the session at once (exact: the marker follows the entry this worker runs under
-        the lease, so no other worker serves the session meanwhile)."""
+        """One bounded step of looking for a marker after each running entry; cancel those
+        a marker covers (a discard also forgets the session at once: exact, the marker
+        follows the entry this worker runs under the lease). A turn whose look read its
+        whole budget without an answer is looked at again in the next pass, so one
+        session's long queue never holds back another's stop."""
         rt = self.rt
-        markers = await rt.registry.markers_after(running)
+        resume = {k: self._resume.get((k, v[1]), "") for k, v in running.items()}
+        markers, again = await rt.registry.markers_step(running, resume)
         for key, op in markers.items():
             member, entry_id = running[key]
             if rt.turns.cancel_entry(key, entry_id, op) and op in FORGETTING:
@@ -77,6 +81,14 @@ class Controls:
                 rt.sessions.invalidate(member)
                 if owned is not None:
                     await rt.registry.drop_owner(member, rt.worker_id, owned)
+        for key, where in again.items():
+            self._resume[(key, running[key][1])] = where
+        current = {(k, v[1]) for k, v in rt.turns.running().items()}
+        self._resume = {kv: w for kv, w in self._resume.items() if kv in current}  # bounded
+        if again:
+            self._marked.update(again)
+            self._wake.set()
+            self._ensure_task()
 
     async def check_missed(self) -> None:
         """After (re)subscribing: apply controls published while we were not listening."""

@@ -92,6 +92,9 @@ class SessionHolder:
                     await self.discarded(step.member, step.op)
                     step = await self._next()
                 elif isinstance(step, Again):  # bounded work per call: other clients between
+                    if self.rt.turns.stopping:  # shutting down: hand the rest over
+                        await self.rt.bus.release(self.key, self.token)
+                        break
                     step = await self._next()
                 elif isinstance(step, More):
                     # the pending set is the truth: streams emptied, or left alone (private

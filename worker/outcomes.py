@@ -98,7 +98,8 @@ def looks_private(payload: str) -> bool:
         return True
     if not isinstance(doc, dict):
         return True
-    private_flag = doc.get("require_existing_session") not in (None, False)
+    flag = doc.get("require_existing_session")
+    private_flag = flag is not None and flag is not False  # 0, "yes", ... may mean it
     return private_flag or doc.get("op") == "open_transient"
 
 

@@ -1,10 +1,13 @@
 -- Shared prelude, prepended to the scripts that select the next entry or release a lease.
 -- Not a script of its own. Each inbound stream S is passed as seven KEYS (inbound stream,
 -- attempts hash, control hint, owner record, ready stream of S's channel, S's own lease,
--- queued index of S's channel) with S itself in ARGV. An entry has a field `payload` (a message or an op) or `control` (a stop or
--- discard / delete marker published by the frontend: it covers exactly the entries before it).
+-- queued index of S's channel) with S itself in ARGV. An entry has a field `payload` (a
+-- message or an op) or `control` (a stop or discard / delete marker published by the
+-- frontend: it covers exactly the entries before it).
+-- Work per call is bounded in entries and in bytes read (entries are read one at a time).
 local unpack = unpack or table.unpack
 local MARKER_SCAN = 256  -- entries read per call while looking for a control marker
+local SCAN_BYTES = 1048576  -- ... or fewer, once this many bytes were read
 local HEAD_BATCH = 64  -- control markers consumed per call at the head of a stream
 
 local function now_ms()
@@ -12,13 +15,25 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- stream ids are "<ms>-<seq>"
+-- Stream ids are "<ms>-<seq>", each part up to 2^64 - 1 (a frontend may XADD explicit
+-- ids): compared as digit strings (Redis writes no leading zeros), never as Lua numbers,
+-- which are doubles and lose precision above 2^53.
+local function num_less(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+
 local function id_less(a, b)
   local am, as = string.match(a, '(%d+)-(%d+)')
   local bm, bs = string.match(b, '(%d+)-(%d+)')
-  am, bm = tonumber(am), tonumber(bm)
-  if am ~= bm then return am < bm end
-  return tonumber(as) < tonumber(bs)
+  if am ~= bm then return num_less(am, bm) end
+  return num_less(as, bs)
+end
+
+local function entry_bytes(e)
+  local n = #e[1]
+  for _, v in ipairs(e[2]) do n = n + #v end
+  return n
 end
 
 -- A key a frontend may write (hint, events, inbound stream) that has another type than the
@@ -71,16 +86,19 @@ local function covering_op(s, id)
   if scanned and string.match(scanned, '^%d+%-%d+$') and id_less(from, scanned) then
     from = scanned
   end
-  local rest = redis.call('XRANGE', s[1], '(' .. from, '+', 'COUNT', MARKER_SCAN)
-  for _, e in ipairs(rest) do
+  local read, bytes, last = 0, 0, nil
+  while read < MARKER_SCAN and bytes < SCAN_BYTES do
+    local e = redis.call('XRANGE', s[1], '(' .. from, '+', 'COUNT', 1)[1]
+    if not e then break end
     local op = field(e[2], 'control')
     if op then
       redis.call('HSET', s[2], '_mark', e[1] .. ' ' .. op)
       return op
     end
+    read, bytes, last, from = read + 1, bytes + entry_bytes(e), e[1], e[1]
   end
-  if #rest > 0 then redis.call('HSET', s[2], '_scan', rest[#rest][1]) end
-  if #rest == MARKER_SCAN then return nil end
+  if last then redis.call('HSET', s[2], '_scan', last) end
+  if read == MARKER_SCAN or bytes >= SCAN_BYTES then return nil end
   redis.call('DEL', s[3])  -- no marker is queued at all
   return ''
 end
@@ -91,10 +109,11 @@ end
 -- batch ran out before a real entry or the end (the caller answers 'again').
 local function head(s)
   local discarded = nil
-  local batch = safe({}, 'XRANGE', s[1], '-', '+', 'COUNT', HEAD_BATCH)
   local consumed = {}
   local entry = nil
-  for _, e in ipairs(batch) do
+  while #consumed < HEAD_BATCH do
+    local e = safe({}, 'XRANGE', s[1], '(' .. (consumed[#consumed] or '0-0'), '+', 'COUNT', 1)[1]
+    if not e then break end
     local op = field(e[2], 'control')
     if not op then entry = e break end
     consumed[#consumed + 1] = e[1]
@@ -106,7 +125,7 @@ local function head(s)
     local n = safe(false, 'DECRBY', s[3], #consumed)  -- a hint that is no integer is junk
     if not n or n <= 0 then redis.call('DEL', s[3]) end
   end
-  return entry, discarded, (not entry and #batch == HEAD_BATCH)
+  return entry, discarded, (not entry and #consumed == HEAD_BATCH)
 end
 
 -- Whether a stream folded under K (S ~= K) must be left alone: it is no longer pending

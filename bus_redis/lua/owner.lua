@@ -6,13 +6,36 @@
 -- The private session ends with 'drop' (discarded) and 'abandon' (closed, its worker
 -- leaves): its events are deleted with it, so none of its text outlives it in Redis
 -- (an XDEL'd event's bytes stay in the stream's memory while its node has live entries).
+-- The emptied stream keeps its id floor (events written later get greater ids than any
+-- it had, so a reader's position stays valid) and its TTL.
+local function empty_events(key)
+  local t = redis.call('TYPE', key)
+  t = t.ok or t
+  if t ~= 'stream' then
+    redis.call('DEL', key)
+    return
+  end
+  local ttl = redis.call('PTTL', key)
+  local floor = redis.call('XADD', key, '*', '_', '')
+  redis.call('DEL', key)
+  redis.call('XADD', key, floor, '_', '')
+  redis.call('XDEL', key, floor)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('DEL', key) end
+end
+
 local cur = redis.call('HGET', KEYS[1], 'worker')
 if ARGV[1] == 'abandon' then
-  if cur == ARGV[2] then redis.call('DEL', KEYS[1], KEYS[3]) end
+  if cur == ARGV[2] then
+    redis.call('DEL', KEYS[1])
+    empty_events(KEYS[3])
+  end
   return 1
 end
 if ARGV[1] == 'drop' then
-  if cur == ARGV[2] then redis.call('DEL', KEYS[1], KEYS[3]) end
+  if cur == ARGV[2] then
+    redis.call('DEL', KEYS[1])
+    empty_events(KEYS[3])
+  end
   redis.call('ZREM', KEYS[2], ARGV[3])
   return 1
 end

@@ -7,8 +7,17 @@
 -- returns 1 when this call reported the loss, 0 otherwise
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
--- the session ended: its events go with it (a fresh stream holds only the notice)
+-- the session ended: its events go with it (a fresh stream holds only the notice, with
+-- an id greater than any the old stream had, so a reader's position stays valid)
+local t = redis.call('TYPE', KEYS[3])
+t = t.ok or t
+local floor = nil
+if t == 'stream' then floor = redis.call('XADD', KEYS[3], '*', '_', '') end
 redis.call('DEL', KEYS[3])
+if floor then
+  redis.call('XADD', KEYS[3], floor, '_', '')
+  redis.call('XDEL', KEYS[3], floor)
+end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'session', ARGV[3])
