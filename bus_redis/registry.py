@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from redis.exceptions import NoScriptError
 
-from bus_redis.codec import strict_text, text, texts
+from bus_redis.codec import safe, strict_text, text, texts
 from bus_redis.keys import channel_of, valid_channel
 from bus_redis.schema import CONTROL_OPS
 from bus_redis.scripts import script_sha
@@ -135,16 +135,16 @@ class Registry:
                 for key, (member, entry_id) in todo.items():
                     keys = [k.inbound(member), k.attempts(member), k.control_hint(member)]
                     pipe.evalsha(script_sha("markers"), 3, *keys, entry_id, resume.get(key, ""))
-                try:
-                    replies = await pipe.execute()
-                    break
-                except NoScriptError:
-                    await self.bus.scripts.load_all()
-        else:
-            return {}, {key: resume.get(key, "") for key in todo}
+                replies = await pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, NoScriptError) for r in replies):
+                break
+            await self.bus.scripts.load_all()
         found: dict[str, str] = {}
         again: dict[str, str] = {}
         for key, reply in zip(todo, replies, strict=True):
+            if isinstance(reply, Exception):  # this session's keys only: the others go on
+                log.warning("looking for markers of %s failed: %s", safe(key), safe(str(reply)))
+                continue
             parts = texts(reply)
             if parts and parts[0] in CONTROL_OPS:
                 found[key] = parts[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
+from replies import wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from bus_redis.registry import Registry
@@ -277,3 +278,69 @@ async def test_keys_longer_than_the_wire_allows_are_junk(redis: aioredis.Redis) 
     await redis.zadd(bus.keys.queued("web"), {long_key: 0, "telegram:t": 0})
     assert await Sweeps(bus).queued("web", unified=False) == []
     assert await redis.zcard(bus.keys.queued("web")) == 0
+
+
+async def test_an_entry_at_the_maximal_id_breaks_no_look(redis: aioredis.Redis) -> None:
+    """A frontend may XADD at the maximal id: selection, marker scans and confirmations
+    still answer (for every session looked at in the same pass)."""
+    client, bus = FrontendClient(redis), RedisBus(redis, lock_ttl_ms=5000)
+    stream = bus.keys.inbound(K)
+    await client.send(_msg("first"))
+    await client.stop(K)
+    await redis.xadd(stream, {"control": "stop"}, id="18446744073709551615-18446744073709551615")
+    await redis.incr(bus.keys.control_hint(K))
+    other = "web:other"
+    await client.send(InboundMessage(channel="web", sender_id="u", chat_id="other", content="x"))
+    await client.stop(other)
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
+    assert got.step.covered_by == "stop"
+    found = await Registry(bus).markers_after({K: (K, got.step.entry_id), other: (other, "1-0")})
+    assert found == {K: "stop", other: "stop"}
+
+
+async def test_adding_a_channel_drops_no_other_channels_subscription(
+    real_redis: aioredis.Redis,
+    redis_server,  # type: ignore[no-untyped-def]
+) -> None:
+    """Channels never move between subscriptions: a control published on one channel while
+    another is added (even one that sorts between) is received."""
+    from bus_redis import ControlMessage, Keys
+    from worker.control import ControlListener
+
+    got: list[str] = []
+    looks = 0
+
+    async def on_subscribed() -> None:
+        nonlocal looks
+        looks += 1
+
+    raw = aioredis.from_url(redis_server.url)
+    listener = ControlListener(
+        raw, Keys(), lambda c: got.append(c.session_key), on_subscribed, connections=2
+    )
+    listener.set_channels({"web", "zeta"})
+    task = asyncio.create_task(listener.run())
+    try:
+        await asyncio.wait_for(listener.subscribed.wait(), 10)
+        before = [set(s) for s in listener._want]
+        body = ControlMessage(op="stop", session_key="web:1").model_dump_json()
+        for i in range(200):
+            if i == 50:
+                listener.set_channels({"web", "zeta", "mid"})
+            assert await real_redis.publish(Keys().control("web"), body) == 1
+            await asyncio.sleep(0)
+        assert await wait_until_async(lambda: _true(len(got) >= 200), timeout_s=10)
+        assert got == ["web:1"] * 200
+        assert all(b <= a for b, a in zip(before, listener._want, strict=True))  # nothing moved
+        await asyncio.wait_for(listener.subscribed.wait(), 10)
+        assert looks == 3  # each new channel's confirmed subscription looked for missed markers
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await raw.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value

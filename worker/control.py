@@ -1,13 +1,15 @@
 """The control subscription: each channel's control channel (``P:{C}:control``) on a
 connection of its own, so a channel that floods its controls delays only itself.
 
-Channels are spread over at most ``connections`` subscriptions (sorted, round robin: with
-that many channels or fewer each has its own connection). Redis delivers a connection's
-messages in order, so a flood queues behind itself only; each subscription has its own
-reconnect loop with backoff. A control is taken only for a session of the channel it was
-published on (a frontend can publish on its own channel only). Pub/sub is at-most-once:
-after every (re)subscription ``on_subscribed`` runs so the worker can look for control
-markers it may have missed while it was not listening.
+Channels are placed on at most ``connections`` subscriptions: a new channel goes to the
+one with the fewest channels and never moves afterwards (with that many channels or fewer
+each has its own connection, and a channel added or removed changes no other channel's
+subscription: nothing is unsubscribed in between). Redis delivers a connection's messages
+in order, so a flood queues behind itself only. Each subscription has its own reconnect
+loop with backoff. A control is taken only for a session of the channel it was published
+on (a frontend can publish on its own channel only). Pub/sub is at-most-once: once Redis
+has confirmed a (re)subscription, ``on_subscribed`` runs so the worker can look for
+control markers it may have missed while it was not listening.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -29,6 +32,7 @@ from worker.backoff import Backoff
 log = logging.getLogger(__name__)
 CONTROL_CONNECTIONS = 16  # subscriptions per worker at most (channels share them beyond)
 YIELD_EVERY = 8  # messages read in a row before the listener lets other tasks run
+POLL_S = 0.25  # how often a subscription looks for channels to add or drop
 
 
 class ControlListener:
@@ -45,104 +49,124 @@ class ControlListener:
         self.keys = keys
         self.on_control = on_control
         self.on_subscribed = on_subscribed
-        self.connections = max(1, connections)
-        self.subscribed = asyncio.Event()  # every current subscription is listening
-        self._shards: dict[frozenset[str], asyncio.Task[None]] = {}
-        self._listening: set[frozenset[str]] = set()
+        self.subscribed = asyncio.Event()  # every wanted channel is being listened to
+        self._want: list[set[str]] = [set() for _ in range(max(1, connections))]
+        self._listening: list[set[str]] = [set() for _ in self._want]
+        self._tasks: dict[int, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
-        self._wanted: list[frozenset[str]] = []
+        self.subscribed.set()
 
     def set_channels(self, channels: Iterable[str]) -> None:
         """The channels to listen to (called whenever the served channels change)."""
-        ordered = sorted(set(channels))
-        n = min(self.connections, len(ordered)) or 1
-        shards = [frozenset(ordered[i::n]) for i in range(n)]
-        wanted = [s for s in shards if s]
-        if wanted != self._wanted:
-            self._wanted = wanted
-            self._changed.set()
+        wanted = set(channels)
+        for shard in self._want:
+            shard &= wanted
+        placed = set().union(*self._want)
+        for channel in sorted(wanted - placed):
+            min(self._want, key=len).add(channel)  # the least loaded; never moved later
+        self._update_subscribed()
+        self._changed.set()
 
     async def run(self) -> None:
-        """Keep one subscription task per shard of channels until cancelled."""
+        """Keep a subscription task for every shard that has channels, until cancelled."""
         try:
             while True:
                 self._changed.clear()
-                wanted = set(self._wanted)
-                for shard in list(self._shards):
-                    if shard not in wanted:
-                        self._shards.pop(shard).cancel()
-                        self._listening.discard(shard)
-                for shard in wanted - set(self._shards):
-                    self._shards[shard] = asyncio.create_task(self._subscription(shard))
-                self._update_subscribed()
+                for i, shard in enumerate(self._want):
+                    if shard and (i not in self._tasks or self._tasks[i].done()):
+                        self._tasks[i] = asyncio.create_task(self._subscription(i))
                 await self._changed.wait()
         finally:
-            tasks = list(self._shards.values())
+            tasks = list(self._tasks.values())
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _update_subscribed(self) -> None:
-        if set(self._wanted) <= self._listening:
+        if all(want <= have for want, have in zip(self._want, self._listening, strict=True)):
             self.subscribed.set()
         else:
             self.subscribed.clear()
 
-    async def _subscription(self, shard: frozenset[str]) -> None:
-        backoff = Backoff(f"control subscription ({len(shard)} channels)", log)
-        names = [self.keys.control(c) for c in sorted(shard)]
+    async def _subscription(self, i: int) -> None:
+        backoff = Backoff(f"control subscription {i}", log)
         while True:
             pubsub = self.redis.pubsub()
+            self._listening[i] = set()
             try:
-                await pubsub.subscribe(*names)
-                await self._after_subscribing()
-                self._listening.add(shard)
-                self._update_subscribed()
+                await self._sync(i, pubsub)
                 backoff.reset()
-                await self._listen(pubsub)
+                await self._listen(i, pubsub)
             except (RedisError, OSError) as exc:
-                self._listening.discard(shard)
-                self._update_subscribed()
                 await backoff.after(exc)
             except Exception as exc:  # never let a subscription end: controls must work
                 log.exception("control subscription failed")
-                self._listening.discard(shard)
-                self._update_subscribed()
                 await backoff.after(exc)
             finally:
+                self._listening[i] = set()
+                self._update_subscribed()
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
+
+    async def _sync(self, i: int, pubsub: Any) -> None:
+        """Subscribe the shard's new channels (then look for missed markers, once Redis
+        confirmed them) and unsubscribe the channels it no longer serves."""
+        have, want = self._listening[i], set(self._want[i])
+        new = sorted(want - have)
+        if new:
+            names = {self.keys.control(c): c for c in new}
+            await pubsub.subscribe(*names)
+            pending = set(names)
+            while pending:  # the confirmations: from here on nothing published is missed
+                msg = await pubsub.get_message(timeout=5.0)
+                if msg is None:
+                    raise TimeoutError("no subscription confirmation from Redis")
+                if msg.get("type") == "subscribe":
+                    pending.discard(text(msg["channel"]))
+                else:
+                    self._take(msg)
+            have |= set(new)
+            self._update_subscribed()
+            await self._after_subscribing()
+        gone = sorted(have - want)
+        if gone:
+            await pubsub.unsubscribe(*(self.keys.control(c) for c in gone))
+            have -= set(gone)
 
     async def _after_subscribing(self) -> None:
         try:
             await self.on_subscribed()
-        except (RedisError, OSError):
-            raise
-        except Exception:  # a bug there must not stop the subscription (nor the worker)
+        except Exception:  # a failed look must not stop the subscription (nor the worker)
             log.exception("checking for missed controls failed")
 
-    async def _listen(self, pubsub: object) -> None:
+    async def _listen(self, i: int, pubsub: Any) -> None:
         taken = 0
         while True:
+            if self._want[i] != self._listening[i]:
+                await self._sync(i, pubsub)
             taken += 1
             if taken % YIELD_EVERY == 0:  # a flood in the socket buffer never holds the
                 await asyncio.sleep(0)  # event loop: turns, commits, other channels go on
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)  # type: ignore[attr-defined]
-            if msg is None or msg.get("type") != "message":
-                continue
-            channel = self.keys.channel_of_control(text(msg["channel"]))
-            data = strict_text(msg["data"])
-            try:
-                if data is None:
-                    raise ValueError("not UTF-8")
-                control = ControlMessage.model_validate_json(data)
-            except (ValidationError, ValueError):
-                log.warning("ignored a malformed control message on %s", safe(msg["channel"]))
-                continue
-            if channel is None or not in_channel(control.session_key, channel):
-                log.warning("ignored a control for another channel on %s", safe(msg["channel"]))
-                continue
-            try:
-                self.on_control(control)
-            except Exception:  # one bad control must not end the subscription
-                log.exception("handling a control for %s failed", safe(control.session_key))
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+            if msg is not None:
+                self._take(msg)
+
+    def _take(self, msg: dict[str, Any]) -> None:
+        if msg.get("type") != "message":
+            return
+        channel = self.keys.channel_of_control(text(msg["channel"]))
+        data = strict_text(msg["data"])
+        try:
+            if data is None:
+                raise ValueError("not UTF-8")
+            control = ControlMessage.model_validate_json(data)
+        except (ValidationError, ValueError):
+            log.warning("ignored a malformed control message on %s", safe(msg["channel"]))
+            return
+        if channel is None or not in_channel(control.session_key, channel):
+            log.warning("ignored a control for another channel on %s", safe(msg["channel"]))
+            return
+        try:
+            self.on_control(control)
+        except Exception:  # one bad control must not end the subscription
+            log.exception("handling a control for %s failed", safe(control.session_key))

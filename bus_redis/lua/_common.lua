@@ -30,6 +30,22 @@ local function id_less(a, b)
   return num_less(as, bs)
 end
 
+-- The entry after `id` (nil at the end). At the maximal id there is nothing after it, and
+-- `XRANGE (<max>` is an error: a frontend may XADD an entry at that id.
+local MAX_ID = '18446744073709551615-18446744073709551615'
+local function entry_after(key, id)
+  if id == MAX_ID then return nil end
+  local r = redis.pcall('XRANGE', key, '(' .. id, '+', 'COUNT', 1)
+  if type(r) == 'table' and r.err then
+    if string.find(r.err, 'WRONGTYPE', 1, true) then  -- junk a frontend wrote
+      redis.call('DEL', key)
+      return nil
+    end
+    return redis.call('XRANGE', key, '(' .. id, '+', 'COUNT', 1)[1]  -- raises it
+  end
+  return r[1]
+end
+
 local function entry_bytes(e)
   local n = #e[1]
   for _, v in ipairs(e[2]) do n = n + #v end
@@ -88,7 +104,7 @@ local function covering_op(s, id)
   end
   local read, bytes, last = 0, 0, nil
   while read < MARKER_SCAN and bytes < SCAN_BYTES do
-    local e = redis.call('XRANGE', s[1], '(' .. from, '+', 'COUNT', 1)[1]
+    local e = entry_after(s[1], from)
     if not e then break end
     local op = field(e[2], 'control')
     if op then
@@ -112,7 +128,7 @@ local function head(s)
   local consumed = {}
   local entry = nil
   while #consumed < HEAD_BATCH do
-    local e = safe({}, 'XRANGE', s[1], '(' .. (consumed[#consumed] or '0-0'), '+', 'COUNT', 1)[1]
+    local e = entry_after(s[1], consumed[#consumed] or '0-0')
     if not e then break end
     local op = field(e[2], 'control')
     if not op then entry = e break end
@@ -138,8 +154,8 @@ local function leave_alone(s, key, pending, maxlen)
   local held = redis.call('EXISTS', s[7]) == 1
   if not held and redis.call('EXISTS', s[4]) == 0 then return false end
   redis.call('SREM', pending, s[6])
-  if not held then
-    redis.call('XADD', s[5], 'MAXLEN', '~', maxlen, '*', 'session', s[6])
+  if not held then  -- a ready queue that takes no entry: the queued-index sweep finds S
+    redis.pcall('XADD', s[5], 'MAXLEN', '~', maxlen, '*', 'session', s[6])
   end
   return true
 end

@@ -17,7 +17,7 @@ if not id_less(ARGV[1], first[1]) and first[1] ~= ARGV[1] then
   local from = ARGV[2] ~= '' and ARGV[2] or ARGV[1]
   local read, bytes = 0, 0
   while read < MARKER_SCAN and bytes < SCAN_BYTES do
-    local e = redis.call('XRANGE', s[1], '(' .. from, '+', 'COUNT', 1)[1]
+    local e = entry_after(s[1], from)
     if not e then return {''} end
     local op = field(e[2], 'control')
     if op then return {op} end

@@ -20,5 +20,5 @@ if floor then
 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'session', ARGV[3])
+redis.pcall('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'session', ARGV[3])  -- junk queue: swept
 return 1

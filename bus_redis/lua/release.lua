@@ -9,6 +9,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[4], ARGV[2])
 if redis.call('SCARD', KEYS[2]) > 0 then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2], 'effective', '1')
+  -- a ready queue that takes no entry (junk): the sweeps find the key again
+  redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2], 'effective', '1')
 end
 return 1
