@@ -207,7 +207,7 @@ class AgentLoop:
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
         ]
         try:
-            await self.rt.jobs.start()
+            await self._start_jobs()
             await asyncio.wait_for(listener.subscribed.wait(), timeout=30)
             self._consumer = asyncio.create_task(self._consume(), name="consume")
             with contextlib.suppress(asyncio.CancelledError):
@@ -222,6 +222,17 @@ class AgentLoop:
             await self.maintenance.leave()
             await self.bus.aclose()
             log.info("worker %s stopped", safe(self.worker_id))
+
+    async def _start_jobs(self) -> None:
+        """Start the background-job queue, waiting with backoff while Redis refuses the
+        connection it needs (e.g. at ``maxclients``) instead of ending the worker."""
+        backoff = Backoff("starting the job queue", log, first_s=0.2, cap_s=5.0)
+        while not self._stopping.is_set():
+            try:
+                await self.rt.jobs.start()
+                return
+            except (RedisError, OSError) as exc:
+                await backoff.after(exc)
 
     @property
     def stopping(self) -> bool:
