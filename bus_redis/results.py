@@ -102,6 +102,8 @@ class CommitSpec:
     owner_op: str = ""  # '', 'set', 'del'
     owner_member: str = ""
     dead: str = ""  # dead-letter JSON
+    outcome: str = ""  # 'message' or the error code of the reply (metrics, the turn's log line)
+    dead_reason: str = ""  # why it was dead-lettered (metrics)
 
 
 def parse_step(raw: list[Any]) -> Step | None:

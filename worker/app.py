@@ -12,6 +12,7 @@ from redis.retry import Retry
 
 from bus_redis import RedisBus
 from worker.loop import AgentLoop
+from worker.metrics import MeteredProvider, WorkerMetrics
 from worker.providers import EchoProvider, LLMProvider, OpenAIProvider
 from worker.settings import Settings
 
@@ -48,10 +49,13 @@ def make_loop(
 
     jobs = ArqJobQueue(settings.redis_url, settings.key_prefix) if settings.jobs == "arq" else None
     bus = RedisBus(redis, settings.key_prefix)  # timings come from the loop's config
-    return AgentLoop(
+    metrics = WorkerMetrics()
+    loop = AgentLoop(
         bus,
-        provider or make_provider(settings),
+        MeteredProvider(provider or make_provider(settings), metrics),
         model=settings.model or None,
         jobs=jobs,
         config=settings.loop_config(),
     )
+    loop.rt.metrics = metrics
+    return loop

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from bus_redis import ControlMessage
 from worker.runtime import Runtime
@@ -29,6 +30,7 @@ class Controls:
         self.rt = rt
         self._marked: set[str] = set()  # effective keys of running turns to look at
         self._resume: dict[tuple[str, str], str] = {}  # (K, entry id) -> where a look goes on
+        self._heard: dict[str, float] = {}  # K -> when its first unconfirmed control came
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -37,6 +39,9 @@ class Controls:
         rt, target = self.rt, control.session_key
         running = [k for k, v in rt.turns.running().items() if target in (k, v[0])]
         if running:
+            now = time.monotonic()
+            for key in running:
+                self._heard.setdefault(key, now)
             self._marked.update(running)
             self._wake.set()
             self._ensure_task()
@@ -76,7 +81,11 @@ class Controls:
         markers, again = await rt.registry.markers_step(running, resume)
         for key, op in markers.items():
             member, entry_id = running[key]
-            if rt.turns.cancel_entry(key, entry_id, op) and op in FORGETTING:
+            cancelled = rt.turns.cancel_entry(key, entry_id, op)
+            heard = self._heard.pop(key, None)
+            if cancelled and heard is not None:
+                rt.metrics.cancel_seconds.observe(time.monotonic() - heard)
+            if cancelled and op in FORGETTING:
                 owned = rt.turns.disown(member)
                 rt.sessions.invalidate(member)
                 if owned is not None:
@@ -85,6 +94,8 @@ class Controls:
             self._resume[(key, running[key][1])] = where
         current = {(k, v[1]) for k, v in rt.turns.running().items()}
         self._resume = {kv: w for kv, w in self._resume.items() if kv in current}  # bounded
+        looking = ({k for k, _ in current} & set(again)) | self._marked  # answered: afresh
+        self._heard = {k: t for k, t in self._heard.items() if k in looking}
         if again:
             self._marked.update(again)
             self._wake.set()

@@ -218,3 +218,4 @@ class TurnExecution:
         bus, token = self.rt.bus, self.holder.token
         if not await bus.emit(self.key, token, self.member, payload, transient=transient):
             self.rt.turns.metrics["fenced_writes_rejected"] += 1
+            self.rt.metrics.fenced_writes_rejected.inc()

@@ -10,6 +10,7 @@ drain():  step = acquire's first entry
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from redis.exceptions import RedisError
@@ -21,7 +22,7 @@ from bus_redis import (
     OutboundMessage,
     decode_inbound,
 )
-from bus_redis.codec import safe
+from bus_redis.codec import safe, stream_id_ms
 from bus_redis.keys import channel_of
 from bus_redis.results import (
     Acquired,
@@ -70,6 +71,7 @@ class SessionHolder:
 
     def _lease_lost(self) -> None:
         self.rt.turns.metrics["leases_lost"] += 1
+        self.rt.metrics.leases_lost.inc()
         self.abort("lease_lost")
 
     def abort(self, reason: str) -> None:
@@ -127,6 +129,38 @@ class SessionHolder:
                 self.lease.lost = True
 
     async def _process(self, entry: Entry) -> Step:
+        metrics, started = self.rt.metrics, time.monotonic()
+        if entry.attempts > 1:
+            metrics.redeliveries.inc()
+        waited_ms = time.time() * 1000 - stream_id_ms(entry.entry_id)
+        metrics.queue_wait_seconds.observe(max(0.0, waited_ms) / 1000)
+        metrics.in_flight.inc()
+        try:
+            return await self._process_entry(entry, started)
+        finally:
+            metrics.in_flight.dec()
+
+    def _done(self, entry: Entry, spec: CommitSpec, started: float) -> None:
+        """A committed entry: its metrics and its one log line (a private session's
+        line carries sizes only)."""
+        metrics, elapsed = self.rt.metrics, time.monotonic() - started
+        outcome = spec.outcome or "none"
+        metrics.turns.labels(outcome).inc()
+        metrics.turn_seconds.observe(elapsed)
+        if spec.dead:
+            metrics.dead_letter(spec.dead_reason)
+        if self._private(entry):
+            log.info(
+                "turn of a private session: %d bytes in, %d bytes out, outcome %s, %d ms",
+                len(entry.payload), len(spec.reply), outcome, elapsed * 1000,
+            )  # fmt: skip
+        else:
+            log.info(
+                "turn of %s entry %s: outcome %s, %d ms, attempt %d",
+                safe(entry.member), entry.entry_id, outcome, elapsed * 1000, entry.attempts,
+            )  # fmt: skip
+
+    async def _process_entry(self, entry: Entry, started: float) -> Step:
         if self.rt.turns.stopping:  # shutting down: take no further entry, hand it over
             await self.rt.bus.release(self.key, self.token)
             return Released()
@@ -147,7 +181,9 @@ class SessionHolder:
             return await self._next()
         crash_point("before_commit")
         if self.rt.turns.stopping:  # shutting down: finish this entry, leave the rest
-            await self.commit(spec, select=None)
+            version, _ = await self.commit(spec, select=None)
+            if version >= 0:
+                self._done(entry, spec, started)
             if not self.lease.lost:
                 await self.rt.bus.release(self.key, self.token)
             return Released()
@@ -160,6 +196,8 @@ class SessionHolder:
             await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
             return await self._next()
         crash_point("after_commit")
+        if not isinstance(step, Lost):
+            self._done(entry, spec, started)
         return step or Released()
 
     async def commit(
@@ -180,6 +218,7 @@ class SessionHolder:
             raise
         if version < 0:
             rt.turns.metrics["fenced_writes_rejected"] += 1
+            rt.metrics.fenced_writes_rejected.inc()
             if not self.transient:
                 rt.sessions.invalidate(self.key)
             log.warning("fenced commit of %s rejected: lease lost", safe(self.key))
@@ -218,6 +257,7 @@ class SessionHolder:
             self._set_reply(spec, rejection(exc, entry))
             reason = f"{exc.code}: {exc.detail}"
             spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
+            spec.dead_reason = exc.code
             return spec
         reply_to = payload.id or entry.entry_id
 
@@ -230,6 +270,7 @@ class SessionHolder:
             cause = await rt.registry.last_failure(entry.member, entry.entry_id)
             reason = f"failed {entry.attempts - 1} times; last error: {cause or 'unknown'}"
             spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
+            spec.dead_reason = "failed"
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
         if entry.covered_by:
             if entry.covered_by in ("discard", "delete"):
@@ -271,6 +312,7 @@ class SessionHolder:
     def _set_reply(spec: CommitSpec, out: OutboundMessage | None) -> None:
         if out is not None:
             spec.reply = out.model_dump_json(exclude_none=True)
+            spec.outcome = out.code or out.type
 
     def fill_spec(self, spec: CommitSpec, outcome: Outcome) -> None:
         self._set_reply(spec, outcome.reply)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from bus_redis import OutboundMessage
-from bus_redis.codec import safe
+from bus_redis.codec import safe, stream_id_ms, text
 from bus_redis.keys import UNIFIED_CHANNEL
 from bus_redis.results import Notification
 from worker.registration import eviction_policy
@@ -80,6 +80,7 @@ class Maintenance:
                     policy,
                 )
         await self.heartbeat()
+        await self.observe_queues()
         await self.refresh_channels()
         for key in rt.turns.idle(rt.config.private_idle_s):
             await self.close_private(key, "the private session was closed after being idle")
@@ -116,6 +117,24 @@ class Maintenance:
             **{name: str(count) for name, count in rt.turns.metrics.items()},
         }
         await rt.registry.heartbeat(rt.worker_id, info, ttl_ms=rt.bus.lock_ttl_ms * 3)
+
+    async def observe_queues(self) -> None:
+        """The age of the oldest notification not yet taken, over the served channels'
+        ready queues (one ``XRANGE ... COUNT 1`` each, pipelined)."""
+        channels = sorted(self.channels)
+        if not channels:
+            self.rt.metrics.oldest_queued_seconds.set(0)
+            return
+        async with self.rt.bus.raw.pipeline(transaction=False) as pipe:
+            for channel in channels:
+                pipe.xrange(self.rt.bus.keys.ready(channel), "-", "+", count=1)
+            pipe.time()
+            replies = await pipe.execute(raise_on_error=False)
+        seconds, micros = replies[-1]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        oldest = [stream_id_ms(text(r[0][0])) for r in replies[:-1] if isinstance(r, list) and r]
+        age_ms = now_ms - min(oldest) if oldest else 0
+        self.rt.metrics.oldest_queued_seconds.set(max(0, age_ms) / 1000)
 
     async def sweep(self) -> None:
         """Re-notify stranded sessions (one worker per sweep period does it)."""

@@ -17,6 +17,7 @@ from bus_redis.registry import Registry
 from session_store import OWNER_SCOPE, MemoryStore, Session, SessionManager
 from worker.config import LoopConfig
 from worker.jobs import JobQueue
+from worker.metrics import WorkerMetrics
 from worker.providers import LLMProvider
 from worker.turn import TurnRunner
 from worker.turns import TurnRegistry
@@ -41,6 +42,7 @@ class Runtime:
         default=lambda _r: _noop()
     )
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run ``coro`` in the background, keeping a reference until it is done."""

@@ -24,6 +24,8 @@ class Settings(BaseSettings, LoopConfig):
     jobs: Literal["arq", "local"] = "arq"
     log_level: str = "INFO"
     channels: Annotated[list[str], NoDecode] = Field(default_factory=list)  # "web,telegram"
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # /metrics /livez /readyz; 0 = off
+    metrics_host: str = "127.0.0.1"
 
     @field_validator("redis_url")
     @classmethod

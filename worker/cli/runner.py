@@ -91,6 +91,12 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     loop = make_loop(settings, redis)
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, loop.stop)
+    health = None
+    if settings.metrics_port:
+        from worker.health import HealthServer, redis_ready
+
+        health = HealthServer(render_metrics=loop.rt.metrics.render, ready=redis_ready(redis))
+        await health.start(settings.metrics_host, settings.metrics_port)
     log.info(
         "worker %s started: redis=%s prefix=%s provider=%s concurrency=%d unified=%s",
         loop.worker_id,
@@ -103,5 +109,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         await loop.run()
     finally:
+        if health is not None:
+            await health.close()
         await redis.aclose()
     return 0

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -51,6 +52,7 @@ class OpenAIProvider:
         self.generation = generation or GenerationSettings()
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.on_retry: Callable[[], object] | None = None  # counts retries (worker metrics)
         self.client = AsyncOpenAI(
             # explicit: an empty OPENAI_BASE_URL in the environment would otherwise win
             base_url=base_url or DEFAULT_BASE_URL,
@@ -92,6 +94,8 @@ class OpenAIProvider:
                 if attempt == self.max_retries:
                     raise ProviderError(f"{type(exc).__name__}: {exc}") from exc
                 delay = self.backoff_s * 2**attempt * (0.5 + random.random())
+                if self.on_retry is not None:
+                    self.on_retry()
                 log.warning(
                     "provider retry %d in %.2fs: %s", attempt + 1, delay, type(exc).__name__
                 )

@@ -1,0 +1,101 @@
+"""A worker process's metrics and health port (``AGENT_METRICS_PORT``) and its one log
+line per turn, against a redis-server of the test's own (stopped at the end to see
+``/readyz`` fail)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio as aioredis
+from replies import wait_until_async
+from servers import RedisServer, free_port, in_ci, redis_server_binary
+from workers import WorkerProcess
+
+from bus_redis import FrontendClient, InboundMessage
+
+pytestmark = pytest.mark.real_redis
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    if redis_server_binary() is None:
+        if in_ci():
+            pytest.fail("redis-server is missing in CI")
+        pytest.skip("redis-server not installed")
+    srv = RedisServer().start()
+    yield srv
+    srv.cleanup()
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _value(metrics: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", metrics, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+async def test_metrics_health_and_a_line_per_turn(server: RedisServer) -> None:
+    port = free_port()
+    worker = WorkerProcess(
+        server.url,
+        worker_id="observed",
+        env={"AGENT_PROVIDER": "echo", "AGENT_CHANNELS": "web", "AGENT_METRICS_PORT": str(port)},
+    )
+    base = f"http://127.0.0.1:{port}"
+    redis = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        client = FrontendClient(redis)
+        for i in range(3):
+            msg = InboundMessage(channel="web", sender_id="u", chat_id="c", content=f"hi {i}")
+            assert (await client.ask(msg, timeout_s=20)).type == "message"
+        events = client.events(["web:bad"], after="0-0")
+        await client.send_raw("web:bad", "{not json")
+        assert (await asyncio.wait_for(anext(events), 20)).code == "invalid_message"
+        key, _ = await client.open_transient("web", "p")
+        private = InboundMessage(
+            channel="web", sender_id="u", chat_id="p", content="SECRET-PRIVATE-TEXT",
+            session_key_override=key, require_existing_session=True,
+        )  # fmt: skip
+        assert (await client.ask(private, timeout_s=20)).type == "message"
+
+        status, body = await asyncio.to_thread(_get, f"{base}/metrics")
+        assert status == 200
+        assert _value(body, 'agent_turns_total{outcome="message"}') == 5  # 3 + open + private
+        assert _value(body, 'agent_turns_total{outcome="invalid_message"}') == 1
+        assert _value(body, 'agent_dead_letters_total{reason="invalid_message"}') == 1
+        assert _value(body, "agent_provider_requests_total") == 4
+        assert _value(body, "agent_turn_seconds_count") == 6
+        assert _value(body, "agent_turns_in_flight") == 0
+        assert "web:c" not in body  # no session, chat or message id as a label
+        assert await asyncio.to_thread(_get, f"{base}/livez") == (200, "ok\n")
+        assert await asyncio.to_thread(_get, f"{base}/readyz") == (200, "ready\n")
+        assert (await asyncio.to_thread(_get, f"{base}/nope"))[0] == 404
+
+        log = worker.log()
+        assert "turn of web:c entry " in log
+        assert "outcome message" in log
+        assert "turn of a private session: " in log
+        assert "SECRET-PRIVATE-TEXT" not in log
+
+        await redis.aclose()
+        server.stop(kill=True)
+
+        async def not_ready() -> bool:
+            return (await asyncio.to_thread(_get, f"{base}/readyz"))[0] == 503
+
+        assert await wait_until_async(not_ready, timeout_s=10)
+        assert (await asyncio.to_thread(_get, f"{base}/livez"))[0] == 200
+    finally:
+        print(worker.log()[-3000:])
+        worker.close()
