@@ -5,7 +5,11 @@ line per turn, against a redis-server of the test's own (stopped at the end to s
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -99,3 +103,66 @@ async def test_metrics_health_and_a_line_per_turn(server: RedisServer) -> None:
     finally:
         print(worker.log()[-3000:])
         worker.close()
+
+
+def _status(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [os.environ.get("AGENT_WORKER_PYTHON") or sys.executable, "-m", "worker.cli.main",
+         "status", "--redis-url", url, *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+async def test_status_check_sees_no_worker_a_live_one_and_a_killed_one(server: RedisServer) -> None:
+    none = await asyncio.to_thread(_status, server.url, "--check")
+    assert none.returncode == 1
+    assert none.stdout.startswith("unhealthy: no worker alive")
+    worker = WorkerProcess(
+        server.url,
+        worker_id="checked",
+        env={"AGENT_PROVIDER": "echo", "AGENT_CHANNELS": "web", "AGENT_LOCK_TTL_MS": "1500"},
+    )
+    redis = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        msg = InboundMessage(channel="web", sender_id="u", chat_id="c", content="hi")
+        assert (await FrontendClient(redis).ask(msg, timeout_s=20)).type == "message"
+        live = await asyncio.to_thread(_status, server.url, "--check")
+        assert (live.returncode, live.stdout.strip()) == (0, "healthy: 1 workers alive")
+        report = json.loads((await asyncio.to_thread(_status, server.url, "--json")).stdout)
+        (w,) = report["workers"]
+        assert w["alive"] is True
+        assert isinstance(w["pid"], int)
+        assert isinstance(report["channels"]["web"]["ready"], int)
+
+        worker.kill()
+
+        async def dead() -> bool:
+            res = await asyncio.to_thread(_status, server.url, "--check")
+            return res.returncode == 1 and "no worker alive" in res.stdout
+
+        assert await wait_until_async(dead, timeout_s=15)  # its own TTL: 1.5 s
+        text = (await asyncio.to_thread(_status, server.url)).stdout
+        assert "checked  dead" in text
+    finally:
+        await redis.aclose()
+        worker.close()
+
+
+async def test_status_names_each_leases_holder(server: RedisServer) -> None:
+    from bus_redis import RedisBus
+
+    redis = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        await redis.sadd("agent:channels", "web")
+        bus = RedisBus(redis)
+        await FrontendClient(redis).send(
+            InboundMessage(channel="web", sender_id="u", chat_id="held", content="x")
+        )
+        got = await bus.acquire("web:held", "w-holder", member="web:held", select=False)
+        assert got is not None
+        report = json.loads((await asyncio.to_thread(_status, server.url, "--json")).stdout)
+        assert [(lease["key"], lease["holder"]) for lease in report["active_leases"]] == [
+            ("web:held", "w-holder")
+        ]
+    finally:
+        await redis.aclose()

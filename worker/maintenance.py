@@ -114,6 +114,8 @@ class Maintenance:
             "started_ms": str(self.started_ms),
             "active": str(len(rt.turns)),
             "transient": str(len(rt.turns.owned())),
+            # status calls a worker dead once its heartbeat is older than this
+            "dead_after_ms": str(rt.bus.lock_ttl_ms),
             **{name: str(count) for name, count in rt.turns.metrics.items()},
         }
         await rt.registry.heartbeat(rt.worker_id, info, ttl_ms=rt.bus.lock_ttl_ms * 3)
