@@ -166,3 +166,28 @@ async def test_status_names_each_leases_holder(server: RedisServer) -> None:
         ]
     finally:
         await redis.aclose()
+
+
+async def test_json_logs_and_sigterm_said_as_it_is(server: RedisServer) -> None:
+    import signal
+
+    worker = WorkerProcess(
+        server.url,
+        worker_id="jsonlog",
+        env={"AGENT_PROVIDER": "echo", "AGENT_CHANNELS": "web", "AGENT_LOG_FORMAT": "json"},
+    )
+    redis = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        msg = InboundMessage(channel="web", sender_id="u", chat_id="j", content="hi")
+        assert (await FrontendClient(redis).ask(msg, timeout_s=20)).type == "message"
+        worker.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.proc.wait, 20) == 0
+        lines = [json.loads(line) for line in worker.log().splitlines() if line.strip()]
+        messages = [d["msg"] for d in lines]
+        assert all({"ts", "level", "logger", "msg"} <= d.keys() for d in lines)
+        assert any(m.startswith("turn of web:j entry ") for m in messages)
+        assert any(m.startswith("SIGTERM: taking no new work") for m in messages)
+        assert not any("SIGUSR1" in m for m in messages)
+    finally:
+        await redis.aclose()
+        worker.close()

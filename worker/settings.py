@@ -23,6 +23,7 @@ class Settings(BaseSettings, LoopConfig):
     model: str = ""
     jobs: Literal["arq", "local"] = "arq"
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = "text"
     channels: Annotated[list[str], NoDecode] = Field(default_factory=list)  # "web,telegram"
     metrics_port: int = Field(default=0, ge=0, le=65535)  # /metrics /livez /readyz; 0 = off
     metrics_host: str = "127.0.0.1"

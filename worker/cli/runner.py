@@ -79,7 +79,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
 
     from worker.cli.main import redact_url
 
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     redis = make_redis(settings.redis_url)
     stopped = asyncio.Event()
     aloop = asyncio.get_running_loop()
@@ -89,8 +89,16 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         await redis.aclose()
         return 0
     loop = make_loop(settings, redis)
+
+    def stop(sig: signal.Signals) -> None:
+        log.info(
+            "%s: taking no new work, finishing running turns (up to %ss), then stopping",
+            sig.name, settings.shutdown_grace_s,
+        )  # fmt: skip
+        loop.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        aloop.add_signal_handler(sig, loop.stop)
+        aloop.add_signal_handler(sig, stop, sig)
     health = None
     if settings.metrics_port:
         from worker.health import HealthServer, redis_ready

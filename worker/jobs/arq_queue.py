@@ -70,6 +70,14 @@ class ArqJobQueue:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         if self._worker is not None:
-            await self._worker.close()
+            # arq logs "shutdown on SIGUSR1" whenever it is closed without its own signal
+            # handling: not what happened (the worker's stop is logged by the worker)
+            arq_log = logging.getLogger("arq.worker")
+            level = arq_log.level
+            arq_log.setLevel(logging.WARNING)
+            try:
+                await self._worker.close()
+            finally:
+                arq_log.setLevel(level)
         if self._enqueue_pool is not None:
             await self._enqueue_pool.aclose()
