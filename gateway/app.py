@@ -15,6 +15,7 @@ create_app(settings)
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 from collections import Counter
@@ -34,6 +35,7 @@ from bus_redis.keys import Keys
 from gateway.auth import Authenticator, User
 from gateway.chats import Chat, Chats
 from gateway.hub import EventHub, Subscription, TooManyStreamsError
+from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class Gateway:
             max_temporary=s.max_temporary_per_user,
         )
         self._user_streams: Counter[str] = Counter()
+        self.metrics = GatewayMetrics()
         self.hub = EventHub(
             self.readers,
             self.redis,
@@ -94,10 +97,12 @@ class Gateway:
         if self._user_streams[user.hash] >= self.settings.max_streams_per_user:
             raise TooManyStreamsError(f"{self.settings.max_streams_per_user} streams per user")
         self._user_streams[user.hash] += 1
+        self.metrics.streams_open.inc()
         try:
             async with self.hub.subscribe(chat.session_key, after) as sub:
                 yield sub
         finally:
+            self.metrics.streams_open.dec()
             self._user_streams[user.hash] -= 1
             if self._user_streams[user.hash] <= 0:
                 del self._user_streams[user.hash]
@@ -106,6 +111,7 @@ class Gateway:
         """Send; the ids its terminal event may answer to: the message id, and the entry id
         for a payload the worker cannot read that far."""
         entry_id = await self.client.send_entry(msg)
+        self.metrics.messages_published.inc()
         return {msg.id or entry_id, entry_id}
 
     async def wait_terminal(
@@ -159,6 +165,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw = gateway or make_gateway(settings)
+        gw.metrics = app.state.metrics
         if not gw.auth.configured:
             log.warning("no tokens and no trusted proxies configured: every request is refused")
         gw.hub.start()
@@ -175,6 +182,9 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    metrics = gateway.metrics if gateway is not None else GatewayMetrics()
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    app.state.metrics = metrics
     app.include_router(api.router)
     app.include_router(ws.router)
     app.include_router(openai_compat.router)
@@ -194,6 +204,13 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     async def livez() -> Response:
         return Response("ok\n", media_type="text/plain")
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_page(request: Request) -> Response:
+        if not _may_scrape(request, settings.metrics_networks):
+            return Response("not found\n", 404, media_type="text/plain")
+        body = request.app.state.metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> Response:
         try:
@@ -203,6 +220,17 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         return JSONResponse({"ready": True})
 
     return app
+
+
+def _may_scrape(request: Request, networks: list[str]) -> bool:
+    """Metrics are for the operator's scraper: only clients in ``metrics_networks``."""
+    if request.client is None:
+        return False
+    try:
+        peer = ipaddress.ip_address(request.client.host)
+    except ValueError:
+        return False
+    return any(peer in ipaddress.ip_network(n, strict=False) for n in networks)
 
 
 class BodyLimit:

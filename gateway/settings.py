@@ -43,6 +43,10 @@ class GatewaySettings(BaseSettings):
     # a header set by a trusted reverse proxy, accepted only from these addresses
     user_header: str = "X-Forwarded-User"
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # who may read /metrics (the operator's scraper), addresses or networks
+    metrics_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["127.0.0.1/32", "::1/128"]
+    )
     ticket_ttl_s: int = Field(default=60, ge=5, le=3600)
     max_sessions_per_user: int = Field(default=500, ge=1)
     max_temporary_per_user: int = Field(default=5, ge=1)  # more: the oldest is discarded
@@ -91,14 +95,16 @@ class GatewaySettings(BaseSettings):
             return out
         return value
 
-    @field_validator("trusted_proxies", "temporary_disabled_tools", mode="before")
+    @field_validator(
+        "trusted_proxies", "temporary_disabled_tools", "metrics_networks", mode="before"
+    )
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
 
-    @field_validator("trusted_proxies")
+    @field_validator("trusted_proxies", "metrics_networks")
     @classmethod
     def _addresses(cls, value: list[str]) -> list[str]:
         for item in value:

@@ -41,7 +41,11 @@ async def socket(ws: WebSocket) -> None:
         await ws.close(code=4401, reason="authentication required")
         return
     await ws.accept()
-    await Connection(gw, user, ws).serve()
+    gw.metrics.websockets_open.inc()
+    try:
+        await Connection(gw, user, ws).serve()
+    finally:
+        gw.metrics.websockets_open.dec()
 
 
 class Connection:

@@ -325,3 +325,25 @@ async def test_status_reads_junk_keys_as_nothing(redis_factory) -> None:  # type
         await redis.set(k.out(f"web:{sid}"), "junk")
         status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).json()
         assert (status["queued"], status["state"], status["last_event_id"]) == (0, "idle", "0-0")
+
+
+async def test_metrics_count_routes_by_template_for_the_scraper_only(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    async with _client(redis_factory) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        for i in range(2):
+            r = await http.post(
+                f"/api/sessions/{sid}/messages", json={"content": f"m{i}"}, headers=ALICE
+            )
+            assert r.status_code == 202
+        assert (await http.get("/api/sessions/nope", headers=ALICE)).status_code == 404
+        page = await http.get("/metrics")
+        assert page.status_code == 200
+        body = page.text
+        route = "/api/sessions/{session_id}/messages"
+        assert f'gateway_requests_total{{method="POST",route="{route}",status="202"}} 2.0' in body
+        assert 'route="/api/sessions/{session_id}",status="404"' in body
+        assert "gateway_messages_published_total 2.0" in body
+        assert sid not in body  # no chat id, user or token anywhere
+        assert "alice" not in body
+    async with _client(redis_factory, peer="203.0.113.7") as http:  # not the scraper
+        assert (await http.get("/metrics")).status_code == 404
