@@ -13,7 +13,7 @@ from redis.retry import Retry
 from bus_redis import RedisBus
 from worker.loop import AgentLoop
 from worker.metrics import MeteredProvider, WorkerMetrics
-from worker.providers import EchoProvider, LLMProvider, OpenAIProvider
+from worker.providers import EchoProvider, GenerationSettings, LLMProvider, OpenAIProvider
 from worker.settings import Settings
 
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
@@ -33,12 +33,20 @@ def make_redis(url: str) -> aioredis.Redis:
 
 
 def make_provider(settings: Settings) -> LLMProvider:
+    generation = GenerationSettings(
+        temperature=settings.temperature, max_tokens=settings.max_tokens
+    )
     if settings.provider == "echo":
-        return EchoProvider(settings.model or "echo-1")
+        echo = EchoProvider(settings.model or "echo-1")
+        echo.generation = generation
+        return echo
     return OpenAIProvider(
         settings.model or DEFAULT_OPENAI_MODEL,
         base_url=os.environ.get("OPENAI_BASE_URL", "").strip() or None,  # '' = the default
         api_key=os.environ.get("OPENAI_API_KEY") or None,
+        timeout_s=settings.provider_timeout_s,
+        max_retries=settings.provider_retries,
+        generation=generation,
     )
 
 

@@ -40,7 +40,7 @@ from worker.holder import SessionHolder
 from worker.jobs import JobQueue, LocalJobQueue
 from worker.maintenance import Maintenance
 from worker.outcomes import SessionNotActiveError
-from worker.prompt import ContextBuilder
+from worker.prompt import IDENTITY, ContextBuilder
 from worker.providers import LLMProvider
 from worker.registration import check_can_serve
 from worker.runtime import Runtime
@@ -80,8 +80,12 @@ class AgentLoop:
             config.reply_maxlen, config.reply_ttl_ms, config.transient_reply_ttl_ms
         )
         self.worker_id = config.worker_id
-        self.tools = tools or default_registry()
-        context = ContextBuilder(self.tools.names, history_tokens=config.history_tokens)
+        self.tools = (tools or default_registry()).chosen(config.tools_allow, config.tools_deny)
+        context = ContextBuilder(
+            self.tools.names,
+            identity=config.system_prompt or IDENTITY,
+            history_tokens=config.history_tokens,
+        )
         model = model or provider.get_default_model()
         self.rt = Runtime(
             config=config,

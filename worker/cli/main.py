@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import sys
 from collections.abc import Callable, Coroutine
@@ -21,12 +22,28 @@ Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    """Options every command takes, before or after its name (``SUPPRESS``: an option
+    given in one place is not reset by the other's default)."""
     p.add_argument(
-        "--redis-url", help="Redis URL (env AGENT_REDIS_URL; default redis://localhost:6379/0)"
+        "--redis-url",
+        default=argparse.SUPPRESS,
+        help="Redis URL (env AGENT_REDIS_URL; default redis://localhost:6379/0)",
     )
     p.add_argument(
-        "--prefix", dest="key_prefix", help="key prefix (env AGENT_KEY_PREFIX; default agent)"
+        "--prefix",
+        dest="key_prefix",
+        default=argparse.SUPPRESS,
+        help="key prefix (env AGENT_KEY_PREFIX; default agent)",
     )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("redis-agent-worker")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Redis-backed, horizontally scalable worker for chat-agent turns.",
         epilog="Configuration comes from AGENT_* environment variables; options override them.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _common(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (runner, frontend, admin, acl, demo):
         module.register(sub, _common)
@@ -50,6 +69,22 @@ def load_settings(args: argparse.Namespace) -> Settings:
         if getattr(args, name, None) is not None
     }
     return Settings(**overrides)
+
+
+# AGENT_* names read by other parts (the gateway, the test and bench tooling)
+OTHER_AGENT_VARIABLES = ("AGENT_GATEWAY_", "AGENT_WORKER_PYTHON", "AGENT_TEST_")
+
+
+def unknown_variables(environ: dict[str, str]) -> list[str]:
+    """``AGENT_*`` variables no setting reads (a typo silently changes nothing)."""
+    known = {f"AGENT_{name.upper()}" for name in Settings.model_fields}
+    return sorted(
+        name
+        for name in environ
+        if name.startswith("AGENT_")
+        and name not in known
+        and not name.startswith(OTHER_AGENT_VARIABLES)
+    )
 
 
 def redact_url(url: str) -> str:
@@ -90,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_config_error(exc), file=sys.stderr)
         return 2
     command: Command = args.handler
+    for name in unknown_variables(dict(os.environ)):
+        print(f"agent-worker: warning: {name} is not a setting (ignored)", file=sys.stderr)
     try:
         return asyncio.run(command(args, settings))
     except KeyboardInterrupt:

@@ -57,6 +57,20 @@ class ToolRegistry:
     def names(self) -> list[str]:
         return list(self._tools)
 
+    def chosen(self, allow: Iterable[str] = (), deny: Iterable[str] = ()) -> ToolRegistry:
+        """The tools an operator chose (``AGENT_TOOLS_ALLOW`` / ``AGENT_TOOLS_DENY``): only
+        ``allow`` when given, never ``deny``. A name no tool has is refused, so a typo
+        cannot silently leave a tool on."""
+        allow, deny = list(allow), list(deny)
+        unknown = sorted(set(allow + deny) - set(self._tools))
+        if unknown:
+            raise ValueError(
+                f"unknown tool {unknown[0]!r} in AGENT_TOOLS_ALLOW/AGENT_TOOLS_DENY "
+                f"(tools: {', '.join(self._tools)})"
+            )
+        names = [n for n in self._tools if (not allow or n in allow) and n not in deny]
+        return ToolRegistry(self._tools[n] for n in names)
+
     def definitions(self, disabled: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
         """OpenAI ``tools`` entries of the tools this session may use."""
         return [
