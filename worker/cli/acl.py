@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bus_redis.acl import frontend_acl, gateway_acl, worker_acl
+from worker.app import make_redis
 from worker.settings import Settings
 
 
@@ -26,6 +27,12 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.add_argument("--channel", help="frontend / gateway: the channel it serves")
     p.add_argument("--password", required=True, help="the user's password (8+ characters)")
     p.add_argument("--user", help="user name (default frontend-CHANNEL / agent-worker)")
+    p.add_argument(
+        "--apply",
+        action="store_true",
+        help="run the commands on --redis-url / AGENT_REDIS_URL (as an admin) instead of "
+        "printing them (a deployment's start-up step)",
+    )
     p.set_defaults(handler=acl)
 
 
@@ -46,5 +53,14 @@ async def acl(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         print(f"agent-worker: {exc}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
+    if not args.apply:
+        print("\n".join(lines))
+        return 0
+    redis = make_redis(settings.redis_url)
+    try:
+        for line in lines:
+            await redis.execute_command(*line.split())
+    finally:
+        await redis.aclose()
+    print(f"applied: {lines[0].split()[2]} ({args.role})")  # the user name, never the password
     return 0

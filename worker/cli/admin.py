@@ -69,10 +69,14 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.set_defaults(handler=channels)
 
 
-async def _channels(redis: aioredis.Redis, keys: Keys) -> list[str]:
+async def _channels(redis: aioredis.Redis, keys: Keys, *, discover: bool = True) -> list[str]:
+    """Registered channels, and (``discover``: a SCAN of the keyspace) those whose ready
+    queue exists."""
     bus = RedisBus(redis, keys.prefix)
     try:
-        return sorted(await Registry(bus).channels())
+        registry = Registry(bus)
+        found = await (registry.channels() if discover else registry.registered_channels())
+        return sorted(found)
     finally:
         await bus.aclose()
 
@@ -98,7 +102,9 @@ def _number(value: str) -> int | str:
         return value
 
 
-async def collect_status(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
+async def collect_status(
+    redis: aioredis.Redis, keys: Keys, *, discover: bool = True
+) -> dict[str, Any]:
     now_ms = int(time.time() * 1000)
     workers = []
     for worker_id, seen in await redis.zrange(keys.workers, 0, -1, withscores=True):
@@ -112,7 +118,7 @@ async def collect_status(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         workers.append({"id": worker_id, "last_seen_ms_ago": ago, "alive": alive, **info})
     per_channel = {}
     leases = []
-    for channel in await _channels(redis, keys):
+    for channel in await _channels(redis, keys, discover=discover):
         try:
             pending = int((await redis.xpending(keys.ready(channel), WORKER_GROUP))["pending"])
         except ResponseError:
@@ -159,7 +165,8 @@ async def status(args: argparse.Namespace, settings: Settings) -> int:
         except (RedisError, OSError) as exc:
             print(f"redis: DOWN ({redact_url(settings.redis_url)}: {type(exc).__name__})")
             return 1
-        report = await collect_status(redis, Keys(settings.key_prefix))
+        # --check runs every few seconds as a healthcheck: registered channels only, no SCAN
+        report = await collect_status(redis, Keys(settings.key_prefix), discover=not args.check)
     finally:
         await redis.aclose()
     if args.check:
