@@ -85,6 +85,41 @@ class RedisSessionStore:
             await self._scripts.call("release", release, [token, key, 1_000_000])
         return deleted > 0
 
+    async def prune_idle(self, channel: str, older_than_ms: int, *, limit: int = 100) -> list[str]:
+        """Delete up to ``limit`` of the channel's stored sessions not updated for
+        ``older_than_ms`` (hash, index entries, events), each under its lease: a session
+        whose lease is taken, or with messages queued, is not idle and is left alone.
+        Returns the deleted keys."""
+        seconds, micros = await self.redis.time()
+        cutoff = int(seconds) * 1000 + int(micros) // 1000 - older_than_ms
+        index = self.keys.sessions_index(channel)
+        deleted: list[str] = []
+        for raw in await self.redis.zrangebyscore(index, "-inf", cutoff, start=0, num=limit):
+            key = text(raw)
+            token = f"{secrets.token_hex(8)}|prune"
+            lease = self.keys.lease(key)
+            if not await self.redis.set(lease, token, nx=True, px=self.lock_ttl_ms):
+                continue  # a turn runs: not idle
+            try:
+                score = await self.redis.zscore(index, key)
+                queued = await self.redis.exists(self.keys.inbound(key))
+                # updated meanwhile, or its next turn is on its way: not idle. Otherwise
+                # delete.lua removes the hash and its index entries (also an entry left
+                # without a hash)
+                idle = score is not None and score <= cutoff and not queued
+                if idle and await self.delete_held(key, lease, token) > 0:
+                    deleted.append(key)
+            finally:
+                k = self.keys
+                release = [
+                    lease,
+                    k.pending(key),
+                    k.ready(channel_of(key)),
+                    k.leases(channel_of(key)),
+                ]
+                await self._scripts.call("release", release, [token, key, 1_000_000])
+        return deleted
+
     async def delete_held(self, key: str, lease: str, token: str) -> int:
         """Delete session ``key`` (hash, index entries, events) if ``lease`` still holds
         ``token``: 1 deleted, 0 nothing stored, -1 the lease was lost."""

@@ -22,6 +22,7 @@ from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 DEAD_WORKER_AFTER_TTLS = 6  # a worker silent for this many lease TTLs is forgotten
+PRUNE_BATCH = 100  # idle sessions deleted per channel and sweep period at most
 POLICY_CHECK_TICKS = 10  # Redis's eviction policy is looked at again every this many ticks
 
 
@@ -154,9 +155,36 @@ class Maintenance:
             log.info(
                 "%d sessions had queued entries and nobody serving them; re-notified", len(stranded)
             )
+        await self.prune_idle()
         await self.refresh_channels(discover=True)  # a SCAN: once per period, for all workers
         await sweeps.hints()
         await sweeps.keyspace(unified=unified)
+
+    async def prune_idle(self) -> None:
+        """Durable sessions idle longer than ``session_ttl_s`` go (with their indexes and
+        events), at most PRUNE_BATCH per channel and sweep period."""
+        rt = self.rt
+        ttl_ms = int(rt.config.session_ttl_s * 1000)
+        if ttl_ms <= 0:
+            return
+        channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
+        for channel in sorted(channels):
+            try:
+                gone = await rt.sessions.store.prune_idle(channel, ttl_ms, limit=PRUNE_BATCH)
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "pruning idle sessions of %s failed: %s", safe(channel), type(exc).__name__
+                )
+                continue
+            for key in gone:
+                rt.sessions.invalidate(key)
+            if gone:
+                log.info(
+                    "%d sessions of %s idle for %ds deleted",
+                    len(gone),
+                    safe(channel),
+                    ttl_ms // 1000,
+                )
 
     async def check_owned(self) -> None:
         """Serve our transient sessions that have messages but no notification reached

@@ -41,11 +41,19 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     )  # fmt: skip
     p.set_defaults(handler=status)
 
-    p = sub.add_parser("sessions", help="list | show KEY | delete KEY (delete waits for the lease)")
+    p = sub.add_parser(
+        "sessions",
+        help="list | show KEY | delete KEY | prune --older-than AGE (delete waits for the lease)",
+        description="Stored (durable) sessions. prune deletes those not updated for AGE "
+        "(e.g. 30d, 12h, 90m, 600s) with their indexes and events, as workers do by "
+        "themselves after AGENT_SESSION_TTL_S; a session with a running turn or queued "
+        "messages is left alone.",
+    )
     common(p)
-    p.add_argument("action", choices=["list", "show", "delete"])
+    p.add_argument("action", choices=["list", "show", "delete", "prune"])
     p.add_argument("key", nargs="?")
     p.add_argument("--scope", help="list: only this scope's sessions (CHANNEL/NAME)")
+    p.add_argument("--older-than", type=_age, metavar="AGE", help="prune: idle at least this long")
     p.set_defaults(handler=sessions)
 
     p = sub.add_parser("memory", help="show | set TEXT | clear: one scope's long-term memory")
@@ -198,11 +206,37 @@ async def status(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _age(value: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``600s`` or seconds: an age in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+    number, unit = (value[:-1], value[-1]) if value[-1:] in units else (value, "s")
+    try:
+        age = float(number) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an age like 30d, 12h, 90m or 600s"
+        ) from None
+    if age <= 0:
+        raise argparse.ArgumentTypeError("the age must be positive")
+    return age
+
+
 async def sessions(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     keys = Keys(settings.key_prefix)
-    manager = SessionManager(RedisSessionStore(redis, keys, lock_ttl_ms=settings.lock_ttl_ms))
+    store = RedisSessionStore(redis, keys, lock_ttl_ms=settings.lock_ttl_ms)
+    manager = SessionManager(store)
     try:
+        if args.action == "prune":
+            if args.older_than is None:
+                print("agent-worker: sessions prune needs --older-than AGE", file=sys.stderr)
+                return 2
+            total = 0
+            for channel in await _channels(redis, keys) + ["unified"]:
+                while gone := await store.prune_idle(channel, int(args.older_than * 1000)):
+                    total += len(gone)
+            print(f"deleted {total} sessions idle for at least {args.older_than:.0f} s")
+            return 0
         if args.action == "list":
             for info in await manager.list_sessions(args.scope):
                 print(

@@ -1,0 +1,89 @@
+"""Bounded retention: durable sessions idle longer than AGENT_SESSION_TTL_S go with their
+indexes and events (the sweeping worker, a batch per channel and period), and
+``sessions prune --older-than`` does the same at once; a busy session is left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from replies import wait_until_async
+
+from bus_redis import FrontendClient, InboundMessage, Keys
+from session_store import RedisSessionStore
+from worker.providers import LLMResponse
+
+K = Keys()
+
+
+async def _ok(**_kw: object) -> LLMResponse:
+    return LLMResponse(content="ok")
+
+
+def _msg(chat: str, text: str = "hi") -> InboundMessage:
+    return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, scope="team")
+
+
+def _leftovers(keys: list[str], session: str) -> list[str]:
+    return [k for k in keys if session in k]
+
+
+async def test_idle_sessions_expire_with_everything_of_them(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    make_loop(ScriptedProvider(handler=_ok), session_ttl_s=1, sweep_interval_ms=50, lock_ttl_ms=600)
+    redis = redis_factory()
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("old"), timeout_s=10)).content == "ok"
+    assert await redis.exists(K.session("web:old"))
+    assert await redis.zscore(K.scope_sessions("web/scope:team"), "web:old")
+
+    async def gone() -> bool:
+        keys = [k async for k in redis.scan_iter(count=1000)]
+        return not _leftovers(keys, "web:old")  # hash, events, channel and scope indexes
+
+    assert await wait_until_async(gone, timeout_s=15)
+    assert not await redis.zscore(K.sessions_index("web"), "web:old")
+    assert not await redis.zscore(K.scope_sessions("web/scope:team"), "web:old")
+    # a new message starts a new session
+    assert (await client.ask(_msg("old", "again"), timeout_s=10)).content == "ok"
+    assert await redis.hget(K.session("web:old"), "count") == "2"
+
+
+async def test_prune_leaves_busy_and_recent_sessions(redis: aioredis.Redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    make_loop(ScriptedProvider(handler=_ok), session_ttl_s=0)  # the worker never prunes
+    client = FrontendClient(redis)
+    for chat in ("a", "b", "busy"):
+        assert (await client.ask(_msg(chat), timeout_s=10)).content == "ok"
+    store = RedisSessionStore(redis, K)
+    await redis.zadd(K.sessions_index("web"), {"web:a": 1, "web:busy": 1})  # long idle
+    await redis.set(K.lease("web:busy"), "n|someone", px=5000)  # a turn runs
+    assert await store.prune_idle("web", 60_000) == ["web:a"]
+    assert not await redis.exists(K.session("web:a"), K.out("web:a"))
+    assert await redis.exists(K.session("web:b"), K.session("web:busy"))
+
+
+def test_prune_command(redis_server) -> None:  # type: ignore[no-untyped-def]
+    async def seed() -> None:
+        redis = aioredis.from_url(redis_server.url, decode_responses=True)
+        await redis.flushall()
+        await redis.sadd("agent:channels", "web")
+        await redis.hset(K.session("web:x"), mapping={"meta": "{}", "count": "0", "version": "1"})
+        await redis.zadd(K.sessions_index("web"), {"web:x": 1})
+        await redis.aclose()
+
+    asyncio.run(seed())
+    res = subprocess.run(
+        [sys.executable, "-m", "worker.cli.main", "sessions", "prune", "--older-than", "30d",
+         "--redis-url", redis_server.url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "deleted 1 sessions idle for at least 2592000 s"
+    bad = subprocess.run(
+        [sys.executable, "-m", "worker.cli.main", "sessions", "prune", "--older-than", "soon"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "not an age like 30d" in bad.stderr
