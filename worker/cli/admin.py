@@ -238,11 +238,15 @@ async def sessions(args: argparse.Namespace, settings: Settings) -> int:
             print(f"deleted {total} sessions idle for at least {args.older_than:.0f} s")
             return 0
         if args.action == "list":
-            for info in await manager.list_sessions(args.scope):
+            listed = await manager.list_sessions(args.scope)
+            for info in listed:
                 print(
                     f"{info['key']}\t{info['scope']}\t{info['messages']} messages\t"
                     f"updated {info['updated_at']}"
                 )
+            if not listed:
+                where = f"scope {args.scope}" if args.scope else "any channel"
+                print(f"(no stored sessions in {where})")
             return 0
         if not args.key:
             print("agent-worker: sessions show/delete need a KEY", file=sys.stderr)
@@ -266,7 +270,15 @@ async def memory(args: argparse.Namespace, settings: Settings) -> int:
     store = MemoryStore(redis, Keys(settings.key_prefix))
     try:
         if args.action == "show":
-            print(await store.read_memory(args.scope))
+            memory_text = await store.read_memory(args.scope)
+            if memory_text:
+                print(memory_text)
+            else:
+                print(
+                    f"(no long-term memory in scope {args.scope}; a session's scope is "
+                    f"CHANNEL/sender:ID, CHANNEL/scope:NAME or {OWNER_SCOPE}: see "
+                    f"'sessions list', then --scope)"
+                )
         elif args.action == "set" and not args.text:
             print(
                 "agent-worker: memory set needs TEXT (use 'memory clear' to empty it)",
@@ -287,12 +299,17 @@ async def dlq(args: argparse.Namespace, settings: Settings) -> int:
     try:
         names = [args.channel] if args.channel else await _dead_channels(redis, keys)
         if args.action == "list":
+            shown = 0
             for channel in names:
                 for entry_id, raw in await redis.xrange(keys.dead(channel)):
                     doc = json.loads(fields(raw).get("entry", "{}"))
                     print(
                         f"{entry_id}\t{doc.get('session')}\t{doc.get('deliveries')}x\t{doc.get('reason')}"
                     )
+                    shown += 1
+            if not shown:
+                where = f"channel {args.channel}" if args.channel else "any channel"
+                print(f"(no dead letters in {where})")
             return 0
         if args.action == "purge":
             count = 0

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -188,6 +189,19 @@ async def _value(client: FrontendClient, key: str) -> object:
 
 
 async def demo(args: argparse.Namespace, settings: Settings) -> int:
+    """SIGTERM / SIGINT end it cleanly: workers stopped, the embedded Redis shut down."""
+    task = asyncio.current_task()
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
+    try:
+        return await _demo(args, settings)
+    except asyncio.CancelledError:
+        print("demo stopped; its Redis is shut down")
+        return 0
+
+
+async def _demo(args: argparse.Namespace, settings: Settings) -> int:
     provider = "openai" if os.environ.get("OPENAI_API_KEY") else "echo"
     with embedded_redis() as (url, kind):
         print(f"Redis: {kind} at {url}; provider: {provider}; two workers")

@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from worker.app import make_redis
 from worker.settings import Settings
@@ -27,10 +29,19 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the reply")
     p.set_defaults(handler=send)
 
-    p = sub.add_parser("chat", help="interactive chat (/temp, /durable, /stop, /discard, /quit)")
+    p = sub.add_parser(
+        "chat",
+        help="interactive chat (/help: /temp, /durable, /new, /stop, /discard, /quit)",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common(p)
     p.add_argument("--channel", default="cli")
     p.add_argument("--chat-id", default="me")
+    p.add_argument(
+        "--wait", type=float, default=120.0, metavar="S",
+        help="at the end, wait this long for answers on their way (default 120)",
+    )  # fmt: skip
     p.set_defaults(handler=chat)
 
     for op in ("discard", "stop"):
@@ -55,15 +66,20 @@ async def send(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     try:
         client = FrontendClient(redis, settings.key_prefix)
-        msg = InboundMessage(
-            id=args.id or uuid.uuid4().hex,
-            channel=args.channel,
-            sender_id="cli",
-            chat_id=args.chat_id,
-            content=args.text,
-            session_key_override=args.session,
-            require_existing_session=args.require_existing,
-        )
+        try:
+            msg = InboundMessage(
+                id=args.id or uuid.uuid4().hex,
+                channel=args.channel,
+                sender_id="cli",
+                chat_id=args.chat_id,
+                content=args.text,
+                session_key_override=args.session,
+                require_existing_session=args.require_existing,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            print(f"agent-worker: invalid message: {first['msg']}", file=sys.stderr)
+            return 2
         try:
             ev = await client.ask(msg, timeout_s=args.timeout, on_event=_print_event)
         except TimeoutError:
@@ -90,49 +106,149 @@ async def control(args: argparse.Namespace, settings: Settings) -> int:
         await redis.aclose()
 
 
+HELP = """commands:
+  /temp      open a private session (never stored; gone when discarded or its worker leaves)
+  /durable   back to the stored chat
+  /new       start a fresh stored conversation (the previous one stays stored)
+  /stop      stop the running turn (messages queued before it are cancelled too)
+  /discard   forget the current session (a private one is gone; a stored one keeps its history)
+  /help      this list
+  /quit      leave (after the replies on their way arrived; also at end of input or Ctrl-C)
+anything else is sent as a message"""
+
+
 class _Chat:
+    """One terminal's chat: a session to send to, and the replies of the sessions it sent
+    to (the current one, and an earlier one while answers to it are on their way: a
+    switch never hides an answer), each message waited for before leaving."""
+
     def __init__(self, client: FrontendClient, channel: str, chat_id: str) -> None:
         self.client = client
         self.channel = channel
+        self.base_chat = chat_id
         self.chat_id = chat_id
         self.transient: str | None = None
+        self.waiting: dict[str, set[str]] = {}  # session -> ids of messages not answered yet
+        self.answered = asyncio.Event()
+        self.printers: dict[str, asyncio.Task[None]] = {}
+        self._streaming = False
 
     @property
     def session_key(self) -> str:
         return self.transient or f"{self.channel}:{self.chat_id}"
 
-    async def print_replies(self, session_key: str, after: str = "$") -> None:
-        """Events of this window's session only (another window's never show here)."""
+    @property
+    def pending(self) -> int:
+        return sum(len(ids) for ids in self.waiting.values())
+
+    def follow(self, session_key: str, after: str = "$") -> None:
+        if session_key not in self.printers or self.printers[session_key].done():
+            self.printers[session_key] = asyncio.create_task(self._print(session_key, after))
+
+    def settle(self) -> None:
+        """Stop following sessions that are neither current nor awaited."""
+        for key in list(self.printers):
+            if key != self.session_key and not self.waiting.get(key):
+                self.printers.pop(key).cancel()
+
+    async def close(self) -> None:
+        tasks = list(self.printers.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def show(self, ev: OutboundMessage) -> None:
+        if ev.type == "delta":
+            print(ev.content or "", end="", flush=True)
+            self._streaming = True
+            return
+        streamed, self._streaming = self._streaming, False
+        if streamed:
+            print(flush=True)
+        if ev.type == "message" and streamed and ev.metadata.get("event") is None:
+            self._terminal(ev)  # the streamed text was the answer: not printed twice
+            return
+        if ev.type == "error" and ev.code == "session_lost":
+            print(f"[error session_lost] {ev.content}")
+            print(
+                "[the private session is gone: /durable goes back to the stored chat, "
+                "/temp opens a new one]"
+            )
+        else:
+            _print_event(ev)
+        self._terminal(ev)
+
+    def _terminal(self, ev: OutboundMessage) -> None:
+        if not ev.is_terminal:
+            return
+        ids = self.waiting.get(ev.session_key or "", set())
+        for rid in [ev.reply_to, *(ev.covers or [])]:
+            ids.discard(rid or "")
+        self.answered.set()
+
+    async def _print(self, session_key: str, after: str) -> None:
+        """Events of one session this window sent to (another window's never show here)."""
         events = self.client.events([session_key], after=after)
-        private = session_key == self.transient
+        private = session_key.startswith(f"{self.channel}:{self.base_chat}-private-")
         async with contextlib.aclosing(events):  # type: ignore[type-var]
             async for ev in events:
-                _print_event(ev)
+                self.show(ev)
                 if private and ev.entry_id:  # a private session's events go once shown
                     await self.client.redis.xdel(self.client.keys.out(session_key), ev.entry_id)
+                if session_key != self.session_key and not self.waiting.get(session_key):
+                    return  # an earlier session: its last awaited answer came
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait for the answers still on their way; False when some did not come."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.pending and loop.time() < deadline:
+            self.answered.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.answered.wait(), deadline - loop.time())
+        return not self.pending
 
     async def handle(self, line: str) -> bool:
         if line in ("/quit", "/exit"):
             return False
-        if line == "/temp":
-            key = f"{self.channel}:{self.chat_id}-private-{uuid.uuid4().hex[:6]}"
+        if line == "/help":
+            print(HELP)
+        elif line == "/temp":
+            key = f"{self.channel}:{self.base_chat}-private-{uuid.uuid4().hex[:6]}"
             self.transient, _ = await self.client.open_transient(
-                self.channel, self.chat_id, session_key=key
+                self.channel, self.base_chat, session_key=key
             )
+            print(f"[now in private session {self.transient}: nothing of it is stored]")
         elif line == "/durable":
             self.transient = None
             print(f"[back to {self.session_key}]")
+        elif line == "/new":
+            self.transient = None
+            old, self.chat_id = self.session_key, f"{self.base_chat}-{uuid.uuid4().hex[:6]}"
+            print(f"[new conversation {self.session_key}; {old} stays stored]")
         elif line in ("/stop", "/discard"):
-            await self.client.control(line[1:], self.session_key)
-            if line == "/discard":
+            op, key = line[1:], self.session_key
+            await self.client.control(op, key)
+            if op == "stop":
+                print(f"[stop sent for {key}]")
+            elif self.transient is not None:
                 self.transient = None
+                print(f"[private session {key} discarded; back to {self.session_key}]")
+            else:
+                print(
+                    f"[discard sent for {key}: workers forget their copy; its history stays stored]"
+                )
+        elif line.startswith("/"):
+            print(f"[unknown command {line.split()[0]}; /help lists them]")
         elif line:
+            msg_id = uuid.uuid4().hex
+            self.waiting.setdefault(self.session_key, set()).add(msg_id)
             await self.client.send(
                 InboundMessage(
-                    id=uuid.uuid4().hex,
+                    id=msg_id,
                     channel=self.channel,
                     sender_id="cli",
-                    chat_id=self.chat_id,
+                    chat_id=self.base_chat if self.transient else self.chat_id,
                     content=line,
                     session_key_override=self.transient,
                     require_existing_session=self.transient is not None,
@@ -145,23 +261,27 @@ async def chat(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     await redis.ping()
     session = _Chat(FrontendClient(redis, settings.key_prefix), args.channel, args.chat_id)
-    printer = asyncio.create_task(session.print_replies(session.session_key))
-    print(f"chatting as {session.session_key}; /temp opens a private session, /quit leaves")
+    session.follow(session.session_key)
+    interactive = sys.stdin.isatty()
+    print(f"chatting as {session.session_key}; /help lists the commands, /quit leaves")
     try:
         while True:
-            line = await asyncio.to_thread(sys.stdin.readline)
+            if interactive:
+                print("> ", end="", flush=True)
+            try:
+                line = await asyncio.to_thread(sys.stdin.readline)
+            except (KeyboardInterrupt, asyncio.CancelledError):
+                break
             before = session.session_key
             if not line or not await session.handle(line.strip()):
                 break
-            if session.session_key != before:  # /temp, /durable, /discard: follow the session
-                printer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await printer
-                after = "0" if session.transient else "$"  # a new private session: all of it
-                printer = asyncio.create_task(session.print_replies(session.session_key, after))
+            if session.session_key != before:  # /temp, /durable, /new, /discard: follow it
+                # a new private session: all of it (its opening is answered there)
+                session.follow(session.session_key, "0" if session.transient else "$")
+                session.settle()
+        if session.pending and not await session.drain(args.wait):
+            print(f"[{session.pending} answers did not come within {args.wait:g}s]")
     finally:
-        printer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await printer
+        await session.close()
         await redis.aclose()
     return 0

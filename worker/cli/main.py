@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import sys
@@ -128,9 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in unknown_variables(dict(os.environ)):
         print(f"agent-worker: warning: {name} is not a setting (ignored)", file=sys.stderr)
     try:
-        return asyncio.run(command(args, settings))
+        code = asyncio.run(command(args, settings))
+        sys.stdout.flush()  # here, so that a reader gone away is handled below
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (| head): not a Redis problem
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except WorkerConflictError as exc:
         print(f"agent-worker: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,124 @@
+"""The chat CLI as a person uses it, through a pipe and through a terminal (a pty), with a
+real worker process and the local fake LLM; and the other commands' rough edges (one
+line instead of a traceback, a closed pipe, saying when there is nothing to show)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+pytestmark = pytest.mark.real_redis
+
+
+def _chat(url: str, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli.main", "chat", "--redis-url", url, "--wait", "30",
+         *args],
+        input=text, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli.main", *args], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+
+
+def test_chat_through_a_pipe_waits_for_its_answers(redis_server, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    spawn_workers(1)
+    res = _chat(redis_server.url, "Hi\nWhat is my name?\n/bogus\n/help\n")  # then EOF
+    out = res.stdout
+    assert res.returncode == 0, res.stderr
+    assert "re: Hi" in out
+    assert "re: What is my name?" in out  # answered before the CLI ended at end of input
+    assert "[unknown command /bogus; /help lists them]" in out
+    assert "/temp      open a private session" in out
+    assert all("/bogus" not in str(r) for r in fake_llm.requests)  # never sent to the model
+
+
+def test_chat_says_where_each_line_goes(redis_server, spawn_workers) -> None:  # type: ignore[no-untyped-def]
+    spawn_workers(1)
+    script = "/stop\n/temp\nsecret one\n/discard\nin the stored chat\n/new\nfresh\n/quit\n"
+    out = _chat(redis_server.url, script, "--chat-id", "walk").stdout
+    lines = out.splitlines()
+    assert "[stop sent for cli:walk]" in lines  # nothing queued: it cancels nothing
+    opened = next(i for i, line in enumerate(lines) if line.startswith("[now in private session"))
+    back = next(i for i, line in enumerate(lines) if "discarded; back to cli:walk]" in line)
+    assert opened < back
+    # piped lines come at once: the discard covers what was queued before it
+    assert "[error cancelled] cancelled by discard" in out
+    assert "re: secret one" not in out
+    assert "re: in the stored chat" in out
+    assert any(line.startswith("[new conversation cli:walk-") for line in lines)
+    assert "re: fresh" in out
+
+
+def _until(read: Callable[[], str], want: str, timeout_s: float = 30) -> str:
+    deadline = time.monotonic() + timeout_s
+    seen = ""
+    while time.monotonic() < deadline:
+        seen += read()
+        if want in seen:
+            return seen
+    raise AssertionError(f"{want!r} not seen in {seen[-2000:]!r}")
+
+
+def test_chat_in_a_terminal_prompts_and_streams(redis_server, spawn_workers) -> None:  # type: ignore[no-untyped-def]
+    spawn_workers(1, env={"AGENT_STREAM_DELTAS": "1"})
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli.main", "chat", "--redis-url", redis_server.url,
+         "--chat-id", "tty"],
+        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+    )  # fmt: skip
+    os.close(slave)
+
+    def read() -> str:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        return os.read(master, 4096).decode(errors="replace") if ready else ""
+
+    try:
+        _until(read, "> ")  # the prompt marker
+        os.write(master, b"hello there\n")
+        seen = _until(read, "re: hello there")
+        assert seen.count("re: hello there") == 1  # streamed, not printed twice
+        os.write(master, b"/quit\n")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def test_other_commands_end_with_one_line(redis_server) -> None:  # type: ignore[no-untyped-def]
+    bad = _cli("send", "hi", "--session", "web:1-x", "--require-existing", "--redis-url",
+               redis_server.url)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0
+    assert "session_key_override must start with 'cli:'" in bad.stderr
+    empty = _cli("dlq", "list", "--redis-url", redis_server.url)
+    assert empty.stdout.strip() == "(no dead letters in any channel)"
+    memory = _cli("memory", "show", "--redis-url", redis_server.url)
+    assert memory.stdout.startswith("(no long-term memory in scope unified/owner;")
+
+
+def test_a_reader_that_goes_away_is_no_error(redis_server) -> None:  # type: ignore[no-untyped-def]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli.main", "acl", "worker", "--password", "x" * 70_000],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.read(10)  # like `| head -c 10`
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert b"Broken pipe" not in err
+    assert b"Redis" not in err
