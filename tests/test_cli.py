@@ -189,7 +189,7 @@ def test_sessions_and_channels_commands(redis_server) -> None:  # type: ignore[n
     listed = _run("sessions", "list", "--redis-url", url)
     assert listed.stdout.startswith("web:x\tweb/sender:u\t1 messages")
     scoped = _run("sessions", "list", "--scope", "web/sender:other", "--redis-url", url)
-    assert scoped.stdout == ""
+    assert scoped.stdout == "(no stored sessions in scope web/sender:other)\n"
     shown = json.loads(_run("sessions", "show", "web:x", "--redis-url", url).stdout)
     assert shown["messages"][0]["content"] == "hello there"
     assert _run("sessions", "delete", "web:x", "--redis-url", url).stdout.strip() == "deleted"
