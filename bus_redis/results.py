@@ -104,6 +104,8 @@ class CommitSpec:
     dead: str = ""  # dead-letter JSON
     outcome: str = ""  # 'message' or the error code of the reply (metrics, the turn's log line)
     dead_reason: str = ""  # why it was dead-lettered (metrics)
+    message_id: str = ""  # the answered message's id (the turn's log line)
+    tokens: tuple[int, int] = (0, 0)  # in, out, as the provider reported them (log line)
 
 
 def parse_step(raw: list[Any]) -> Step | None:

@@ -87,7 +87,10 @@ async def test_metrics_health_and_a_line_per_turn(server: RedisServer) -> None:
         assert (await asyncio.to_thread(_get, f"{base}/nope"))[0] == 404
 
         log = worker.log()
-        assert "turn of web:c entry " in log
+        assert re.search(
+            r"turn of web:c message \w+ \(entry [0-9-]+\): outcome message, \d+ ms, tokens 0\+0",
+            log,
+        )
         assert "outcome message" in log
         assert "turn of a private session: " in log
         assert "SECRET-PRIVATE-TEXT" not in log
@@ -185,7 +188,7 @@ async def test_json_logs_and_sigterm_said_as_it_is(server: RedisServer) -> None:
         lines = [json.loads(line) for line in worker.log().splitlines() if line.strip()]
         messages = [d["msg"] for d in lines]
         assert all({"ts", "level", "logger", "msg"} <= d.keys() for d in lines)
-        assert any(m.startswith("turn of web:j entry ") for m in messages)
+        assert any(m.startswith("turn of web:j message ") for m in messages)
         assert any(m.startswith("SIGTERM: taking no new work") for m in messages)
         assert not any("SIGUSR1" in m for m in messages)
     finally:

@@ -37,6 +37,7 @@ class Outcome:
     reply: OutboundMessage | None
     session: Session | None = None  # persist its unpersisted rows when durable
     injected: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reply_to)
+    tokens: tuple[int, int] = (0, 0)  # in, out (the turn's log line)
 
 
 class TurnExecution:
@@ -127,6 +128,7 @@ class TurnExecution:
         task = asyncio.create_task(turn)
         reason = await self._await_turn(task)
         outcome = await self._outcome(task, reason, msg, session, state, reply_to)
+        outcome.tokens = (state.tokens_in, state.tokens_out)
         if puller is not None and puller.injected:
             outcome.injected = puller.injected
             if outcome.reply is not None:

@@ -149,15 +149,19 @@ class SessionHolder:
         metrics.turn_seconds.observe(elapsed)
         if spec.dead:
             metrics.dead_letter(spec.dead_reason)
+        tokens_in, tokens_out = spec.tokens
         if self._private(entry):
             log.info(
-                "turn of a private session: %d bytes in, %d bytes out, outcome %s, %d ms",
-                len(entry.payload), len(spec.reply), outcome, elapsed * 1000,
+                "turn of a private session: %d bytes in, %d bytes out, outcome %s, %d ms, "
+                "tokens %d+%d",
+                len(entry.payload), len(spec.reply), outcome, elapsed * 1000, tokens_in,
+                tokens_out,
             )  # fmt: skip
         else:
             log.info(
-                "turn of %s entry %s: outcome %s, %d ms, attempt %d",
-                safe(entry.member), entry.entry_id, outcome, elapsed * 1000, entry.attempts,
+                "turn of %s message %s (entry %s): outcome %s, %d ms, tokens %d+%d, attempt %d",
+                safe(entry.member), safe(spec.message_id or "-"), entry.entry_id, outcome,
+                elapsed * 1000, tokens_in, tokens_out, entry.attempts,
             )  # fmt: skip
 
     async def _process_entry(self, entry: Entry, started: float) -> Step:
@@ -260,6 +264,7 @@ class SessionHolder:
             spec.dead_reason = exc.code
             return spec
         reply_to = payload.id or entry.entry_id
+        spec.message_id = reply_to
 
         def fail(code: str, detail: str) -> CommitSpec:
             out = error(payload.channel, payload.chat_id, entry.member, reply_to, code, detail)
@@ -316,6 +321,7 @@ class SessionHolder:
 
     def fill_spec(self, spec: CommitSpec, outcome: Outcome) -> None:
         self._set_reply(spec, outcome.reply)
+        spec.tokens = outcome.tokens
         spec.entry_ids.extend(eid for eid, _ in outcome.injected)
         session = outcome.session
         if session is not None and session.policy.persist:

@@ -27,6 +27,8 @@ class TurnState:
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     final: str | None = None
+    tokens_in: int = 0  # as the provider reported them, over the turn's model calls
+    tokens_out: int = 0
 
 
 def message_key(msg: InboundMessage, reply_to: str, *, folded: bool) -> str:
@@ -116,6 +118,9 @@ class TurnRunner:
             response = await self.provider.chat_with_retry(
                 messages=messages, tools=offered or None, model=self.model, on_delta=on_delta
             )
+            usage = response.usage or {}
+            state.tokens_in += int(usage.get("prompt_tokens") or 0)
+            state.tokens_out += int(usage.get("completion_tokens") or 0)
             if not response.tool_calls:
                 return self._finish(state, response.content or "")
             call_row = _call_row(response.content, response.tool_calls)
