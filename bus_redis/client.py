@@ -230,6 +230,12 @@ class FrontendClient:
     async def stop(self, session_key: str) -> int:
         return await self.control("stop", session_key)
 
+    async def new(self, session_key: str) -> int:
+        """A fresh conversation in the same session, as nanobot's ``/new``: when the marker
+        is reached, the stored history not consolidated yet is summarised into the
+        scope's long-term memory, then deleted (a private session is discarded)."""
+        return await self.control("new", session_key)
+
 
 def _dump(doc: Any) -> str:
     return str(doc.model_dump_json(exclude_none=True))

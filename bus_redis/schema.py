@@ -46,8 +46,8 @@ ErrorCode = Literal[
     "provider_error",
 ]
 SESSION_NOT_ACTIVE = "required session is not active"
-ControlOp = Literal["discard", "stop", "delete"]
-CONTROL_OPS: tuple[str, ...] = ("stop", "discard", "delete")
+ControlOp = Literal["discard", "stop", "delete", "new"]
+CONTROL_OPS: tuple[str, ...] = ("stop", "discard", "delete", "new")
 
 
 class _Wire(BaseModel):

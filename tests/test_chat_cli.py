@@ -56,8 +56,8 @@ def test_chat_says_where_each_line_goes(redis_server, spawn_workers) -> None:  #
     # piped lines come at once: the discard covers what was queued before it
     assert "[error cancelled] cancelled by discard" in out
     assert "re: secret one" not in out
-    assert "re: in the stored chat" in out
-    assert any(line.startswith("[new conversation cli:walk-") for line in lines)
+    assert "[error cancelled] cancelled by new" in out  # queued before /new: covered too
+    assert "[new conversation in cli:walk: the previous one goes into long-term memory]" in lines
     assert "re: fresh" in out
 
 

@@ -87,3 +87,48 @@ def test_prune_command(redis_server) -> None:  # type: ignore[no-untyped-def]
     )  # fmt: skip
     assert bad.returncode == 2
     assert "not an age like 30d" in bad.stderr
+
+
+async def test_new_folds_the_conversation_into_memory_then_starts_afresh(  # type: ignore[no-untyped-def]
+    redis_factory, make_loop
+) -> None:
+    calls: list[list[dict[str, object]]] = []
+
+    async def answer(**kw: object) -> LLMResponse:
+        messages = kw["messages"]
+        calls.append(messages)  # type: ignore[arg-type]
+        if "Summarise" in str(messages[0]["content"]):  # type: ignore[index]
+            return LLMResponse(content="the user's name is Ada")
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer))
+    redis = redis_factory()
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("n", "my name is Ada"), timeout_s=10)).content == "ok"
+    await client.new("web:n")
+    assert (await client.ask(_msg("n", "who am I?"), timeout_s=10)).content == "ok"
+    summary_call = next(c for c in calls if "Summarise" in str(c[0]["content"]))
+    assert "my name is Ada" in str(summary_call[1]["content"])
+    memory = await redis.hget(K.memory("web/scope:team"), "content")
+    assert memory == "the user's name is Ada"
+    last = calls[-1]
+    assert "the user's name is Ada" in str(last[0]["content"])  # memory in the new prompt
+    assert [m["content"] for m in last[1:]] == ["who am I?"]  # the old rows are gone
+    assert await redis.hget(K.session("web:n"), "count") == "2"
+
+
+async def test_new_keeps_the_conversation_when_the_summary_fails(  # type: ignore[no-untyped-def]
+    redis_factory, make_loop
+) -> None:
+    async def answer(**kw: object) -> LLMResponse:
+        if "Summarise" in str(kw["messages"][0]["content"]):  # type: ignore[index]
+            raise RuntimeError("the model is down")
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer))
+    redis = redis_factory()
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("k", "remember me"), timeout_s=10)).content == "ok"
+    await client.new("web:k")
+    assert (await client.ask(_msg("k", "still there?"), timeout_s=10)).content == "ok"
+    assert await redis.hget(K.session("web:k"), "count") == "4"  # nothing lost

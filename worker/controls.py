@@ -22,7 +22,7 @@ from bus_redis import ControlMessage
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
-FORGETTING = ("discard", "delete")  # ops that make a worker forget the session
+FORGETTING = ("discard", "delete", "new")  # ops that make a worker forget the session
 
 
 class Controls:

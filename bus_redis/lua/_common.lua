@@ -2,13 +2,14 @@
 -- Not a script of its own. Each inbound stream S is passed as seven KEYS (inbound stream,
 -- attempts hash, control hint, owner record, ready stream of S's channel, S's own lease,
 -- queued index of S's channel) with S itself in ARGV. An entry has a field `payload` (a
--- message or an op) or `control` (a stop or discard / delete marker published by the
+-- message or an op) or `control` (a stop, discard, new or delete marker published by the
 -- frontend: it covers exactly the entries before it).
 -- Work per call is bounded in entries and in bytes read (entries are read one at a time).
 local unpack = unpack or table.unpack
 local MARKER_SCAN = 256  -- entries read per call while looking for a control marker
 local SCAN_BYTES = 1048576  -- ... or fewer, once this many bytes were read
 local HEAD_BATCH = 64  -- control markers consumed per call at the head of a stream
+local RANK = {discard = 1, new = 2, delete = 3}  -- markers reported to the holder
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -121,7 +122,8 @@ end
 
 -- Consume control markers at the head of a stream (everything before them is done), at
 -- most HEAD_BATCH per call. Returns the oldest real entry (or nil), the op of a consumed
--- discard or delete marker (delete wins: it also forgets the session), and whether the
+-- discard, new or delete marker (delete wins over new, new over discard: each also does
+-- what the weaker does), and whether the
 -- batch ran out before a real entry or the end (the caller answers 'again').
 local function head(s)
   local discarded = nil
@@ -133,7 +135,7 @@ local function head(s)
     local op = field(e[2], 'control')
     if not op then entry = e break end
     consumed[#consumed + 1] = e[1]
-    if op == 'delete' or (op == 'discard' and not discarded) then discarded = op end
+    if (RANK[op] or 0) > (RANK[discarded] or 0) then discarded = op end
   end
   if #consumed > 0 then
     redis.call('XDEL', s[1], unpack(consumed))

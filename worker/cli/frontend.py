@@ -109,7 +109,7 @@ async def control(args: argparse.Namespace, settings: Settings) -> int:
 HELP = """commands:
   /temp      open a private session (never stored; gone when discarded or its worker leaves)
   /durable   back to the stored chat
-  /new       start a fresh stored conversation (the previous one stays stored)
+  /new       start a fresh conversation (the previous one is summarised into memory)
   /stop      stop the running turn (messages queued before it are cancelled too)
   /discard   forget the current session (a private one is gone; a stored one keeps its history)
   /help      this list
@@ -223,9 +223,13 @@ class _Chat:
             self.transient = None
             print(f"[back to {self.session_key}]")
         elif line == "/new":
-            self.transient = None
-            old, self.chat_id = self.session_key, f"{self.base_chat}-{uuid.uuid4().hex[:6]}"
-            print(f"[new conversation {self.session_key}; {old} stays stored]")
+            key = self.session_key
+            await self.client.new(key)
+            if self.transient is not None:
+                self.transient = None
+                print(f"[private session {key} discarded; back to {self.session_key}]")
+            else:
+                print(f"[new conversation in {key}: the previous one goes into long-term memory]")
         elif line in ("/stop", "/discard"):
             op, key = line[1:], self.session_key
             await self.client.control(op, key)
