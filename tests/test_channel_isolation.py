@@ -32,6 +32,7 @@ FAST = {  # short periods so that recovery shows within a test's patience
     "AGENT_LOCK_TTL_MS": "3000",
     "AGENT_SWEEP_INTERVAL_MS": "500",
     "AGENT_CHANNELS": "web,telegram",
+    "AGENT_HISTORY_TOKENS": "200",  # short prompts: the long-queue test runs 300 turns
 }
 
 
@@ -182,7 +183,7 @@ async def test_cheap_junk_keys_neither_dilute_recovery_nor_stay(
     stranded telegram messages are answered; web's index members naming telegram sessions
     are never acted on; the empty streams and hints are cleaned up."""
     web, telegram = clients
-    n = 5_000
+    n = 3_000
     async with web.pipeline(transaction=False) as pipe:
         for i in range(n):
             pipe.xadd(K.inbound(f"web:junk{i}"), {"x": "1"}, maxlen=0)  # an empty stream
