@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import pty
+import queue
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -122,3 +124,106 @@ def test_a_reader_that_goes_away_is_no_error(redis_server) -> None:  # type: ign
     assert proc.returncode == 0
     assert b"Broken pipe" not in err
     assert b"Redis" not in err
+
+
+_readers: dict[int, queue.Queue[str]] = {}
+
+
+def _lines_until(proc: subprocess.Popen[str], want: str, timeout_s: float = 30) -> str:
+    """Read the process's output line by line (a reader thread per process: a line
+    already buffered is never missed) until a line contains ``want``."""
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    lines = _readers.get(proc.pid)
+    if lines is None:
+        lines = _readers[proc.pid] = queue.Queue()
+        threading.Thread(
+            target=lambda: [lines.put(line) for line in iter(stdout.readline, "")],  # type: ignore[union-attr]
+            daemon=True,
+        ).start()
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        seen.append(line)
+        if want in line:
+            return "".join(seen)
+    raise AssertionError(f"{want!r} not seen in {''.join(seen)[-2000:]!r}")
+
+
+def test_ctrl_c_waits_for_the_answer_on_its_way(redis_server, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
+    import signal
+
+    spawn_workers(1)
+    fake_llm.rearm()  # "block" is held until released
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli.main", "chat", "--redis-url", redis_server.url,
+         "--chat-id", "ctrlc", "--wait", "30"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        bufsize=1,
+    )  # fmt: skip
+    try:
+        assert proc.stdin is not None
+        _lines_until(proc, "chatting as cli:ctrlc")
+        proc.stdin.write("please block\n")
+        proc.stdin.flush()
+        assert fake_llm.started.wait(20)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C while the answer is on its way
+        fake_llm.release()
+        assert "re: please block" in _lines_until(proc, "re: please block")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_session_lost_says_what_to_do(redis_server, spawn_workers) -> None:  # type: ignore[no-untyped-def]
+    (worker,) = spawn_workers(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli.main", "chat", "--redis-url", redis_server.url,
+         "--chat-id", "lost"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        bufsize=1,
+    )  # fmt: skip
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write("/temp\nhello\n")
+        proc.stdin.flush()
+        _lines_until(proc, "re: hello")
+        assert worker.terminate() == 0  # its private sessions are reported lost
+        out = _lines_until(proc, "[the private session is gone")
+        assert "/durable goes back to the stored chat, /temp opens a new one" in out
+        proc.stdin.write("/quit\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_demo_keep_cleans_up_on_sigterm() -> None:
+    import re
+    import signal
+    import socket
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli.main", "demo", "--keep"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )  # fmt: skip
+    try:
+        head = _lines_until(proc, "Redis: ")
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", head).group(1))  # type: ignore[union-attr]
+        _lines_until(proc, "Ctrl-C to stop", timeout_s=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        with (
+            pytest.raises(ConnectionRefusedError),
+            socket.create_connection(("127.0.0.1", port), timeout=1),
+        ):
+            pass  # its Redis is gone with it
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -261,19 +262,39 @@ class _Chat:
         return True
 
 
+def _stdin_lines() -> asyncio.Queue[str]:
+    """Lines of stdin ('' at its end), read by a daemon thread: a chat that ends (Ctrl-C,
+    /quit) never waits for a read that may block for ever."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[str] = asyncio.Queue()
+
+    def read() -> None:
+        while True:
+            line = sys.stdin.readline()
+            loop.call_soon_threadsafe(queue.put_nowait, line)
+            if not line:
+                return
+
+    threading.Thread(target=read, name="stdin", daemon=True).start()
+    return queue
+
+
 async def chat(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     await redis.ping()
     session = _Chat(FrontendClient(redis, settings.key_prefix), args.channel, args.chat_id)
     session.follow(session.session_key)
     interactive = sys.stdin.isatty()
+    with contextlib.suppress(AttributeError, ValueError):  # each line as it comes, piped too
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    lines = _stdin_lines()
     print(f"chatting as {session.session_key}; /help lists the commands, /quit leaves")
     try:
         while True:
             if interactive:
                 print("> ", end="", flush=True)
             try:
-                line = await asyncio.to_thread(sys.stdin.readline)
+                line = await lines.get()
             except (KeyboardInterrupt, asyncio.CancelledError):
                 break
             before = session.session_key
