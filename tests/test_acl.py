@@ -124,3 +124,15 @@ async def _first(events, timeout_s: float):  # type: ignore[no-untyped-def]
             yield await asyncio.wait_for(it.__anext__(), 0.5)
         except TimeoutError:
             return
+
+
+def test_docs_show_exactly_the_generated_lines() -> None:
+    """docs/ACL.md quotes what `agent-worker acl` prints, line for line."""
+    from pathlib import Path
+
+    from bus_redis.acl import gateway_acl
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "ACL.md").read_text()
+    pw = "CHANGE-ME-PLEASE"
+    for line in [*frontend_acl("web", pw), *gateway_acl("web", pw), *worker_acl(pw)]:
+        assert line in doc, line
