@@ -227,3 +227,11 @@ def test_demo_keep_cleans_up_on_sigterm() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bad_keys_and_scopes_are_refused_in_one_line() -> None:
+    for args in (["stop", "{x"], ["discard", "nokey"], ["memory", "set", "hi", "--scope", "bad"]):
+        res = _cli(*args, "--redis-url", "redis://127.0.0.1:1/0")  # refused before any Redis
+        assert res.returncode == 2, args
+        assert res.stderr.count("\n") == 1, args
+        assert res.stderr.startswith("agent-worker: "), args

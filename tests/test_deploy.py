@@ -62,6 +62,18 @@ def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     return dict(interpolate(doc, env if env is not None else ENV))
 
 
+def _redis_args(command: list[str], env: dict[str, str], data_dir: str) -> list[str]:
+    """The redis-server arguments of the compose's ``sh -c "... && exec redis-server ..."``,
+    with the shell's variables filled in and /data as ``data_dir``."""
+    assert command[:2] == ["sh", "-c"]
+    line = command[2].split("exec ", 1)[1]
+    for name, value in env.items():
+        line = line.replace(f"${name}", value)
+    args = shlex.split(line.replace("/data/", f"{data_dir}/"))
+    assert args[0] == "redis-server"
+    return args[1:]
+
+
 def _agent_commands(command: list[str]) -> list[list[str]]:
     """Our commands in a service: ``[prog, args...]``, or each of ``sh -c "a && b"``."""
     if command[:2] == ["sh", "-c"]:
@@ -93,8 +105,10 @@ def test_compose_services_run_real_commands_with_known_settings() -> None:
 def test_compose_waits_for_health_restarts_and_publishes_nothing_open() -> None:
     services = compose()["services"]
     redis, worker, gateway = services["redis"], services["worker"], services["gateway"]
-    assert "--appendonly" in redis["command"]
-    assert redis["command"][redis["command"].index("--maxmemory-policy") + 1] == "noeviction"
+    args = _redis_args(redis["command"], {"REDIS_ADMIN_PASSWORD": "x"}, "/data")
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert "--aclfile" in args  # the ACL users survive a restart
     assert "ports" not in redis  # deploy/redis-port.yml adds 127.0.0.1 only
     for service in (worker, gateway):
         assert service["restart"] == "unless-stopped"
@@ -123,8 +137,10 @@ def test_start_up_and_healthchecks_run_against_a_live_stack() -> None:
             pytest.fail("redis-server is missing in CI")
         pytest.skip("redis-server not installed")
     services = compose()["services"]
-    redis_args = services["redis"]["command"][1:]
-    server = RedisServer(extra=redis_args).start()
+    server = RedisServer()
+    (server.dir / "users.acl").touch()  # what the compose's sh -c does first
+    server.extra = _redis_args(services["redis"]["command"], ENV, str(server.dir))
+    server.start()
     here = f"127.0.0.1:{server.port}"
     metrics_port = free_port()
 
@@ -151,6 +167,10 @@ def test_start_up_and_healthchecks_run_against_a_live_stack() -> None:
         acl = run(services["redis-acl"]["command"], env_of("redis-acl"))
         assert acl.returncode == 0, acl.stderr
         assert "worker-pw" not in acl.stdout + acl.stderr
+        server.stop()  # a Redis restart keeps the users (and the admin's password)
+        server.start()
+        anonymous = run(["redis-cli", "-p", str(server.port), "ping"], {})
+        assert "NOAUTH" in anonymous.stdout + anonymous.stderr
         unhealthy = run(services["worker"]["healthcheck"]["test"][1:], env_of("worker"))
         assert unhealthy.returncode == 1  # no worker yet
         wenv = {**env_of("worker"), "AGENT_METRICS_PORT": str(metrics_port)}

@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from bus_redis.acl import frontend_acl, gateway_acl, worker_acl
 from worker.app import make_redis
 from worker.settings import Settings
@@ -23,10 +25,11 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
         "own P:{C}:gw:* keys (docs/ACL.md).",
     )
     common(p)
-    p.add_argument("role", choices=["frontend", "gateway", "worker"])
+    p.add_argument("role", choices=["frontend", "gateway", "worker", "default"])
     p.add_argument("--channel", help="frontend / gateway: the channel it serves")
     p.add_argument("--password", required=True, help="the user's password (8+ characters)")
     p.add_argument("--user", help="user name (default frontend-CHANNEL / agent-worker)")
+    # role default: the admin's password (Redis's default user), for a deployment's start-up
     p.add_argument(
         "--apply",
         action="store_true",
@@ -46,6 +49,10 @@ async def acl(args: argparse.Namespace, settings: Settings) -> int:
             lines = make(
                 args.channel, args.password, prefix=settings.key_prefix, user=args.user or ""
             )
+        elif args.role == "default":  # the admin: Redis's default user, with a password
+            if len(args.password) < 8 or any(ch.isspace() for ch in args.password):
+                raise ValueError("the password needs 8 or more characters and no whitespace")
+            lines = [f"ACL SETUSER default on >{args.password}"]
         else:
             lines = worker_acl(
                 args.password, prefix=settings.key_prefix, user=args.user or "agent-worker"
@@ -60,6 +67,11 @@ async def acl(args: argparse.Namespace, settings: Settings) -> int:
     try:
         for line in lines:
             await redis.execute_command(*line.split())
+        try:  # kept across restarts when the server has an ACL file (the compose's has)
+            await redis.execute_command("ACL", "SAVE")
+        except ResponseError as exc:
+            if "ACL file" not in str(exc):
+                raise
     finally:
         await redis.aclose()
     print(f"applied: {lines[0].split()[2]} ({args.role})")  # the user name, never the password

@@ -266,12 +266,21 @@ async def sessions(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def memory(args: argparse.Namespace, settings: Settings) -> int:
+    channel, sep, name = args.scope.partition("/")
+    if not sep or not name or not (valid_channel(channel) or channel == "unified"):
+        print(
+            f"agent-worker: {args.scope!r} is no scope (CHANNEL/NAME, e.g. web/sender:u1 or "
+            f"{OWNER_SCOPE})",
+            file=sys.stderr,
+        )
+        return 2
     redis = make_redis(settings.redis_url)
     store = MemoryStore(redis, Keys(settings.key_prefix))
     try:
         if args.action == "show":
             memory_text = await store.read_memory(args.scope)
             if memory_text:
+                print(f"(long-term memory of scope {args.scope})", file=sys.stderr)
                 print(memory_text)
             else:
                 print(

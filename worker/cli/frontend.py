@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
+from bus_redis.keys import channel_of, in_channel, valid_channel
 from worker.app import make_redis
 from worker.settings import Settings
 
@@ -96,6 +97,14 @@ async def send(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def control(args: argparse.Namespace, settings: Settings) -> int:
+    channel = channel_of(args.session_key)
+    if not valid_channel(channel) or not in_channel(args.session_key, channel):
+        print(
+            f"agent-worker: {args.session_key!r} is no session key (CHANNEL:CHAT, the "
+            f"channel of letters, digits, '_' and '-')",
+            file=sys.stderr,
+        )
+        return 2
     redis = make_redis(settings.redis_url)
     try:
         receivers = await FrontendClient(redis, settings.key_prefix).control(

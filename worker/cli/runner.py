@@ -68,7 +68,8 @@ def _settings_epilog() -> str:
     }
     lines = ["all settings (environment):"]
     for name, field in Settings.model_fields.items():
-        default = special.get(name, repr(field.default))
+        value = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+        default = special.get(name, repr(value))
         lines.append(f"  AGENT_{name.upper():<30} default {default}")
     lines.append("  OPENAI_BASE_URL, OPENAI_API_KEY   for AGENT_PROVIDER=openai")
     return "\n".join(lines)
