@@ -47,7 +47,7 @@ def gateway_acl(channel: str, password: str, *, prefix: str = "agent", user: str
         # one selector for the shared blocking read: the events and the replica's wake stream
         f"(+xread +xrevrange +type ~{tag}:out:* ~{tag}:gw:wake:*)",
         f"(+xadd +pexpire ~{tag}:gw:wake:*)",
-        f"(+zadd +zrem +zscore +zcard +zrevrange +zpopmin +hset +hsetnx +hget +hmget +hdel ~{tag}:gw:user:*)",
+        f"(+zadd +zrem +zscore +zcard +zrevrange +zrangebyscore +zpopmin +hset +hsetnx +hget +hmget +hdel ~{tag}:gw:user:*)",
         f"(+set +get ~{tag}:gw:ticket:*)",
     ]
     return [f"{lines[0]} {' '.join(extra)}", *lines[1:]]

@@ -209,6 +209,20 @@ async def discard(request: Request, user: Caller, chat: Owned) -> dict[str, str]
     return {"session_id": chat.id, "op": "discard"}
 
 
+@router.post("/sessions/{session_id}/new", status_code=202)
+async def new_conversation(request: Request, user: Caller, chat: Owned) -> dict[str, str]:
+    """A fresh conversation in the same chat (nanobot's ``/new``): the history so far is
+    summarised into the user's long-term memory, then cleared; messages sent before this
+    call are cancelled. A temporary chat is discarded."""
+    g = gw(request)
+    if chat.temporary:
+        await g.chats.forget(user, chat)
+        await g.client.discard(chat.session_key)
+        return {"session_id": chat.id, "op": "discard"}
+    await g.client.new(chat.session_key)
+    return {"session_id": chat.id, "op": "new"}
+
+
 @router.get(
     "/sessions/{session_id}/events",
     response_class=EventSourceResponse,

@@ -59,6 +59,7 @@ class Gateway:
             s.channel,
             max_per_user=s.max_sessions_per_user,
             max_temporary=s.max_temporary_per_user,
+            expire_after_ms=int(s.session_ttl_s * 1000),
         )
         self._user_streams: Counter[str] = Counter()
         self.metrics = GatewayMetrics()

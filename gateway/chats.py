@@ -56,13 +56,21 @@ class Chat:
 
 class Chats:
     def __init__(
-        self, redis: Redis, keys: Keys, channel: str, *, max_per_user: int, max_temporary: int
+        self,
+        redis: Redis,
+        keys: Keys,
+        channel: str,
+        *,
+        max_per_user: int,
+        max_temporary: int,
+        expire_after_ms: int = 0,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.channel = channel
         self.max_per_user = max_per_user
         self.max_temporary = max_temporary
+        self.expire_after_ms = expire_after_ms  # 0: chats stay listed for ever
 
     def _index(self, user: User) -> str:
         return self.keys.gw_sessions(self.channel, user.hash)
@@ -118,7 +126,7 @@ class Chats:
             pipe.zadd(self._index(user), {chat_id: now}, nx=True)
             pipe.zcard(self._index(user))
             added, count = await pipe.execute()
-        if added and count > self.max_per_user:
+        if added and count > self.max_per_user and not await self.drop_expired(user):
             await self.redis.zrem(self._index(user), chat_id)
             raise ChatLimitError(f"at most {self.max_per_user} chats per user")
         if title:
@@ -140,7 +148,32 @@ class Chats:
         title = await self.redis.hget(self._titles(user), chat_id)  # type: ignore[misc]
         return self._chat(chat_id, text(title) or "", int(score))
 
+    async def drop_expired(self, user: User) -> int:
+        """Chats created over ``expire_after_ms`` ago whose session is not stored (the
+        workers deleted it after its idle time, or it was never used) leave the list:
+        at most ``max_per_user`` looked at, one pipelined round trip."""
+        if not self.expire_after_ms:
+            return 0
+        cutoff = int(time.time() * 1000) - self.expire_after_ms
+        old = [text(m) for m in await self.redis.zrangebyscore(
+            self._index(user), "-inf", cutoff, start=0, num=self.max_per_user
+        )]  # fmt: skip
+        if not old:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for chat_id in old:
+                pipe.hget(self.keys.session(f"{self.channel}:{chat_id}"), "count")
+            counts = await pipe.execute()
+        gone = [chat_id for chat_id, count in zip(old, counts, strict=True) if count is None]
+        if gone:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(self._index(user), *gone)
+                pipe.hdel(self._titles(user), *gone)
+                await pipe.execute()
+        return len(gone)
+
     async def list_for(self, user: User) -> list[Chat]:
+        await self.drop_expired(user)
         rows = await self.redis.zrevrange(
             self._index(user), 0, self.max_per_user - 1, withscores=True
         )

@@ -50,6 +50,9 @@ class GatewaySettings(BaseSettings):
     ticket_ttl_s: int = Field(default=60, ge=5, le=3600)
     max_sessions_per_user: int = Field(default=500, ge=1)
     max_temporary_per_user: int = Field(default=5, ge=1)  # more: the oldest is discarded
+    # a chat created this long ago whose session is no longer stored (the workers delete
+    # sessions idle for AGENT_SESSION_TTL_S) leaves the user's list; 0 keeps them
+    session_ttl_s: float = Field(default=90 * 86_400, ge=0)
     max_streams: int = Field(default=10_000, ge=1)  # followed event streams per process
     max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route

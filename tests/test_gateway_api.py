@@ -347,3 +347,30 @@ async def test_metrics_count_routes_by_template_for_the_scraper_only(redis_facto
         assert "alice" not in body
     async with _client(redis_factory, peer="203.0.113.7") as http:  # not the scraper
         assert (await http.get("/metrics")).status_code == 404
+
+
+async def test_chats_whose_session_the_workers_pruned_leave_the_list(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A chat created long ago with no stored session left (deleted after its idle time)
+    leaves the list and frees its place under the limit; a used one stays."""
+    admin = redis_factory()
+    async with _client(redis_factory, max_sessions_per_user=2, session_ttl_s=3600) as http:
+        a = (await http.post("/api/sessions", json={"title": "a"}, headers=ALICE)).json()["id"]
+        b = (await http.post("/api/sessions", json={"title": "b"}, headers=ALICE)).json()["id"]
+        assert (await http.post("/api/sessions", json={}, headers=ALICE)).status_code == 409
+        (index,) = [k async for k in admin.scan_iter(match="agent:{web}:gw:user:*:sessions")]
+        await admin.zadd(index, {a: 1, b: 1})  # both created long ago
+        await admin.hset(Keys().session(f"web:{b}"), "count", "2")  # b was used, a pruned
+        listed = [c["id"] for c in (await http.get("/api/sessions", headers=ALICE)).json()]
+        assert listed == [b]
+        assert (await http.post("/api/sessions", json={}, headers=ALICE)).status_code == 201
+
+
+async def test_new_conversation_route(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    admin = redis_factory()
+    async with _client(redis_factory) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        r = await http.post(f"/api/sessions/{sid}/new", headers=ALICE)
+        assert r.json() == {"session_id": sid, "op": "new"}
+        (entry,) = await admin.xrange(Keys().inbound(f"web:{sid}"))
+        assert entry[1] == {"control": "new"}  # the marker the workers act on
+        assert (await http.post(f"/api/sessions/{sid}/new", headers=BOB)).status_code == 404

@@ -236,3 +236,20 @@ def test_another_users_chats_never_appear(browser: Any, stack: Stack) -> None:
     assert bob.locator(".msg", has_text="hello page").count() == 0
     _shot(bob, "page-other-user")
     bob.context.close()
+
+
+def test_slash_new_starts_a_fresh_conversation(browser: Any, stack: Stack) -> None:
+    page = _page(browser, stack, ALICE_TOKEN)
+    page.click("#new")
+    _say(page, "my name is Ada")
+    _assistant(page, "re: my name is Ada").wait_for()
+    _say(page, "/new")
+    page.locator(".msg.system", has_text="New conversation").wait_for()
+    assert page.locator(".msg.user", has_text="/new").count() == 0  # a command, not a message
+    _say(page, "who am I?")
+    _assistant(page, "re: who am I?").wait_for()
+    requests = [r for r in stack.llm.requests if "who am I?" in str(r["messages"])]
+    assert requests
+    assert "my name is Ada" not in str(requests[-1]["messages"][1:])  # the old rows are gone
+    _shot(page, "page-new-conversation")
+    page.context.close()
