@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pydantic import ValidationError
@@ -52,7 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channel", help="the channel this gateway serves (default web)")
     p.add_argument("--redis-url", help="Redis URL (default redis://localhost:6379/0)")
     p.add_argument("--prefix", dest="key_prefix", help="key prefix (default agent)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("redis-agent-worker")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def unknown_variables(environ: dict[str, str]) -> list[str]:
+    """``AGENT_GATEWAY_*`` variables no gateway setting reads (a typo changes nothing)."""
+    known = {f"AGENT_GATEWAY_{name.upper()}" for name in GatewaySettings.model_fields}
+    return sorted(n for n in environ if n.startswith("AGENT_GATEWAY_") and n not in known)
 
 
 def settings_from(argv: list[str] | None = None) -> GatewaySettings:
@@ -62,6 +79,8 @@ def settings_from(argv: list[str] | None = None) -> GatewaySettings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for name in unknown_variables(dict(os.environ)):
+        print(f"agent-gateway: warning: {name} is not a setting (ignored)", file=sys.stderr)
     try:
         settings = settings_from(argv)
         settings.all_tokens()

@@ -374,3 +374,20 @@ async def test_new_conversation_route(redis_factory) -> None:  # type: ignore[no
         (entry,) = await admin.xrange(Keys().inbound(f"web:{sid}"))
         assert entry[1] == {"control": "new"}  # the marker the workers act on
         assert (await http.post(f"/api/sessions/{sid}/new", headers=BOB)).status_code == 404
+
+
+def test_gateway_command_line_version_and_typos() -> None:
+    import subprocess
+    import sys
+
+    from gateway.cli import unknown_variables
+
+    version = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert version.stdout.startswith("agent-gateway ")
+    env = {"AGENT_GATEWAY_TOKEN": "x", "AGENT_GATEWAY_TOKENS": "t=u", "AGENT_REDIS_URL": "r"}
+    assert unknown_variables(env) == ["AGENT_GATEWAY_TOKEN"]
