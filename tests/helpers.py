@@ -57,3 +57,32 @@ async def dump_all(redis: aioredis.Redis) -> str:
         elif kind == "stream":
             parts.append(str(await redis.xrange(key)))
     return "\n".join(parts)
+
+
+def run_cli(*argv: str, env: dict[str, str] | None = None) -> Any:
+    """``agent-worker ARGV`` in this process (no interpreter start-up per call): a
+    ``CompletedProcess``-like result with ``returncode``, ``stdout`` and ``stderr``.
+    For commands that end on their own (not ``run`` or ``chat``); from sync tests only."""
+    import contextlib
+    import io
+    import os
+    import subprocess
+
+    from worker.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # --version, --help, argparse errors
+                code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())

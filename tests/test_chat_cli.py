@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from helpers import run_cli
 
 pytestmark = pytest.mark.real_redis
 
@@ -28,10 +29,7 @@ def _chat(url: str, text: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker.cli.main", *args], capture_output=True, text=True,
-        timeout=60,
-    )  # fmt: skip
+    return run_cli(*args)  # type: ignore[no-any-return]
 
 
 def test_chat_through_a_pipe_waits_for_its_answers(redis_server, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]

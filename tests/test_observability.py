@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from helpers import run_cli
 from replies import wait_until_async
 from servers import RedisServer, free_port, in_ci, redis_server_binary
 from workers import WorkerProcess
@@ -109,11 +108,7 @@ async def test_metrics_health_and_a_line_per_turn(server: RedisServer) -> None:
 
 
 def _status(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [os.environ.get("AGENT_WORKER_PYTHON") or sys.executable, "-m", "worker.cli.main",
-         "status", "--redis-url", url, *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    return run_cli("status", "--redis-url", url, *args)  # type: ignore[no-any-return]
 
 
 async def test_status_check_sees_no_worker_a_live_one_and_a_killed_one(server: RedisServer) -> None:

@@ -5,12 +5,11 @@ budget; unknown AGENT_* variables warned about; --version; global options anywhe
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ScriptedProvider
+from helpers import ScriptedProvider, run_cli
 
 from bus_redis import FrontendClient, InboundMessage
 from worker.app import make_provider
@@ -19,12 +18,7 @@ from worker.settings import Settings
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "worker.cli.main", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    return run_cli(*args, env=env)  # type: ignore[no-any-return]
 
 
 async def test_prompt_and_tools_reach_the_model(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
