@@ -187,8 +187,11 @@ class SessionHolder:
         metrics.turn_seconds.observe(elapsed)
         if spec.dead:
             metrics.dead_letter(spec.dead_reason)
+        if not log.isEnabledFor(logging.INFO):
+            return
         tokens_in, tokens_out = spec.tokens
-        if self._private(entry):
+        private = spec.transient or self.rt.sessions.is_transient(entry.member)
+        if private or (spec.dead and self._private(entry)):
             log.info(
                 "turn of a private session: %d bytes in, %d bytes out, outcome %s, %d ms, "
                 "tokens %d+%d",
