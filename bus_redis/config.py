@@ -23,3 +23,13 @@ def check_log_level(value: str) -> str:
     if level not in logging.getLevelNamesMapping():
         raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
     return level
+
+
+def package_version() -> str:
+    """The installed version of redis-agent-worker (``--version`` of both commands)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("redis-agent-worker")
+    except PackageNotFoundError:
+        return "unknown"

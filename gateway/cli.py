@@ -9,6 +9,7 @@ import sys
 
 from pydantic import ValidationError
 
+from bus_redis.config import package_version
 from gateway.settings import GatewaySettings
 
 EPILOG = """\
@@ -53,17 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channel", help="the channel this gateway serves (default web)")
     p.add_argument("--redis-url", help="Redis URL (default redis://localhost:6379/0)")
     p.add_argument("--prefix", dest="key_prefix", help="key prefix (default agent)")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("redis-agent-worker")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def unknown_variables(environ: dict[str, str]) -> list[str]:

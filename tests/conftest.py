@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).parent))
 
 from replies import TEST_CHANNELS
-from servers import RedisServer, in_ci, redis_server_binary
+from servers import RedisServer, require_redis_server
 
 RedisFactory = Callable[[], aioredis.Redis]
 _REAL_FIXTURES = {"real_redis", "redis_server", "spawn_workers"}
@@ -35,12 +35,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail(
-                "redis-server is missing in CI: scripts/test.sh installs it (apt-get install redis-server)"
-            )
-        pytest.skip("redis-server not installed (run scripts/test.sh to install it)")
+    require_redis_server()  # in CI a missing redis-server fails, never skips
     server = RedisServer().start()
     yield server
     server.cleanup()

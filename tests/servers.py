@@ -97,3 +97,13 @@ class RedisServer:
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_redis_server() -> None:
+    """Skip without redis-server, except in CI (``CI=true``), where it fails the test."""
+    import pytest
+
+    if redis_server_binary() is None:
+        if in_ci():
+            pytest.fail("redis-server is missing in CI: scripts/test.sh installs it")
+        pytest.skip("redis-server not installed (run scripts/test.sh to install it)")

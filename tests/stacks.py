@@ -7,11 +7,10 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import pytest
 import redis
 from fake_llm import FakeLLM
 from gateways import GatewayProcess, LoadBalancer
-from servers import RedisServer, in_ci, redis_server_binary
+from servers import RedisServer, require_redis_server
 from workers import WorkerProcess
 
 from bus_redis.acl import gateway_acl, worker_acl
@@ -43,10 +42,7 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(*, gateways: int, workers: int, failover_lb: bool = False) -> Iterator[Stack]:
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is missing in CI")
-        pytest.skip("redis-server not installed")
+    require_redis_server()
     server = RedisServer().start()
     admin = redis.Redis.from_url(server.url, decode_responses=True)
     for line in [*gateway_acl("web", GW_PW), *worker_acl(WK_PW)]:

@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 from fake_llm import FakeLLM
 from replies import wait_until_async
-from servers import RedisServer, in_ci, redis_server_binary
+from servers import RedisServer, require_redis_server
 from workers import WorkerProcess
 
 from bus_redis import FrontendClient, InboundMessage, Keys
@@ -48,10 +48,7 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is missing in CI")
-        pytest.skip("redis-server not installed")
+    require_redis_server()
     server = RedisServer().start()
     llm = FakeLLM().start()
     lines = [*frontend_acl("web", PW), *frontend_acl("telegram", PW), *worker_acl(PW)]
@@ -260,8 +257,7 @@ def _run_worker(
 
 def test_a_worker_refuses_an_evicting_redis() -> None:
     """Point 7: with maxmemory-policy allkeys-lru a worker exits with one clear line."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server not installed")
+    require_redis_server()
     server = RedisServer(extra=["--maxmemory-policy", "allkeys-lru"]).start()
     try:
         done = _run_worker(server.url, {"AGENT_PROVIDER": "echo"}, timeout_s=30)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from gateways import GatewayProcess
-from servers import RedisServer, free_port, in_ci, redis_server_binary
+from servers import RedisServer, free_port, require_redis_server
 from workers import WorkerProcess
 
 from gateway.cli import build_parser as gateway_parser
@@ -132,10 +132,7 @@ def test_compose_waits_for_health_restarts_and_publishes_nothing_open() -> None:
 
 
 def test_start_up_and_healthchecks_run_against_a_live_stack() -> None:
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is missing in CI")
-        pytest.skip("redis-server not installed")
+    require_redis_server()
     services = compose()["services"]
     server = RedisServer()
     (server.dir / "users.acl").touch()  # what the compose's sh -c does first

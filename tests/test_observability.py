@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from helpers import run_cli
 from replies import wait_until_async
-from servers import RedisServer, free_port, in_ci, redis_server_binary
+from servers import RedisServer, free_port, require_redis_server
 from workers import WorkerProcess
 
 from bus_redis import FrontendClient, InboundMessage
@@ -26,10 +26,7 @@ pytestmark = pytest.mark.real_redis
 
 @pytest.fixture
 def server() -> Iterator[RedisServer]:
-    if redis_server_binary() is None:
-        if in_ci():
-            pytest.fail("redis-server is missing in CI")
-        pytest.skip("redis-server not installed")
+    require_redis_server()
     srv = RedisServer().start()
     yield srv
     srv.cleanup()

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from bus_redis.config import package_version
 from worker.registration import WorkerConflictError
 from worker.settings import Settings
 
@@ -38,15 +39,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("redis-agent-worker")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     from worker.cli import acl, admin, demo, frontend, runner
 
@@ -55,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Redis-backed, horizontally scalable worker for chat-agent turns.",
         epilog="Configuration comes from AGENT_* environment variables; options override them.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     _common(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (runner, frontend, admin, acl, demo):
