@@ -84,3 +84,36 @@ class Consolidator:
                 self.rt.sessions.invalidate(key)  # reload: version and memory moved
         finally:
             await self.rt.bus.release(key, acquired.token)
+
+
+async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> str:
+    """``new`` (nanobot's ``/new``): the rows of stored session ``member`` not consolidated
+    yet are summarised into its scope's long-term memory, fenced by the lease of ``key``
+    the caller holds, before the session is deleted. ``'ok'`` (nothing to fold counts),
+    ``'failed'`` (the summary failed: keep the session) or ``'lost'`` (the lease)."""
+    session = await rt.sessions.store.load(member)
+    if session is None or not session.scope:
+        return "ok"  # nothing stored: a fresh conversation already
+    rows = session.messages[session.last_consolidated :]
+    if not rows:
+        return "ok"
+    text = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in rows)
+    try:
+        summary = await rt.provider.chat_with_retry(
+            messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
+            model=rt.model,
+        )
+    except Exception as exc:
+        log.warning("new conversation in %s: summary failed (%s); session kept",
+                    safe(member), type(exc).__name__)  # fmt: skip
+        return "failed"
+    session.last_consolidated = len(session.messages)
+    result = await rt.bus.consolidate(
+        key,
+        token,
+        meta=encode_meta(session),
+        version=await rt.sessions.store.version(member),
+        summary=summary.content or "",
+        memory_key=rt.memory.key(session.scope),
+    )
+    return result if result in ("ok", "lost") else "failed"

@@ -37,7 +37,7 @@ from bus_redis.results import (
     owner_member,
 )
 from session_store.codec import encode_meta, encode_rows
-from worker.consolidator import PROMPT
+from worker.consolidator import fold_into_memory
 from worker.controls import FORGETTING
 from worker.execution import Outcome, TurnExecution
 from worker.faults import crash_point
@@ -123,48 +123,18 @@ class SessionHolder:
         self.rt.sessions.invalidate(member)
         if owned is not None:
             await self.rt.registry.drop_owner(member, self.rt.worker_id, owned)
-        if op == "new" and owned is None and not await self._fold_into_memory(member):
-            return  # kept: better an old conversation than a lost one
+        if op == "new" and owned is None:
+            folded = await fold_into_memory(self.rt, self.key, self.token, member)
+            if folded == "lost":
+                self.lease.lost = True
+            if folded != "ok":
+                return  # kept: better an old conversation than a lost one
         if op in ("delete", "new") and owned is None:
             deleted = await self.rt.sessions.store.delete_held(
                 member, self.rt.bus.keys.lease(self.key), self.token
             )
             if deleted < 0:
                 self.lease.lost = True
-
-    async def _fold_into_memory(self, member: str) -> bool:
-        """``new``: the rows of the stored session not consolidated yet are summarised into
-        its scope's long-term memory (fenced, under this lease) before it is deleted, as
-        nanobot's ``/new`` does. False when that failed (the session is then kept)."""
-        rt = self.rt
-        session = await rt.sessions.store.load(member)
-        if session is None or not session.scope:
-            return True  # nothing stored: a fresh conversation already
-        rows = session.messages[session.last_consolidated :]
-        if not rows:
-            return True
-        text = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in rows)
-        try:
-            summary = await rt.provider.chat_with_retry(
-                messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
-                model=rt.model,
-            )
-        except Exception as exc:
-            log.warning("new conversation in %s: summary failed (%s); session kept",
-                        safe(member), type(exc).__name__)  # fmt: skip
-            return False
-        session.last_consolidated = len(session.messages)
-        result = await rt.bus.consolidate(
-            self.key,
-            self.token,
-            meta=encode_meta(session),
-            version=await rt.sessions.store.version(member),
-            summary=summary.content or "",
-            memory_key=rt.memory.key(session.scope),
-        )
-        if result == "lost":
-            self.lease.lost = True
-        return result == "ok"
 
     async def _process(self, entry: Entry) -> Step:
         metrics, started = self.rt.metrics, time.monotonic()
