@@ -49,7 +49,7 @@ async def test_generated_acls_confine_a_frontend_to_its_channel(
     task = asyncio.create_task(loop.run())
     other = FrontendClient(real_redis)  # telegram's traffic, published by its own frontend
     pin = InboundMessage(
-        channel="telegram", sender_id="alice", chat_id="alice", content="my PIN is 4711"
+        channel="telegram", sender_id="alice", chat_id="alice", content="my PIN is PIN-4711-XQZ"
     )
     try:
         assert (await other.ask(pin, timeout_s=10)).content == "ok"
@@ -106,7 +106,7 @@ async def test_generated_acls_confine_a_frontend_to_its_channel(
         for call in forbidden:
             with pytest.raises(NoPermissionError):
                 await call
-        assert sum("4711" in s for s in seen) == 1  # only telegram's own turn ever saw it
+        assert sum("PIN-4711-XQZ" in s for s in seen) == 1  # only telegram's own turn ever saw it
     finally:
         loop.stop()
         await asyncio.wait_for(task, 10)

@@ -147,8 +147,8 @@ async def test_resume_on_the_other_replica_loses_and_doubles_nothing(stack: Stac
 async def test_a_temporary_chat_is_private_and_ends_when_discarded(stack: Stack) -> None:
     async with httpx.AsyncClient(timeout=30) as http:
         sid = await _chat(http, stack.a, temporary=True)
-        got = await _send(http, stack.b, sid, {"content": "my secret is 4711"})
-        assert got["event"]["content"] == "re: my secret is 4711"
+        got = await _send(http, stack.b, sid, {"content": "my secret is PIN-4711-XQZ"})
+        assert got["event"]["content"] == "re: my secret is PIN-4711-XQZ"
         listed = (await http.get(f"{stack.a}/api/sessions", headers=ALICE)).json()
         assert sid not in [c["id"] for c in listed]
         assert (await http.get(f"{stack.a}/api/sessions/{sid}", headers=BOB)).status_code == 404
@@ -175,7 +175,7 @@ async def test_a_temporary_chat_is_private_and_ends_when_discarded(stack: Stack)
         ).status_code == 404
     for key in stack.admin.scan_iter(count=1000):
         if stack.admin.type(key) in ("hash", "string", "zset"):
-            assert "4711" not in str(stack.admin.dump(key)), key
+            assert "PIN-4711-XQZ" not in str(stack.admin.dump(key)), key
 
 
 async def test_delete_removes_the_chat_its_history_and_events(stack: Stack) -> None:
