@@ -4,7 +4,11 @@ It answers ``re: <last user text>``. A user text ``[tag] ...`` marks the session
 two requests of one tag in flight at once are counted as an overlap. ``block`` in the
 text holds the request until ``release()``; ``midway`` streams the first two pieces of
 the answer, then holds the rest until ``release()``; ``fail`` answers HTTP 500; ``flaky``
-answers HTTP 500 to the first ``flaky_failures`` requests with that text, then normally.
+answers HTTP 500 to the first ``flaky_failures`` requests with that text, then normally;
+``status:<code>`` answers that status once per text (then normally), with
+``Retry-After: 0`` on a 429 or 503; ``toolcall:<name>`` answers a call of tool ``name`` with arguments
+``{"a": 1}`` (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
+JSON.
 """
 
 from __future__ import annotations
@@ -14,12 +18,21 @@ import random
 import re
 import select
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 _TAG = re.compile(r"^\[([^\]]+)\]")
+_STATUS = re.compile(r"status:(\d{3})")
+_TOOLCALL = re.compile(r"toolcall:(\w+)")
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a kept-alive client left
+            super().handle_error(request, client_address)
 
 
 class FakeLLM:
@@ -34,7 +47,7 @@ class FakeLLM:
         self.started = threading.Event()
         self._release = threading.Event()
         self._lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = _Server(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -99,13 +112,36 @@ class FakeLLM:
                     failing = self._flaky[text] <= self.flaky_failures
                 if failing:
                     return 500, {"error": {"message": "flaky failure", "type": "server_error"}}
-            message = {"role": "assistant", "content": f"re: {text}"}
+            status = _STATUS.search(text)
+            if status:
+                with self._lock:
+                    self._flaky[text] = self._flaky.get(text, 0) + 1
+                    once = self._flaky[text] == 1
+                if once:
+                    return int(status.group(1)), {"error": {"message": f"scripted {text}"}}
+            if "garbage" in text:
+                return 200, {"garbage": True}
+            message: dict[str, Any] = {"role": "assistant", "content": f"re: {text}"}
+            call = _TOOLCALL.search(text)
+            if call and body.get("messages", [])[-1].get("role") != "tool":
+                message = {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": call.group(1), "arguments": '{"a": 1}'},
+                        }
+                    ],
+                }
+            finish = "tool_calls" if message.get("tool_calls") else "stop"
             return 200, {
                 "id": "chatcmpl-test",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": body.get("model", "fake"),
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             }
         finally:
@@ -116,6 +152,9 @@ class FakeLLM:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+            wbufsize = 1 << 16  # headers and body leave in one write (flushed after the request)
+
             def setup(self) -> None:
                 super().setup()  # no Nagle delay (~40 ms per call) between header and body
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -124,24 +163,41 @@ class FakeLLM:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 status, doc = fake._answer(body, self.connection)
-                if body.get("stream") and status == 200:
+                if body.get("stream") and status == 200 and "choices" in doc:
                     self._stream(doc)
                     return
-                data = json.dumps(doc).encode()
+                data = b"<html>not json" if "garbage" in doc else json.dumps(doc).encode()
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
+                    if status in (429, 503):
+                        self.send_header("Retry-After", "0")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+                    self.wfile.flush()
                 except OSError:
                     pass  # the worker cancelled the request
 
             def _stream(self, doc: dict[str, Any]) -> None:
-                text = doc["choices"][0]["message"]["content"]
-                pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
+                message = doc["choices"][0]["message"]
+                text = message["content"] or ""
+                pieces: list[Any] = [text[i : i + 4] for i in range(0, len(text), 4)]
+                for call in message.get("tool_calls") or ():  # name first, arguments in halves
+                    args = call["function"]["arguments"]
+                    half = len(args) // 2
+                    pieces += [
+                        {
+                            "index": 0,
+                            "id": call["id"],
+                            "function": {"name": call["function"]["name"]},
+                        },
+                        {"index": 0, "function": {"arguments": args[:half]}},
+                        {"index": 0, "function": {"arguments": args[half:]}},
+                    ]
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")  # the connection stays open
                 self.end_headers()
                 midway = "midway" in text
                 for n, piece in enumerate([*pieces, None]):
@@ -149,8 +205,13 @@ class FakeLLM:
                         self.wfile.flush()
                         fake.started.set()
                         fake._release.wait(30)
-                    delta = {"content": piece} if piece is not None else {}
-                    finish = "stop" if piece is None else None
+                    if isinstance(piece, dict):
+                        delta: dict[str, Any] = {"tool_calls": [piece]}
+                    else:
+                        delta = {"content": piece} if piece is not None else {}
+                    finish = None
+                    if piece is None:
+                        finish = "tool_calls" if message.get("tool_calls") else "stop"
                     chunk = {
                         "id": "chatcmpl-test",
                         "object": "chat.completion.chunk",
@@ -158,8 +219,12 @@ class FakeLLM:
                         "model": doc["model"],
                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
                     }
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.write(b"data: [DONE]\n\n")
+                    self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
 
             def log_message(self, format: str, *args: Any) -> None:

@@ -94,3 +94,54 @@ async def test_streamed_deltas_reach_the_frontend_before_the_answer(
     assert len(deltas) > 1
     assert "".join(deltas) == got[mid][-1].content == "re: stream me"
     assert fake_llm.requests[0]["stream"] is True
+
+
+async def test_rate_limit_waits_retry_after_then_answers(fake_llm: FakeLLM) -> None:
+    provider = OpenAIProvider("m", base_url=fake_llm.base_url, backoff_s=30)  # Retry-After: 0 wins
+    retries: list[int] = []
+    provider.on_retry = lambda: retries.append(1)
+    resp = await asyncio.wait_for(
+        provider.chat_with_retry(messages=[{"role": "user", "content": "status:429 hi"}]), 10
+    )
+    assert resp.content == "re: status:429 hi"
+    assert retries == [1] and len(fake_llm.requests) == 2
+
+
+@pytest.mark.parametrize(
+    ("status", "name"),
+    [(400, "BadRequestError"), (401, "AuthenticationError"), (404, "NotFoundError")],
+)
+async def test_client_errors_fail_at_once_with_the_servers_message(
+    fake_llm: FakeLLM, status: int, name: str
+) -> None:
+    with pytest.raises(ProviderError) as err:
+        await _provider(fake_llm).chat_with_retry(
+            messages=[{"role": "user", "content": f"status:{status}"}]
+        )
+    assert str(err.value) == f"{name}: HTTP {status}: scripted status:{status}"
+    assert len(fake_llm.requests) == 1
+
+
+async def test_a_body_that_is_not_json_is_a_provider_error(fake_llm: FakeLLM) -> None:
+    with pytest.raises(ProviderError, match="APIResponseValidationError"):
+        await _provider(fake_llm).chat_with_retry(messages=[{"role": "user", "content": "garbage"}])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_tool_calls_are_parsed_plain_and_streamed(fake_llm: FakeLLM, streamed: bool) -> None:
+    deltas: list[str] = []
+
+    async def on_delta(text: str) -> None:
+        deltas.append(text)
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    resp = await _provider(fake_llm).chat_with_retry(
+        messages=[{"role": "user", "content": "toolcall:lookup"}],
+        tools=tools,
+        on_delta=on_delta if streamed else None,
+    )
+    assert [(c.id, c.name, c.arguments) for c in resp.tool_calls] == [
+        ("call_1", "lookup", {"a": 1})
+    ]
+    assert resp.finish_reason == "tool_calls" and deltas == []
+    assert fake_llm.requests[0]["tools"] == tools
