@@ -6,22 +6,30 @@
    OpenAI-compatible server) hangs; from ``stop`` until the frontend holds the
    ``cancelled`` error event (pub/sub, cancel, fenced commit, reply stream, read).
 
-    python bench/cancel.py [--turns 200]
+3. saturated: one ``agent-worker run`` process kept busy by ``--load`` sessions sending
+   back to back (each sends its next message when its answer arrives), while ``--stops``
+   blocked turns of other sessions are stopped one at a time; from ``stop`` until the
+   frontend holds the ``cancelled`` event.
+
+    python bench/cancel.py [--turns 200] [--load 60] [--stops 20] [--only saturated]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import redis.asyncio as aioredis
-from _common import RedisServer, summary
+from _common import RedisServer, percentile, summary
 from fake_llm import FakeLLM  # tests/ is on sys.path (see _common)
 from workers import WorkerProcess
 
-from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from worker import AgentLoop, LoopConfig
 from worker.providers import LLMResponse
 
@@ -42,6 +50,16 @@ class BlockingProvider:
         await self.started.put(time.perf_counter())
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
+
+
+_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+
+
+def quantiles(samples: list[float]) -> str:
+    return (
+        f"p50 {percentile(samples, 0.5):.1f} ms  p95 {percentile(samples, 0.95):.1f} ms  "
+        f"p99 {percentile(samples, 0.99):.1f} ms  max {max(samples):.1f} ms"
+    )
 
 
 async def run(url: str, turns: int) -> list[float]:
@@ -104,20 +122,108 @@ async def across_processes(url: str, turns: int) -> list[float]:
     return samples
 
 
+_SERVE = (  # a fake LLM in its own process, printing the text of each held request
+    "import time; from fake_llm import FakeLLM; llm = FakeLLM(); "
+    "llm.on_block = lambda t: print(t, flush=True); print(llm.start().base_url, flush=True); "
+    "time.sleep(3600)"
+)
+
+
+async def saturated(url: str, load: int, stops: int) -> list[float]:
+    """The server runs in a process of its own so that its threads do not hold the GIL
+    this process' event loop needs to read the `cancelled` event on time."""
+    llm = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _SERVE, stdout=asyncio.subprocess.PIPE, cwd=_TESTS
+    )
+    assert llm.stdout is not None
+    base_url = (await llm.stdout.readline()).decode().strip()
+    env = {
+        "AGENT_PROVIDER": "openai",
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": "x",
+        "AGENT_LOG_LEVEL": "WARNING",
+        "AGENT_MODEL": "m",
+        "AGENT_CHANNELS": "sat",
+        "AGENT_JOBS": "local",
+    }
+    redis = aioredis.from_url(url, decode_responses=True)
+    worker = WorkerProcess(url, worker_id="cancel-sat", env={**os.environ, **env})
+    frontend = FrontendClient(redis)
+    keys = Keys()
+    turns = 0
+
+    async def keep_busy() -> None:  # every load session sends again when answered
+        nonlocal turns
+        position = {keys.out(f"sat:load{s}"): "0" for s in range(load)}
+        for s in range(load):
+            await frontend.send(
+                InboundMessage(channel="sat", sender_id="u", chat_id=f"load{s}", content="hi")
+            )
+        while True:
+            reply = await redis.xread(position, count=100, block=1000)  # type: ignore[arg-type]
+            for stream, batch in reply or []:
+                position[stream] = batch[-1][0]
+                for _eid, fields in batch:
+                    if json.loads(fields["payload"])["type"] in ("message", "error"):
+                        turns += 1
+                        chat = stream.rsplit(":", 1)[1]
+                        await frontend.send(
+                            InboundMessage(channel="sat", sender_id="u", chat_id=chat, content="hi")
+                        )
+
+    busy = asyncio.create_task(keep_busy())
+    samples: list[float] = []
+    try:
+        while turns < load * 20:  # warm: the worker is saturated before the first stop
+            await asyncio.sleep(0.05)
+        t_load, turns_before = time.perf_counter(), turns
+        for i in range(stops):
+            key = f"sat:stop{i}"
+            text = f"block {i}"
+            replies = frontend.events([key], after="0", block_ms=100)
+            await frontend.send(
+                InboundMessage(channel="sat", sender_id="u", chat_id=f"stop{i}", content=text)
+            )
+            while (await llm.stdout.readline()).decode().strip() != text:
+                pass  # the call is held by the server: the turn is running
+            t0 = time.perf_counter()
+            await frontend.stop(key)
+            ev = await anext(replies)
+            samples.append((time.perf_counter() - t0) * 1000)
+            assert ev.code == "cancelled", ev
+        rate = (turns - turns_before) / (time.perf_counter() - t_load)
+        print(f"saturated: {load} sessions back to back, {rate:.0f} turns/s during the stops")
+    finally:
+        busy.cancel()
+        worker.close()
+        llm.kill()
+        await llm.wait()
+    return samples
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--load", type=int, default=60)
+    parser.add_argument("--stops", type=int, default=20)
+    parser.add_argument("--only", choices=["saturated"])
     args = parser.parse_args()
     server = RedisServer().start()
     try:
+        if args.only == "saturated":
+            samples = await saturated(server.url, args.load, args.stops)
+            print(f"  {len(samples)} stops (stop -> `cancelled` event read): {quantiles(samples)}")
+            return
         samples = await run(server.url, args.turns)
         print(f"in-process, {len(samples)} stops (stop -> turn task cancelled): {summary(samples)}")
         samples = await across_processes(server.url, args.turns)
         print(
             f"across processes, {len(samples)} stops (stop -> `cancelled` event read): {summary(samples)}"
         )
+        samples = await saturated(server.url, args.load, args.stops)
+        print(f"  {len(samples)} stops (stop -> `cancelled` event read): {quantiles(samples)}")
     finally:
         server.cleanup()
 

@@ -117,6 +117,9 @@ class ControlMessage(_Wire):
 
     op: ControlOp
     session_key: NonEmpty
+    # the id of the marker in the session's stream: a worker running an entry before it
+    # cancels at once, without reading the stream (optional: without it, it reads)
+    marker: Annotated[str, Field(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$")] | None = None
 
 
 class OutboundMessage(_Wire):

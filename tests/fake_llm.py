@@ -13,6 +13,7 @@ JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -21,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -30,6 +32,8 @@ _TOOLCALL = re.compile(r"toolcall:(\w+)")
 
 
 class _Server(ThreadingHTTPServer):
+    fake: FakeLLM
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):  # a kept-alive client left
             super().handle_error(request, client_address)
@@ -45,9 +49,11 @@ class FakeLLM:
         self.flaky_failures = 4  # a worker's provider tries 1 + 3 times a turn
         self._flaky: dict[str, int] = {}
         self.started = threading.Event()
+        self.on_block: Callable[[str], object] | None = None  # told each held request's text
         self._release = threading.Event()
         self._lock = threading.Lock()
-        self.server = _Server(("127.0.0.1", 0), self._handler())
+        self.server = _Server(("127.0.0.1", 0), _Handler)
+        self.server.fake = self
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -84,6 +90,27 @@ class FakeLLM:
                 return False
         return True
 
+    def _failure(self, text: str) -> tuple[int, dict[str, Any]] | None:
+        """The scripted failure of this text, if any (see the module's docstring)."""
+        if "fail" in text:
+            return 500, {"error": {"message": "scripted failure", "type": "server_error"}}
+        if "flaky" in text:
+            with self._lock:
+                self._flaky[text] = self._flaky.get(text, 0) + 1
+                failing = self._flaky[text] <= self.flaky_failures
+            if failing:
+                return 500, {"error": {"message": "flaky failure", "type": "server_error"}}
+        status = _STATUS.search(text)
+        if status:
+            with self._lock:
+                self._flaky[text] = self._flaky.get(text, 0) + 1
+                once = self._flaky[text] == 1
+            if once:
+                return int(status.group(1)), {"error": {"message": f"scripted {text}"}}
+        if "garbage" in text:
+            return 200, {"garbage": True}
+        return None
+
     def _answer(
         self, body: dict[str, Any], conn: socket.socket | None = None
     ) -> tuple[int, dict[str, Any]]:
@@ -99,28 +126,16 @@ class FakeLLM:
         try:
             if "block" in text:
                 self.started.set()
+                if self.on_block is not None:
+                    self.on_block(text)
                 if not self._hold(conn):
                     return 499, {"error": {"message": "client closed the request"}}
             low, high = self.latency_s
             if high > 0:
                 time.sleep(random.uniform(low, high))
-            if "fail" in text:
-                return 500, {"error": {"message": "scripted failure", "type": "server_error"}}
-            if "flaky" in text:
-                with self._lock:
-                    self._flaky[text] = self._flaky.get(text, 0) + 1
-                    failing = self._flaky[text] <= self.flaky_failures
-                if failing:
-                    return 500, {"error": {"message": "flaky failure", "type": "server_error"}}
-            status = _STATUS.search(text)
-            if status:
-                with self._lock:
-                    self._flaky[text] = self._flaky.get(text, 0) + 1
-                    once = self._flaky[text] == 1
-                if once:
-                    return int(status.group(1)), {"error": {"message": f"scripted {text}"}}
-            if "garbage" in text:
-                return 200, {"garbage": True}
+            failure = self._failure(text)
+            if failure is not None:
+                return failure
             message: dict[str, Any] = {"role": "assistant", "content": f"re: {text}"}
             call = _TOOLCALL.search(text)
             if call and body.get("messages", [])[-1].get("role") != "tool":
@@ -148,86 +163,89 @@ class FakeLLM:
             with self._lock:
                 self.inflight[tag] -= 1
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
-            wbufsize = 1 << 16  # headers and body leave in one write (flushed after the request)
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
 
-            def setup(self) -> None:
-                super().setup()  # no Nagle delay (~40 ms per call) between header and body
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+    wbufsize = 1 << 16  # headers and body leave in one write (flushed after the request)
 
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length", "0"))
-                body = json.loads(self.rfile.read(length) or b"{}")
-                status, doc = fake._answer(body, self.connection)
-                if body.get("stream") and status == 200 and "choices" in doc:
-                    self._stream(doc)
-                    return
-                data = b"<html>not json" if "garbage" in doc else json.dumps(doc).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    if status in (429, 503):
-                        self.send_header("Retry-After", "0")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                    self.wfile.flush()
-                except OSError:
-                    pass  # the worker cancelled the request
+    def setup(self) -> None:
+        super().setup()  # no Nagle delay (~40 ms per call) between header and body
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-            def _stream(self, doc: dict[str, Any]) -> None:
-                message = doc["choices"][0]["message"]
-                text = message["content"] or ""
-                pieces: list[Any] = [text[i : i + 4] for i in range(0, len(text), 4)]
-                for call in message.get("tool_calls") or ():  # name first, arguments in halves
-                    args = call["function"]["arguments"]
-                    half = len(args) // 2
-                    pieces += [
-                        {
-                            "index": 0,
-                            "id": call["id"],
-                            "function": {"name": call["function"]["name"]},
-                        },
-                        {"index": 0, "function": {"arguments": args[:half]}},
-                        {"index": 0, "function": {"arguments": args[half:]}},
-                    ]
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")  # the connection stays open
-                self.end_headers()
-                midway = "midway" in text
-                for n, piece in enumerate([*pieces, None]):
-                    if midway and n == 2:
-                        self.wfile.flush()
-                        fake.started.set()
-                        fake._release.wait(30)
-                    if isinstance(piece, dict):
-                        delta: dict[str, Any] = {"tool_calls": [piece]}
-                    else:
-                        delta = {"content": piece} if piece is not None else {}
-                    finish = None
-                    if piece is None:
-                        finish = "tool_calls" if message.get("tool_calls") else "stop"
-                    chunk = {
-                        "id": "chatcmpl-test",
-                        "object": "chat.completion.chunk",
-                        "created": 0,
-                        "model": doc["model"],
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                    }
-                    self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
-                self._chunk(b"data: [DONE]\n\n")
-                self._chunk(b"")
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        body = json.loads(self.rfile.read(length) or b"{}")
+        status, doc = self.server.fake._answer(body, self.connection)
+        if body.get("stream") and status == 200 and "choices" in doc:
+            self._stream(doc)
+            return
+        with contextlib.suppress(OSError):  # the worker cancelled the request
+            self._reply(status, doc)
 
-            def _chunk(self, data: bytes) -> None:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+    def _reply(self, status: int, doc: dict[str, Any]) -> None:
+        data = b"<html>not json" if "garbage" in doc else json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        if status in (429, 503):
+            self.send_header("Retry-After", "0")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _stream(self, doc: dict[str, Any]) -> None:
+        message = doc["choices"][0]["message"]
+        text = message["content"] or ""
+        pieces = _pieces(message)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")  # the connection stays open
+        self.end_headers()
+        midway = "midway" in text
+        for n, piece in enumerate([*pieces, None]):
+            if midway and n == 2:
                 self.wfile.flush()
+                self.server.fake.started.set()
+                self.server.fake._release.wait(30)
+            if isinstance(piece, dict):
+                delta: dict[str, Any] = {"tool_calls": [piece]}
+            else:
+                delta = {"content": piece} if piece is not None else {}
+            finish = None
+            if piece is None:
+                finish = "tool_calls" if message.get("tool_calls") else "stop"
+            chunk = {
+                "id": "chatcmpl-test",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": doc["model"],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+            self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
 
-        return Handler
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+def _pieces(message: dict[str, Any]) -> list[Any]:
+    """A streamed answer's deltas: the text in pieces of 4 characters, then each tool call
+    as its name, then its arguments in two halves."""
+    text = message["content"] or ""
+    pieces: list[Any] = [text[i : i + 4] for i in range(0, len(text), 4)]
+    for call in message.get("tool_calls") or ():
+        args = call["function"]["arguments"]
+        half = len(args) // 2
+        pieces += [
+            {"index": 0, "id": call["id"], "function": {"name": call["function"]["name"]}},
+            {"index": 0, "function": {"arguments": args[:half]}},
+            {"index": 0, "function": {"arguments": args[half:]}},
+        ]
+    return pieces

@@ -183,7 +183,7 @@ def test_an_empty_openai_base_url_means_the_default(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("OPENAI_BASE_URL", "")  # what docker-compose passes when unset
     monkeypatch.setenv("OPENAI_API_KEY", "k")
     provider = make_provider(Settings(provider="openai"))
-    assert str(provider.client.base_url) == "https://api.openai.com/v1/"  # type: ignore[attr-defined]
+    assert provider.url == "https://api.openai.com/v1/chat/completions"  # type: ignore[attr-defined]
 
 
 async def _echo(**kw: Any) -> LLMResponse:

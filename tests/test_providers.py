@@ -104,7 +104,8 @@ async def test_rate_limit_waits_retry_after_then_answers(fake_llm: FakeLLM) -> N
         provider.chat_with_retry(messages=[{"role": "user", "content": "status:429 hi"}]), 10
     )
     assert resp.content == "re: status:429 hi"
-    assert retries == [1] and len(fake_llm.requests) == 2
+    assert retries == [1]
+    assert len(fake_llm.requests) == 2
 
 
 @pytest.mark.parametrize(
@@ -143,5 +144,6 @@ async def test_tool_calls_are_parsed_plain_and_streamed(fake_llm: FakeLLM, strea
     assert [(c.id, c.name, c.arguments) for c in resp.tool_calls] == [
         ("call_1", "lookup", {"a": 1})
     ]
-    assert resp.finish_reason == "tool_calls" and deltas == []
+    assert resp.finish_reason == "tool_calls"
+    assert deltas == []
     assert fake_llm.requests[0]["tools"] == tools

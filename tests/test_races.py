@@ -199,3 +199,53 @@ async def test_the_unified_queue_is_reclaimed_from_a_dead_consumer(
     while not await claimed():
         assert asyncio.get_running_loop().time() < deadline, pending
         await asyncio.sleep(0.05)  # poll: the worker's maintenance claims it
+
+
+async def test_a_control_naming_its_marker_cancels_only_the_entries_before_it() -> None:
+    """The pub/sub message names its marker: a turn of an earlier entry of that stream is
+    cancelled at once (no stream read); a turn of a later entry (the marker was consumed
+    before it was selected: a late message) is left alone; a folded turn of another
+    stream is confirmed by reading, as before."""
+    from bus_redis import ControlMessage
+    from worker.controls import Controls
+    from worker.turns import TurnRegistry
+
+    looked: list[dict[str, tuple[str, str]]] = []
+
+    class Rt:  # the slice of Runtime that Controls uses
+        def __init__(self) -> None:
+            self.turns = TurnRegistry()
+            self.sessions = type(
+                "S",
+                (),
+                {
+                    "is_transient": staticmethod(lambda k: False),
+                    "invalidate": staticmethod(lambda k: None),
+                },
+            )()
+            self.metrics = type(
+                "M", (), {"cancel_seconds": type("H", (), {"observe": lambda *a: None})()}
+            )()
+
+    rt = Rt()
+    controls = Controls(rt)  # type: ignore[arg-type]
+
+    async def confirm(running: dict[str, tuple[str, str]]) -> None:
+        looked.append(running)
+
+    controls.confirm_and_cancel = confirm  # type: ignore[method-assign]
+    rt.turns.begin("web:a", "web:a", "1700000000000-5")
+    rt.turns.begin("web:b", "web:b", "1700000000002-0")
+    rt.turns.begin("unified:default", "web:c", "1700000000000-0")
+
+    controls.on_control(ControlMessage(op="stop", session_key="web:a", marker="1700000000000-6"))
+    controls.on_control(ControlMessage(op="stop", session_key="web:b", marker="1700000000001-9"))
+    controls.on_control(
+        ControlMessage(op="stop", session_key="unified:default", marker="1700000000001-0")
+    )
+    assert rt.turns.reason("web:a") == "stop"  # at once, before any task ran
+    assert rt.turns.reason("web:b") is None
+    assert rt.turns.reason("unified:default") is None
+    assert controls._task is not None
+    await controls._task
+    assert looked == [{"unified:default": ("web:c", "1700000000000-0")}]

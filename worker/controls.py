@@ -19,6 +19,7 @@ import logging
 import time
 
 from bus_redis import ControlMessage
+from bus_redis.codec import parse_stream_id
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,19 @@ class Controls:
         self._heard: dict[str, float] = {}  # K -> when its first unconfirmed control came
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._drops: set[asyncio.Task[None]] = set()  # owner records being dropped
 
     def on_control(self, control: ControlMessage) -> None:
         """A stop / discard / delete for session S (called by the control subscription)."""
         rt, target = self.rt, control.session_key
-        running = [k for k, v in rt.turns.running().items() if target in (k, v[0])]
+        running = {k: v for k, v in rt.turns.running().items() if target in (k, v[0])}
         if running:
             now = time.monotonic()
             for key in running:
                 self._heard.setdefault(key, now)
+        if running and control.marker:
+            running = self._by_marker(running, target, control.op, control.marker)
+        if running:
             self._marked.update(running)
             self._wake.set()
             self._ensure_task()
@@ -51,6 +56,43 @@ class Controls:
             rt.sessions.invalidate(target)
         # A private session is forgotten (and its owner record dropped) when its holder
         # reaches the discard marker: exactly in stream order, under its lease.
+
+    def _by_marker(
+        self, running: dict[str, tuple[str, str]], target: str, op: str, marker: str
+    ) -> dict[str, tuple[str, str]]:
+        """The control names its marker in S's stream: a turn of an entry of S before it is
+        covered, so it is cancelled now, without reading the stream; a turn of a later
+        entry is not (that marker was consumed before the entry was selected). Returns the
+        turns still to look at (a folded key running an entry of another stream)."""
+        left: dict[str, tuple[str, str]] = {}
+        for key, (member, entry_id) in running.items():
+            if not entry_id or member != target:
+                left[key] = (member, entry_id)
+            elif parse_stream_id(entry_id) < parse_stream_id(marker):
+                self._apply(key, member, entry_id, op)
+            else:
+                self._heard.pop(key, None)
+        return left
+
+    def _apply(self, key: str, member: str, entry_id: str, op: str) -> bool:
+        """Cancel K's turn of ``entry_id`` for ``op``; True when it was still running it.
+        A forgetting op also forgets the session here (and its owner record, see
+        :meth:`_forget`)."""
+        rt = self.rt
+        cancelled = rt.turns.cancel_entry(key, entry_id, op)
+        heard = self._heard.pop(key, None)
+        if cancelled and heard is not None:
+            rt.metrics.cancel_seconds.observe(time.monotonic() - heard)
+        if cancelled and op in FORGETTING:
+            owned = rt.turns.disown(member)
+            rt.sessions.invalidate(member)
+            if owned is not None:
+                task = asyncio.get_running_loop().create_task(
+                    rt.registry.drop_owner(member, rt.worker_id, owned)
+                )
+                self._drops.add(task)
+                task.add_done_callback(self._drops.discard)
+        return bool(cancelled)
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
@@ -81,15 +123,9 @@ class Controls:
         markers, again = await rt.registry.markers_step(running, resume)
         for key, op in markers.items():
             member, entry_id = running[key]
-            cancelled = rt.turns.cancel_entry(key, entry_id, op)
-            heard = self._heard.pop(key, None)
-            if cancelled and heard is not None:
-                rt.metrics.cancel_seconds.observe(time.monotonic() - heard)
-            if cancelled and op in FORGETTING:
-                owned = rt.turns.disown(member)
-                rt.sessions.invalidate(member)
-                if owned is not None:
-                    await rt.registry.drop_owner(member, rt.worker_id, owned)
+            self._apply(key, member, entry_id, op)
+        if self._drops:
+            await asyncio.gather(*self._drops, return_exceptions=True)
         for key, where in again.items():
             self._resume[(key, running[key][1])] = where
         current = {(k, v[1]) for k, v in rt.turns.running().items()}
