@@ -129,6 +129,7 @@ class SessionHolder:
                 self.lease.lost = True
             if folded != "ok":
                 return  # kept: better an old conversation than a lost one
+            self.memory_scope = ""  # the next turn under this lease reads the folded memory
         if op in ("delete", "new") and owned is None:
             deleted = await self.rt.sessions.store.delete_held(
                 member, self.rt.bus.keys.lease(self.key), self.token
