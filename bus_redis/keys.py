@@ -101,6 +101,11 @@ class Keys:
         return f"{self.prefix}:channels"
 
     @property
+    def alive(self) -> str:
+        """Sorted set: worker id -> Redis time of its last liveness beat (ms)."""
+        return f"{self.prefix}:alive"
+
+    @property
     def workers(self) -> str:
         """Sorted set: worker id -> last heartbeat (ms)."""
         return f"{self.prefix}:workers"

@@ -33,6 +33,9 @@ SCRIPT_NAMES = (
     "tidy",
     "compact",
     "hint",
+    "beat",
+    "dead",
+    "takeover",
 )
 
 

@@ -156,6 +156,25 @@ class RedisBus:
             await self.ack(junk)
         return notes
 
+    async def claim_from(
+        self, worker_id: str, dead: str, streams: Sequence[str], *, count: int = 100
+    ) -> list[Notification]:
+        """Take over the ready entries a dead worker read but did not acknowledge, at once
+        (instead of after ``claim_stale``'s idle time)."""
+        notes: list[Notification] = []
+        junk: list[Notification] = []
+        for stream in streams:
+            pending = await self.raw.xpending_range(
+                stream, WORKER_GROUP, min="-", max="+", count=count, consumername=dead
+            )
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                claimed = await self.raw.xclaim(stream, WORKER_GROUP, worker_id, 0, ids)
+                self._sort(stream, [c for c in claimed if c[1] is not None], notes, junk)
+        if junk:
+            await self.ack(junk)
+        return notes
+
     async def ack(self, notes: Sequence[Notification]) -> None:
         if not any(n.entry_id for n in notes):
             return

@@ -32,6 +32,7 @@ SCAN_COUNT = 1000  # keys visited per janitor step
 QUEUED_SWEEP = 500  # members of one channel's queued index looked at per call
 IN_FLIGHT_MS = 1000  # a younger queued entry is assumed to have its notification on the way
 RECHECK_MS = 5000  # a served (or just re-notified) session is looked at again after this
+LEASES_LOOKED_AT = 4096  # lease-registry members read per channel in a takeover
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +54,49 @@ class Sweeps:
         self._hint_cursor = 0
 
     # --- dead holders ---------------------------------------------------------------
+    async def beat(self, worker_id: str) -> int:
+        """This worker is alive (Redis time, ms); see ``lua/beat.lua``."""
+        return int(text(await self.bus.scripts.call("beat", [self.keys.alive], [worker_id])))
+
+    async def dead_workers(self, dead_after_ms: int, *, limit: int = 16) -> list[str]:
+        """Workers whose liveness beat is older than ``dead_after_ms`` (Redis' clock)."""
+        reply = await self.bus.scripts.call("dead", [self.keys.alive], [dead_after_ms, limit])
+        return texts(reply)
+
+    async def takeover(
+        self, channels: Iterable[str], dead: str, *, limit: int = LEASES_LOOKED_AT
+    ) -> list[str]:
+        """Re-notify, at once, the keys whose lease ``dead`` holds in ``channels`` (its
+        liveness beat stopped): its leases are deleted so any worker acquires them with a
+        new nonce. Reads at most ``limit`` lease-registry members per channel: leases are
+        held only while served, so a registry is as large as what workers serve, not as
+        what frontends wrote."""
+        done: list[str] = []
+        for channel in channels:
+            registry = self.keys.leases(channel)
+            members = texts(await self.redis.zrange(registry, 0, limit - 1))
+            if not members:
+                continue
+            values = await self.redis.mget([self.keys.lease(k) for k in members])
+            held = [
+                (k, text(v))
+                for k, v in zip(members, values, strict=True)
+                if v is not None and text(v).partition("|")[2] == dead
+            ]
+            for key, value in held:
+                keys = [self.keys.lease(key), registry, self.keys.ready(channel)]
+                reply = await self.bus.scripts.call("takeover", keys, [value, key, READY_MAXLEN])
+                if isinstance(reply, list) and texts(reply)[:1] == ["!unusable"]:
+                    await self.repair_ready(channel, texts(reply)[1])
+                    break
+                if int(reply) == 1:
+                    done.append(key)
+        return done
+
+    async def forget_dead(self, worker_id: str) -> None:
+        """The worker's leases are taken over (or it left): no more liveness entry."""
+        await self.redis.zrem(self.keys.alive, worker_id)
+
     async def leases(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
         """Re-notify keys whose lease expired without a release (their holder died): a
         session continues one lease TTL (plus a tick) after its holder's death."""

@@ -66,6 +66,9 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "compact": ([k.lease(K), k.out(K)], ["x", 64]),
         "hint": ([k.control_hint(K), k.inbound(K)], []),
         "tidy": ([*stream[:3], k.lease(K), k.owner(K), k.queued("web")], [K]),
+        "beat": ([k.alive], ["w"]),
+        "dead": ([k.alive], [1000, 16]),
+        "takeover": ([k.lease(K), k.leases("web"), k.ready("web")], ["n|w", K, 100]),
     }  # fmt: skip
     assert set(calls) == set(SCRIPT_NAMES)
     for name, (keys, args) in calls.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import redis.asyncio as aioredis
+from redis import Redis as SyncRedis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -66,4 +67,8 @@ def make_loop(
         config=settings.loop_config(),
     )
     loop.rt.metrics = metrics
+    # the liveness beat runs in a thread on a connection of its own (worker/liveness.py)
+    loop.liveness.beat_client = SyncRedis.from_url(
+        settings.redis_url, socket_timeout=2, socket_connect_timeout=2
+    )
     return loop

@@ -38,6 +38,7 @@ from worker.controls import Controls
 from worker.faults import crash_point
 from worker.holder import SessionHolder
 from worker.jobs import JobQueue, LocalJobQueue
+from worker.liveness import Liveness
 from worker.maintenance import Maintenance
 from worker.outcomes import SessionNotActiveError
 from worker.prompt import IDENTITY, ContextBuilder
@@ -121,6 +122,13 @@ class AgentLoop:
             set_channels=self._set_channels,
             streams=lambda: list(self._streams),
         )
+        self.liveness = Liveness(
+            self.rt,
+            liveness_ms=config.liveness_ms,
+            channels=self._served_channels,
+            streams=lambda: list(self._streams),
+            dispatch=self.dispatch,
+        )
 
     # --- the in-process surface (README: Embedding) ---------------------------------------------
     @property
@@ -200,13 +208,20 @@ class AgentLoop:
             single_owner=self.config.single_owner,
         )
         await self.bus.scripts.load_all()
+        if self.liveness.enabled:  # alive before anything is acquired (an old beat of this
+            await self.rt.registry.sweeps.beat(self.worker_id)  # id would look dead)
         listener = self._listener = ControlListener(
             self.bus.raw, self.bus.keys, self.on_control, self.check_flags
         )
         await self.maintenance.refresh_channels(discover=True)
         self._set_channels(self.maintenance.channels)
         await self._apply_streams()
+        # leases still held under this worker id are a former life's (killed, restarted
+        # under the same id before anyone noticed): hand them over at once
+        await self.rt.registry.sweeps.takeover(self._served_channels(), self.worker_id)
         background = [
+            asyncio.create_task(self.liveness.run_beat(), name="liveness-beat"),
+            asyncio.create_task(self.liveness.run_watch(), name="liveness-watch"),
             asyncio.create_task(listener.run(), name="control"),
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
         ]
@@ -224,6 +239,8 @@ class AgentLoop:
             await self.controls.close()
             await self.rt.jobs.aclose()
             await self.maintenance.leave()
+            with contextlib.suppress(RedisError, OSError):
+                await self.rt.registry.sweeps.forget_dead(self.worker_id)
             await self.bus.aclose()
             log.info("worker %s stopped", safe(self.worker_id))
 
@@ -248,6 +265,10 @@ class AgentLoop:
         self.rt.turns.stopping = True
         if self._consumer is not None and not self._consumer.done():
             self._consumer.cancel()
+
+    def _served_channels(self) -> set[str]:
+        channels = set(self.maintenance.channels)
+        return channels | {UNIFIED_CHANNEL} if self.config.unified_session else channels
 
     def _set_channels(self, channels: set[str]) -> None:
         if self._listener is not None:

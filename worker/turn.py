@@ -11,6 +11,7 @@ from typing import Any
 from bus_redis import InboundMessage
 from session_store import Session
 from session_store.models import now_iso
+from worker.faults import stall_point
 from worker.prompt import ContextBuilder
 from worker.providers import LLMProvider, ToolCallRequest
 from worker.providers.base import DeltaCallback
@@ -115,6 +116,7 @@ class TurnRunner:
         messages = self.context.build(session, None if retry else first_row, memory)
         offered = self.tools.definitions(session.policy.disabled_tools)
         for _ in range(self.max_iterations):
+            stall_point("before_model")
             response = await self.provider.chat_with_retry(
                 messages=messages, tools=offered or None, model=self.model, on_delta=on_delta
             )

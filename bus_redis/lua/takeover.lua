@@ -1,0 +1,13 @@
+-- takeover: the holder of a lease is dead (its liveness beat stopped): the lease is deleted
+-- and its key re-notified at once, as the lease sweep does when a lease runs out, without
+-- waiting for the TTL. Compare-and-delete: a lease renewed under another nonce, released or
+-- taken meanwhile is left alone. The dead holder's late writes are fenced (its nonce is gone).
+-- KEYS[1] lease P:{C}:lease:K  KEYS[2] lease registry P:{C}:leases  KEYS[3] ready P:{C}:ready
+-- ARGV[1] the lease value seen ('<nonce>|<dead worker>')  ARGV[2] K  ARGV[3] ready MAXLEN
+-- returns 1 (taken over), 0 (the lease changed), or {'!unusable', error} (ready queue)
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local r = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2], 'effective', '1')
+if type(r) == 'table' and r.err then return {'!unusable', r.err} end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[2])
+return 1

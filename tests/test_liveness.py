@@ -1,0 +1,126 @@
+"""Liveness (worker/liveness.py): a killed holder's sessions are taken over long before its
+lease would run out, with a new nonce; a live worker whose event loop stalls keeps them.
+The scripts themselves on fakeredis and a real redis-server; the processes on real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+from replies import collect, wait_until_async
+
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from bus_redis.registry import Registry
+
+K = Keys()
+
+
+def _m(chat: str, text: str) -> InboundMessage:
+    return InboundMessage(
+        id=f"{chat}:{text}", channel="web", sender_id="u", chat_id=chat, content=text
+    )
+
+
+async def test_takeover_deletes_only_the_dead_holders_leases_and_renotifies(
+    redis: aioredis.Redis,
+) -> None:
+    bus = RedisBus(redis, lock_ttl_ms=10_000)
+    sweeps = Registry(bus).sweeps
+    await bus.ensure_groups([K.ready("web")])
+    for key, worker in (("web:a", "dead"), ("web:b", "alive"), ("web:c", "dead")):
+        await redis.set(K.lease(key), f"n-{key}|{worker}", px=10_000)
+        await redis.zadd(K.leases("web"), {key: 1})
+    await redis.set(K.lease("web:c"), "other-nonce|dead", px=10_000)  # renewed meanwhile? no:
+    # takeover compares the value it read; a value changed between read and script stays
+    assert sorted(await sweeps.takeover(["web"], "dead")) == ["web:a", "web:c"]
+    assert await redis.get(K.lease("web:a")) is None
+    assert await redis.get(K.lease("web:b")) == "n-web:b|alive"
+    assert await redis.zrange(K.leases("web"), 0, -1) == ["web:b"]
+    notes = [f for _, f in await redis.xrange(K.ready("web"))]
+    assert notes == [
+        {"session": "web:a", "effective": "1"},
+        {"session": "web:c", "effective": "1"},
+    ]
+    assert await sweeps.takeover(["web"], "dead") == []  # nothing left: idempotent
+
+
+async def test_dead_workers_are_those_whose_beat_is_older_than_the_limit(
+    redis: aioredis.Redis,
+) -> None:
+    sweeps = Registry(RedisBus(redis)).sweeps
+    now = await sweeps.beat("fresh")
+    await redis.zadd(K.alive, {"stale": now - 5_000})
+    assert await sweeps.dead_workers(1_000) == ["stale"]
+    await sweeps.forget_dead("stale")
+    assert await sweeps.dead_workers(1_000) == []
+
+
+def _holder(value: str | None) -> str:
+    return (value or "|").split("|", 1)[1]
+
+
+@pytest.mark.real_redis
+@pytest.mark.slow
+async def test_a_killed_holder_is_replaced_before_its_lease_runs_out(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """Default lease TTL (10 s): the survivor takes the session over with a new nonce while
+    the dead holder's lease is still valid, and answers it once."""
+    workers = {w.worker_id: w for w in spawn_workers(2)}
+    client = FrontendClient(real_redis)
+    mid = await client.send(_m("f", "block takeover"))
+    assert await asyncio.to_thread(fake_llm.started.wait, 20)
+    lease = K.lease("web:f")
+    before = await real_redis.get(lease)
+    dead = workers[_holder(before)]
+    dead.kill()
+    runs_out = time.monotonic() + (await real_redis.pttl(lease)) / 1000
+    fake_llm.release()
+
+    async def taken_over() -> bool:  # deleted (then maybe taken, answered and released)
+        return await real_redis.get(lease) != before
+
+    assert await wait_until_async(taken_over, timeout_s=20)
+    assert time.monotonic() < runs_out  # by liveness, not because the lease ran out
+    assert _holder(await real_redis.get(lease)) != dead.worker_id
+    got = await collect(client, "web", {mid}, timeout_s=20)
+    assert [ev.type for ev in got[mid] if ev.is_terminal] == ["message"]
+    assert got[mid][-1].metadata["worker"] != dead.worker_id
+
+
+@pytest.mark.real_redis
+@pytest.mark.slow
+async def test_a_worker_whose_loop_stalls_keeps_its_lease(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """A live but slow worker: its event loop blocks for 2 s (2.5 liveness limits) just
+    before its first model call; its beat goes on from its own thread, so the other worker
+    takes nothing over, and the one holder answers."""
+    env = {"AGENT_FAULT_POINTS": "stall:before_model", "AGENT_FAULT_STALL_S": "2"}
+    workers = spawn_workers(2, env=env)  # whichever serves the session stalls
+    for w in workers:
+        assert await wait_until_async(lambda w=w: _beats(real_redis, w.worker_id), timeout_s=20)
+    client = FrontendClient(real_redis)
+    seen: set[str] = set()
+    watch = asyncio.create_task(_holders(real_redis, K.lease("web:s"), seen))
+    mid = await client.send(_m("s", "hi"))
+    got = await collect(client, "web", {mid}, timeout_s=20)
+    watch.cancel()
+    assert [ev.type for ev in got[mid] if ev.is_terminal] == ["message"]
+    assert len(seen) == 1  # one holder, one nonce, from acquire to release
+    assert all("stopped beating" not in w.log() for w in workers)
+    assert len(fake_llm.requests) == 1
+
+
+async def _beats(redis: aioredis.Redis, worker_id: str) -> bool:
+    return await redis.zscore(K.alive, worker_id) is not None
+
+
+async def _holders(redis: aioredis.Redis, lease: str, seen: set[str]) -> None:
+    while True:
+        value = await redis.get(lease)
+        if value is not None:
+            seen.add(value)
+        await asyncio.sleep(0.01)

@@ -1,0 +1,145 @@
+"""Liveness: a dead worker's sessions are taken over in under a second, a slow one keeps them.
+
+Leases last ``AGENT_LOCK_TTL_MS`` (10 s) so that a worker whose event loop is busy, or
+whose Redis is briefly slow, never loses a session it is still serving. Waiting for that
+TTL after a crash is what made failover take 9-15 s. Liveness is a separate, short
+signal:
+
+- **the beat**: every ``liveness_ms / 8`` the worker writes Redis' time into ``P:alive``
+  (``lua/beat.lua``), from a thread of its own with its own connection when it runs as a
+  process, so a busy or stalled event loop does not stop it: only a dead (or frozen)
+  process stops beating;
+- **the watch**: every ``liveness_ms / 8`` each worker asks for workers whose beat is older
+  than ``liveness_ms`` (``lua/dead.lua``, Redis' clock), deletes their leases in the
+  channels it serves, compare-and-delete, re-notifies those keys (``lua/takeover.lua``)
+  and claims the notifications they had read; any worker then acquires the keys with a
+  new nonce, so a frozen holder that wakes up is fenced like any lost lease.
+
+A lease whose holder still beats is never taken over; a holder that stops renewing but
+keeps beating (a deadlocked loop) loses its leases when they run out, as before.
+``liveness_ms = 0`` turns the takeover off (failover after the lease TTL only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+
+import redis
+
+from bus_redis.codec import safe
+from bus_redis.results import Notification
+from bus_redis.scripts import script_source
+from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class Liveness:
+    def __init__(
+        self,
+        rt: Runtime,
+        *,
+        liveness_ms: int,
+        channels: Callable[[], set[str]],
+        streams: Callable[[], list[str]],
+        dispatch: Callable[[list[Notification]], None],
+        beat_client: redis.Redis | None = None,
+    ) -> None:
+        self.rt = rt
+        self.liveness_ms = liveness_ms
+        self.every_s = liveness_ms / 8000
+        self.channels = channels
+        self.streams = streams
+        self.dispatch = dispatch
+        self.beat_client = beat_client  # sync: beats from a thread
+        self._done: dict[str, set[str]] = {}  # dead worker -> channels taken over here
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.liveness_ms > 0
+
+    # --- the beat -------------------------------------------------------------------
+    async def run_beat(self) -> None:
+        """Beat until cancelled: in a thread when a sync client was given, else here."""
+        if not self.enabled:
+            return
+        if self.beat_client is not None:
+            self._thread = threading.Thread(
+                target=self._beat_thread, name="liveness-beat", daemon=True
+            )
+            self._thread.start()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self._stop.set()
+                await asyncio.to_thread(self._thread.join, 2)
+            return
+        while True:
+            try:
+                await self.rt.registry.sweeps.beat(self.rt.worker_id)
+            except (redis.RedisError, OSError) as exc:
+                log.debug("liveness beat failed: %s", type(exc).__name__)
+            await asyncio.sleep(self.every_s)
+
+    def _beat_thread(self) -> None:
+        assert self.beat_client is not None
+        script = self.beat_client.register_script(script_source("beat"))
+        alive, me = self.rt.bus.keys.alive, self.rt.worker_id
+        failing = False
+        while not self._stop.is_set():
+            try:
+                script(keys=[alive], args=[me])
+                failing = False
+            except (redis.RedisError, OSError) as exc:
+                if not failing:
+                    log.warning("liveness beat failed: %s", type(exc).__name__)
+                failing = True
+            self._stop.wait(self.every_s)
+        with contextlib.suppress(Exception):
+            self.beat_client.close()
+
+    # --- the watch ------------------------------------------------------------------
+    async def run_watch(self) -> None:
+        """Take over dead workers' leases until cancelled."""
+        if not self.enabled:
+            return
+        while True:
+            try:
+                await self.watch_once()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("liveness watch skipped: %s", type(exc).__name__)
+            except Exception:  # a bug here must not end failover for good
+                log.exception("liveness watch failed")
+            await asyncio.sleep(self.every_s)
+
+    async def watch_once(self) -> list[str]:
+        """One look: the keys taken over from dead workers (in the served channels)."""
+        rt = self.rt
+        sweeps = rt.registry.sweeps
+        dead = [w for w in await sweeps.dead_workers(self.liveness_ms) if w != rt.worker_id]
+        self._done = {w: c for w, c in self._done.items() if w in dead}  # bounded
+        taken: list[str] = []
+        for worker in dead:
+            channels = self.channels() - self._done.get(worker, set())
+            if not channels:
+                continue
+            keys = await sweeps.takeover(channels, worker)
+            notes = await rt.bus.claim_from(rt.worker_id, worker, self.streams())
+            self._done.setdefault(worker, set()).update(channels)
+            if keys or notes:
+                log.warning(
+                    "worker %s stopped beating: took over %d leases and %d notifications",
+                    safe(worker),
+                    len(keys),
+                    len(notes),
+                )
+            if notes:
+                self.dispatch(notes)
+            taken += keys
+        return taken
