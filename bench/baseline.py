@@ -1,0 +1,199 @@
+"""The turn path against its floor: ``agent-worker run`` processes next to a minimal fenced
+Lua turn loop (``bench/baseline_loop.py``), under the same closed-loop load, in one run.
+
+    python bench/baseline.py [--repeat 5] [--procs 1,2,4] [--sessions 100] [--turns 4000]
+
+Each repetition runs, on a fresh redis-server database, in turn: the baseline loop, then
+1, 2, 4 worker processes (echo provider); the load is ``--sessions`` sessions with one
+message in flight each (a session sends its next message when its answer arrives), through
+the real frontend client, after a warm-up of one turn per session. Printed per system:
+turns/s and its ratio to the baseline of the same repetition, CPU per turn of the serving
+processes, of redis-server (``INFO cpu``) and of the load generator (this process), and
+Redis commands per turn (``INFO commandstats``: every client, commands run inside scripts
+included) with the script calls among them; min / median / max over repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from _common import RedisServer
+from workers import WorkerProcess  # tests/ is on sys.path (see _common)
+
+from bus_redis import FrontendClient, InboundMessage, Keys
+
+BENCH = Path(__file__).resolve().parent
+CHANNEL = "base"
+
+
+@dataclass
+class Run:
+    rate: float
+    serve_ms: float  # CPU of the serving processes per turn
+    redis_us: float
+    front_ms: float
+    commands: float
+    scripts: float
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _redis_counts(redis: aioredis.Redis) -> tuple[float, int, int]:
+    cpu = await redis.info("cpu")
+    stats = await redis.info("commandstats")
+    calls = sum(int(v["calls"]) for v in stats.values())
+    scripts = sum(
+        int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval")
+    )
+    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), calls, scripts
+
+
+class _Serving:
+    """The processes that answer: the baseline loop, or ``agent-worker run`` x n."""
+
+    def __init__(self, url: str, system: str) -> None:
+        self.system = system
+        if system == "loop":
+            self.procs = [
+                subprocess.Popen(
+                    [sys.executable, str(BENCH / "baseline_loop.py"), url, CHANNEL],
+                    cwd=BENCH.parent,
+                )
+            ]
+            self.workers: list[WorkerProcess] = []
+        else:
+            env = {
+                "AGENT_PROVIDER": "echo",
+                "AGENT_LOG_LEVEL": "WARNING",
+                "AGENT_CONCURRENCY": "64",
+                "AGENT_JOBS": "local",
+                "AGENT_CHANNELS": CHANNEL,
+            }
+            n = int(system.split()[0])
+            self.workers = [WorkerProcess(url, worker_id=f"b{i}", env=env) for i in range(n)]
+            self.procs = [w.proc for w in self.workers]
+
+    def cpu_s(self) -> float:
+        return sum(_cpu_s(p.pid) for p in self.procs)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+async def run(url: str, system: str, sessions: int, turns: int) -> Run:
+    redis = aioredis.from_url(url, decode_responses=True)
+    await redis.flushall()
+    await redis.config_resetstat()
+    frontend = FrontendClient(redis)
+    keys = Keys()
+    serving = _Serving(url, system)
+    position = {keys.out(f"{CHANNEL}:c{s}"): "0" for s in range(sessions)}
+    done = 0
+    mark: tuple[float, float, float, float, int, int] | None = None
+    try:
+        for s in range(sessions):
+            await frontend.send(
+                InboundMessage(channel=CHANNEL, sender_id="u", chat_id=f"c{s}", content="q")
+            )
+        while done < turns + sessions:
+            reply = await redis.xread(position, count=100, block=2000)
+            if not reply:
+                raise RuntimeError(f"{system}: no answer for 2 s")
+            for stream, batch in reply:
+                position[stream] = batch[-1][0]
+                for _eid, fields in batch:
+                    if json.loads(fields["payload"])["type"] not in ("message", "error"):
+                        continue
+                    done += 1
+                    if done == sessions:  # warm: every session answered once
+                        mark = (
+                            time.perf_counter(),
+                            time.process_time(),
+                            serving.cpu_s(),
+                            *await _redis_counts(redis),
+                        )
+                    chat = stream.rsplit(":", 1)[1]
+                    await frontend.send(
+                        InboundMessage(channel=CHANNEL, sender_id="u", chat_id=chat, content="q")
+                    )
+        assert mark is not None
+        wall = time.perf_counter() - mark[0]
+        front = time.process_time() - mark[1]
+        serve = serving.cpu_s() - mark[2]
+        redis_cpu, calls, scripts = await _redis_counts(redis)
+    finally:
+        serving.close()
+        await redis.aclose()
+    n = done - sessions
+    return Run(
+        rate=n / wall,
+        serve_ms=serve / n * 1000,
+        redis_us=(redis_cpu - mark[3]) / n * 1e6,
+        front_ms=front / n * 1000,
+        commands=(calls - mark[4]) / n,
+        scripts=(scripts - mark[5]) / n,
+    )
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--procs", default="1,2,4", help="worker process counts")
+    parser.add_argument("--sessions", type=int, default=100)
+    parser.add_argument("--turns", type=int, default=4000, help="measured turns per run")
+    args = parser.parse_args()
+    systems = ["loop", *(f"{n} proc" for n in args.procs.split(","))]
+    runs: dict[str, list[Run]] = {s: [] for s in systems}
+    ratios: dict[str, list[float]] = {s: [] for s in systems}
+    server = RedisServer().start()
+    try:
+        for rep in range(args.repeat):
+            for system in systems:  # alternating, same server, fresh database
+                r = await run(server.url, system, args.sessions, args.turns)
+                runs[system].append(r)
+                ratios[system].append(r.rate / runs["loop"][rep].rate)
+                print(f"  rep {rep + 1} {system:7} {r.rate:7.0f} turns/s", flush=True)
+    finally:
+        server.cleanup()
+    print(
+        f"\n{args.sessions} sessions, one message in flight each, {args.turns} turns a run, "
+        f"{args.repeat} repetitions: min / median / max"
+    )
+    for system in systems:
+        rs = runs[system]
+        print(f"{system}:")
+        print(f"  turns/s            {_spread([r.rate for r in rs], '.0f')}")
+        print(f"  ratio to the loop  {_spread(ratios[system], '.2f')}")
+        print(f"  serving CPU/turn   {_spread([r.serve_ms * 1000 for r in rs], '.0f')} µs")
+        print(f"  Redis CPU/turn     {_spread([r.redis_us for r in rs], '.0f')} µs")
+        print(f"  frontend CPU/turn  {_spread([r.front_ms * 1000 for r in rs], '.0f')} µs")
+        print(f"  Redis commands     {_spread([r.commands for r in rs], '.1f')} per turn")
+        print(f"  of them scripts    {_spread([r.scripts for r in rs], '.1f')} per turn")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
