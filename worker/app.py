@@ -14,6 +14,7 @@ from redis.retry import Retry
 from bus_redis import RedisBus
 from worker.loop import AgentLoop
 from worker.metrics import MeteredProvider, WorkerMetrics
+from worker.packing import use_hiredis_packing
 from worker.providers import EchoProvider, GenerationSettings, LLMProvider, OpenAIProvider
 from worker.settings import Settings
 
@@ -23,7 +24,7 @@ DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 def make_redis(url: str) -> aioredis.Redis:
     """A client that retries commands across short outages (reconnect with backoff)."""
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8)
-    return aioredis.from_url(
+    client = aioredis.from_url(
         url,
         decode_responses=True,
         retry=retry,
@@ -31,6 +32,7 @@ def make_redis(url: str) -> aioredis.Redis:
         health_check_interval=10,
         socket_connect_timeout=2,
     )
+    return use_hiredis_packing(client)
 
 
 def make_provider(settings: Settings) -> LLMProvider:
