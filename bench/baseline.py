@@ -2,6 +2,7 @@
 Lua turn loop (``bench/baseline_loop.py``), under the same closed-loop load, in one run.
 
     python bench/baseline.py [--repeat 5] [--procs 1,2,4] [--sessions 100] [--turns 4000]
+                             [--history 0]
 
 Each repetition runs, on a fresh redis-server database, in turn: the baseline loop, then
 1, 2, 4 worker processes (echo provider); the load is ``--sessions`` sessions with one
@@ -31,6 +32,7 @@ from _common import RedisServer
 from workers import WorkerProcess  # tests/ is on sys.path (see _common)
 
 from bus_redis import FrontendClient, InboundMessage, Keys
+from session_store import RedisSessionStore, Session
 
 BENCH = Path(__file__).resolve().parent
 CHANNEL = "base"
@@ -98,9 +100,24 @@ class _Serving:
                 p.wait()
 
 
-async def run(url: str, system: str, sessions: int, turns: int) -> Run:
+async def _preload(redis: aioredis.Redis, sessions: int, rows: int) -> None:
+    """Every session starts with ``rows`` rows of history (both systems' own formats)."""
+    store = RedisSessionStore(redis, Keys())
+    for s in range(sessions):
+        key = f"{CHANNEL}:c{s}"
+        session = Session(key=key, scope=f"{CHANNEL}/sender:u")
+        for i in range(rows):
+            session.add_message("user" if i % 2 == 0 else "assistant", f"earlier message {i}")
+        await store.save(session)
+        history = f"{Keys().prefix}:base:history:{key}"
+        await redis.rpush(history, *(json.dumps(m) for m in session.messages))
+
+
+async def run(url: str, system: str, sessions: int, turns: int, history: int = 0) -> Run:
     redis = aioredis.from_url(url, decode_responses=True)
     await redis.flushall()
+    if history:
+        await _preload(redis, sessions, history)
     await redis.config_resetstat()
     frontend = FrontendClient(redis)
     keys = Keys()
@@ -165,6 +182,7 @@ async def main() -> None:
     parser.add_argument("--procs", default="1,2,4", help="worker process counts")
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--turns", type=int, default=4000, help="measured turns per run")
+    parser.add_argument("--history", type=int, default=0, help="rows each session starts with")
     args = parser.parse_args()
     systems = ["loop", *(f"{n} proc" for n in args.procs.split(","))]
     runs: dict[str, list[Run]] = {s: [] for s in systems}
@@ -173,14 +191,15 @@ async def main() -> None:
     try:
         for rep in range(args.repeat):
             for system in systems:  # alternating, same server, fresh database
-                r = await run(server.url, system, args.sessions, args.turns)
+                r = await run(server.url, system, args.sessions, args.turns, args.history)
                 runs[system].append(r)
                 ratios[system].append(r.rate / runs["loop"][rep].rate)
                 print(f"  rep {rep + 1} {system:7} {r.rate:7.0f} turns/s", flush=True)
     finally:
         server.cleanup()
     print(
-        f"\n{args.sessions} sessions, one message in flight each, {args.turns} turns a run, "
+        f"\n{args.sessions} sessions of {args.history}+ rows, one message in flight each, "
+        f"{args.turns} turns a run, "
         f"{args.repeat} repetitions: min / median / max"
     )
     for system in systems:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from session_store.models import Session
@@ -39,8 +40,37 @@ def decode_meta(raw: str | None) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
+def decode_rows(raws: Iterable[str | None]) -> list[dict[str, Any]] | None:
+    """Rows from their JSON fields; None when one is missing or not a JSON object."""
+    rows: list[dict[str, Any]] = []
+    for raw in raws:
+        if raw is None:
+            return None
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(row, dict):
+            return None
+        rows.append(row)
+    return rows
+
+
+def apply_meta(session: Session, meta: dict[str, Any]) -> None:
+    """The ``meta`` field's values onto a session (created/updated, metadata, scope, and
+    how much is consolidated)."""
+    session.created_at = str(meta.get("created_at", session.created_at))
+    session.updated_at = str(meta.get("updated_at", session.updated_at))
+    session.metadata = meta.get("metadata") or {}
+    lc = meta.get("last_consolidated", 0)
+    valid = isinstance(lc, int) and not isinstance(lc, bool) and 0 <= lc <= len(session.messages)
+    session.last_consolidated = lc if valid else 0
+    session.scope = str(meta.get("scope") or "")
+
+
 def decode_session(key: str, h: dict[str, str]) -> Session | None:
-    """A Session from its hash fields (``HGETALL``), or None when there is none."""
+    """A Session from its hash fields (``HGETALL``), or None when there is none. Rows that
+    cannot be read are left out (and counted, so that the hash's next row is still known)."""
     if not h:
         return None
     meta = decode_meta(h.get("meta"))
@@ -65,5 +95,6 @@ def decode_session(key: str, h: dict[str, str]) -> Session | None:
         last_consolidated=meta.get("last_consolidated", 0),
         scope=str(meta.get("scope") or ""),
     )
+    session.skipped_rows = count - len(rows)
     session.mark_persisted(int(h.get("version", "0") or 0), h.get("gen", ""))
     return session

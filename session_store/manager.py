@@ -115,6 +115,17 @@ class SessionManager:
         ):
             self._cache.move_to_end(key)
             return cached
+        if (  # behind by a few turns (they ran on other workers): read only what it lacks
+            cached is not None
+            and cached.generation
+            and cached.generation == generation
+            and cached.version < version
+            and not cached.unpersisted()
+            and await self.store.load_since(cached)
+            and cached.version == version
+        ):
+            self._cache.move_to_end(key)
+            return cached
         loaded = await self.store.load(key) if version else None
         return self._remember(loaded or Session(key=key))
 

@@ -61,6 +61,7 @@ class Session:
     version: int = 0
     generation: str = ""  # of its Redis hash: a re-created hash has a new one
     persisted_count: int = 0
+    skipped_rows: int = 0  # rows of its hash that could not be read (left out of messages)
     _replay: list[dict[str, Any] | None] = field(default_factory=list, repr=False)
     _seen_ids: set[str] = field(default_factory=set, repr=False)
     _prefix: list[int] = field(default_factory=lambda: [0], repr=False)  # token prefix sums

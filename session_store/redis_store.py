@@ -13,7 +13,15 @@ from redis.exceptions import WatchError
 from bus_redis.codec import text
 from bus_redis.keys import Keys, channel_of, glob_escape
 from bus_redis.scripts import Scripts
-from session_store.codec import decode_meta, decode_session, dumps, encode_meta, encode_rows
+from session_store.codec import (
+    apply_meta,
+    decode_meta,
+    decode_rows,
+    decode_session,
+    dumps,
+    encode_meta,
+    encode_rows,
+)
 from session_store.models import Session
 from session_store.protocol import SessionInfo
 
@@ -33,6 +41,31 @@ class RedisSessionStore:
         raw = await self.redis.hgetall(self.keys.session(key))  # type: ignore[misc]
         return decode_session(key, {text(k): text(v) for k, v in raw.items()})
 
+    async def load_since(self, cached: Session) -> bool:
+        """Bring ``cached`` (persisted, no pending rows) up to the stored hash by reading only
+        what it lacks: the head fields, then the rows appended since. False when that is not
+        enough (another generation: re-created or rewritten; fewer rows; an older version):
+        the caller loads the whole hash."""
+        hkey = self.keys.session(cached.key)
+        raw = await self.redis.hmget(hkey, ["meta", "count", "version", "gen"])  # type: ignore[misc]
+        meta_raw, count_raw, version_raw, gen_raw = (text(v) if v is not None else "" for v in raw)
+        count, version = int(count_raw or 0), int(version_raw or 0)
+        have = cached.persisted_count + cached.skipped_rows  # the hash's rows it has seen
+        if gen_raw != cached.generation or count < have or version < cached.version:
+            return False
+        fresh: list[Any] = []
+        if count > have:
+            fields = [f"m:{i}" for i in range(have, count)]
+            fresh = await self.redis.hmget(hkey, fields)  # type: ignore[misc]
+        rows = decode_rows(text(r) if r is not None else None for r in fresh)
+        if rows is None:
+            return False  # a row is missing or unreadable: the whole hash decides
+        apply_meta(cached, decode_meta(meta_raw))
+        cached.append_rows(rows)
+        apply_meta(cached, decode_meta(meta_raw))  # its updated_at, not the append's
+        cached.mark_persisted(version, gen_raw)
+        return True
+
     async def version(self, key: str) -> int:
         return int(text(await self.redis.hget(self.keys.session(key), "version")) or 0)  # type: ignore[misc]
 
@@ -41,15 +74,16 @@ class RedisSessionStore:
         rows = encode_rows(session.messages)
         mapping: dict[str, Any] = {"meta": encode_meta(session), "count": len(rows)}
         mapping.update({f"m:{i}": row for i, row in enumerate(rows)})
-        generation = session.generation or secrets.token_hex(8)
+        # a rewrite is a new generation: a copy cached elsewhere reloads the whole hash
+        # instead of reading only rows appended since (load_since)
+        generation = secrets.token_hex(8)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     await pipe.watch(hkey)
                     old_count = int(text(await pipe.hget(hkey, "count")) or 0)  # type: ignore[misc]
-                    old_gen = text(await pipe.hget(hkey, "gen"))  # type: ignore[misc]
                     pipe.multi()
-                    pipe.hset(hkey, mapping={**mapping, "gen": old_gen or generation})
+                    pipe.hset(hkey, mapping={**mapping, "gen": generation})
                     stale = [f"m:{i}" for i in range(len(rows), old_count)]
                     if stale:
                         pipe.hdel(hkey, *stale)
@@ -63,7 +97,7 @@ class RedisSessionStore:
                 except WatchError:
                     continue
         version_at = -2 if session.scope else -1
-        session.mark_persisted(int(result[version_at - 1]), old_gen or generation)
+        session.mark_persisted(int(result[version_at - 1]), generation)
 
     async def delete(self, key: str, *, timeout_s: float = 30.0) -> bool:
         """Delete a stored session under its lease: a running turn finishes (and commits)

@@ -135,3 +135,87 @@ async def test_transient_sessions_are_pinned_and_never_saved(redis: aioredis.Red
     assert await manager.read_session("web:p") is None
     assert manager.get_or_create_transient("web:p", disabled_tools={"spawn"}) is private
     assert manager.get_or_create_transient("web:p").messages == []  # another policy: fresh
+
+
+async def _append_as_commit(redis: aioredis.Redis, key: str, rows: list[str], meta: str) -> int:
+    """What commit.lua does to a hash: rows appended, count, meta, version + 1."""
+    h = Keys().session(key)
+    count = int(await redis.hget(h, "count") or 0)
+    await redis.hset(h, mapping={f"m:{count + i}": r for i, r in enumerate(rows)})
+    await redis.hset(h, mapping={"count": count + len(rows), "meta": meta})
+    return int(await redis.hincrby(h, "version", 1))
+
+
+async def test_a_copy_behind_by_a_few_turns_reads_only_what_it_lacks(
+    redis: aioredis.Redis,
+) -> None:
+    """Consecutive turns of a session on different workers: the worker whose copy is a
+    few versions old reads the head fields and the new rows, not the whole hash, and ends
+    with what a full load gives."""
+    import json
+
+    from session_store.codec import encode_meta
+
+    store = _store(redis)
+    first = Session(key="web:d", scope="web/u")
+    for i in range(500):
+        first.add_message("user" if i % 2 == 0 else "assistant", f"m{i}")
+    await store.save(first)
+    behind = SessionManager(store)
+    copy = await behind.load_for_turn("web:d", first.version, first.generation)
+    assert len(copy.messages) == 500
+
+    first.last_consolidated = 100
+    first.metadata["title"] = "later"
+    rows = [json.dumps({"role": "user", "content": f"new {i}"}) for i in range(3)]
+    await _append_as_commit(redis, "web:d", rows[:1], encode_meta(first))
+    version = await _append_as_commit(redis, "web:d", rows[1:], encode_meta(first))
+
+    loads = 0
+    full_load = store.load
+
+    async def counting(key: str) -> Session | None:
+        nonlocal loads
+        loads += 1
+        return await full_load(key)
+
+    store.load = counting  # type: ignore[method-assign]
+    got = await behind.load_for_turn("web:d", version, first.generation)
+    assert loads == 0
+    assert got is copy  # brought up to date in place
+    truth = await full_load("web:d")
+    assert truth is not None
+    assert got.messages == truth.messages
+    assert (got.version, got.generation, got.persisted_count) == (
+        truth.version,
+        truth.generation,
+        503,
+    )
+    assert (got.last_consolidated, got.metadata, got.scope) == (100, {"title": "later"}, "web/u")
+    assert [m["content"] for m in got.get_history(max_tokens=10)][-1] == "new 2"
+
+
+async def test_a_rewritten_or_damaged_hash_is_loaded_whole(redis: aioredis.Redis) -> None:
+    store = _store(redis)
+    s = Session(key="web:r")
+    s.add_message("user", "a")
+    await store.save(s)
+    behind = SessionManager(store)
+    copy = await behind.load_for_turn("web:r", s.version, s.generation)
+    old_gen = s.generation
+    s.messages[0]["content"] = "rewritten"  # a rewrite (not an append): a new generation
+    s.add_message("assistant", "b")
+    await store.save(s)
+    assert s.generation != old_gen
+    got = await behind.load_for_turn("web:r", s.version, s.generation)
+    assert got is not copy
+    assert [m["content"] for m in got.messages] == ["rewritten", "b"]
+
+    await redis.hset(Keys().session("web:r"), "m:0", "not json")  # a damaged row
+    damaged = await store.load("web:r")
+    assert damaged is not None
+    assert [m["content"] for m in damaged.messages] == ["b"]
+    version = await _append_as_commit(redis, "web:r", ['{"role":"user","content":"c"}'], "{}")
+    assert await store.load_since(damaged)  # the next row is still the hash's third
+    assert [m["content"] for m in damaged.messages] == ["b", "c"]
+    assert damaged.version == version
