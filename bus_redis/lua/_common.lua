@@ -11,9 +11,13 @@ local SCAN_BYTES = 1048576  -- ... or fewer, once this many bytes were read
 local HEAD_BATCH = 64  -- control markers consumed per call at the head of a stream
 local RANK = {discard = 1, new = 2, delete = 3}  -- markers reported to the holder
 
+local clock  -- Redis time, read once per script call (a script runs atomically anyway)
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if not clock then
+    local t = redis.call('TIME')
+    clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return clock
 end
 
 -- Stream ids are "<ms>-<seq>", each part up to 2^64 - 1 (a frontend may XADD explicit
