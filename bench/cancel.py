@@ -31,14 +31,14 @@ from workers import WorkerProcess
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from worker import AgentLoop, LoopConfig
-from worker.providers import LLMResponse
+from worker.agent.providers import LLMResponse
 
 
 class BlockingProvider:
     """Holds every call until it is cancelled, like a slow LLM."""
 
     def __init__(self) -> None:
-        from worker.providers import GenerationSettings
+        from worker.agent.providers import GenerationSettings
 
         self.generation = GenerationSettings()
         self.started: asyncio.Queue[float] = asyncio.Queue()

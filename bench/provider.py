@@ -33,7 +33,7 @@ from openai import AsyncOpenAI
 from workers import WorkerProcess  # tests/ is on sys.path (see _common)
 
 from bus_redis import FrontendClient, InboundMessage, Keys
-from worker.providers import OpenAIProvider
+from worker.agent.providers import OpenAIProvider
 
 
 def _messages(history: int) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.codec import stream_id_ms
 from session_store import Session
 from worker import AgentLoop, LoopConfig
-from worker.providers import EchoProvider
+from worker.agent.providers import EchoProvider
 
 
 async def throughput(url: str, sessions: int, messages: int, workers: int) -> None:

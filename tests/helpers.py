@@ -8,7 +8,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from worker.providers import GenerationSettings, LLMResponse
+from worker.agent.providers import GenerationSettings, LLMResponse
 
 Handler = Callable[..., Awaitable[LLMResponse]]
 

@@ -16,7 +16,7 @@ from redis.exceptions import NoPermissionError
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.acl import frontend_acl, worker_acl
 from worker import AgentLoop, LoopConfig
-from worker.providers import LLMResponse
+from worker.agent.providers import LLMResponse
 
 pytestmark = pytest.mark.real_redis
 

@@ -131,7 +131,7 @@ async def test_a_marker_far_behind_a_running_entry_is_confirmed(redis: aioredis.
 
 
 def test_controls_for_sessions_running_nowhere_are_remembered_per_channel_and_bounded() -> None:
-    from worker.turns import RECENT_PER_CHANNEL, TurnRegistry
+    from worker.runtime.inflight import RECENT_PER_CHANNEL, TurnRegistry
 
     turns = TurnRegistry()
     turns.note_control("telegram:t")
@@ -147,13 +147,13 @@ async def test_a_control_flood_for_a_running_session_is_one_look() -> None:
     """Any number of controls for a running session while a look is under way cost one
     more look, not one task (or one Redis call) each."""
     from bus_redis import ControlMessage
-    from worker.controls import Controls
+    from worker.runtime.controls import Controls
 
     calls: list[dict[str, tuple[str, str]]] = []
 
     class Rt:  # the slice of Runtime that Controls uses
         def __init__(self) -> None:
-            from worker.turns import TurnRegistry
+            from worker.runtime.inflight import TurnRegistry
 
             self.turns = TurnRegistry()
             self.turns.begin(K, K, "1-0")
@@ -307,7 +307,7 @@ async def test_adding_a_channel_drops_no_other_channels_subscription(
     """Channels never move between subscriptions: a control published on one channel while
     another is added (even one that sorts between) is received."""
     from bus_redis import ControlMessage, Keys
-    from worker.control import ControlListener
+    from worker.runtime.subscription import ControlListener
 
     got: list[str] = []
     looks = 0

@@ -15,9 +15,9 @@ from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from session_store import Session
 from session_store.codec import decode_meta
 from worker import AgentLoop, LoopConfig
-from worker.consolidator import KEEP_RECENT
+from worker.agent.providers import EchoProvider, LLMResponse
 from worker.jobs.arq_queue import ArqJobQueue
-from worker.providers import EchoProvider, LLMResponse
+from worker.jobs.consolidation import KEEP_RECENT
 
 LOW = LoopConfig(consolidate_above_tokens=60, read_block_ms=100)
 

@@ -21,7 +21,7 @@ from bus_redis.registry import Registry
 from bus_redis.results import Acquired, Entry, Forward
 from session_store import RedisSessionStore, Session, SessionManager
 from worker import AgentLoop, LoopConfig
-from worker.providers import LLMResponse, ToolCallRequest
+from worker.agent.providers import LLMResponse, ToolCallRequest
 
 K = "web:h"
 
@@ -292,7 +292,7 @@ async def test_start_up_checks_refuse_a_live_twin_and_another_mode(redis: aiored
     import socket
     import time as _time
 
-    from worker.registration import WorkerConflictError, check_can_serve
+    from worker.runtime.registration import WorkerConflictError, check_can_serve
 
     bus = RedisBus(redis)
     now_ms = int(_time.time() * 1000)

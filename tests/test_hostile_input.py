@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from bus_redis import FrontendClient, Keys, RedisBus
 from worker import AgentLoop, LoopConfig
-from worker.providers import EchoProvider
+from worker.agent.providers import EchoProvider
 
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

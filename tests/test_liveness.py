@@ -1,4 +1,4 @@
-"""Liveness (worker/liveness.py): a killed holder's sessions are taken over long before its
+"""Liveness (worker/runtime/liveness.py): a killed holder's sessions are taken over long before its
 lease would run out, with a new nonce; a live worker whose event loop stalls keeps them.
 The scripts themselves on fakeredis and a real redis-server; the processes on real ones."""
 

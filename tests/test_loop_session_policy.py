@@ -13,7 +13,7 @@ from helpers import ScriptedProvider, dump_all
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from session_store import UNIFIED_SESSION_KEY
 from worker import AgentLoop
-from worker.providers import LLMResponse
+from worker.agent.providers import LLMResponse
 
 DURABLE_TOOLS = {"create_goal", "update_goal", "spawn", "cron"}
 

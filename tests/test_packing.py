@@ -1,4 +1,4 @@
-"""hiredis packing (worker/packing.py) writes the bytes redis-py would, and leaves what it
+"""hiredis packing (worker/runtime/packing.py) writes the bytes redis-py would, and leaves what it
 does not take to redis-py, on a real redis-server and on the protocol level."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
-from worker.packing import _fast
+from worker.runtime.packing import _fast
 
 
 def _both(*args: object) -> tuple[bytes, bytes]:

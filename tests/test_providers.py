@@ -8,7 +8,7 @@ import time
 import pytest
 from fake_llm import FakeLLM
 
-from worker.providers import EchoProvider, OpenAIProvider, ProviderError
+from worker.agent.providers import EchoProvider, OpenAIProvider, ProviderError
 
 
 def _provider(llm: FakeLLM, **kw: object) -> OpenAIProvider:

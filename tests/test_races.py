@@ -15,7 +15,7 @@ from replies import collect, until
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from bus_redis.results import Acquired, Forward
-from worker.providers import LLMResponse
+from worker.agent.providers import LLMResponse
 
 
 def _m(chat: str, text: str, **kw: Any) -> InboundMessage:
@@ -207,8 +207,8 @@ async def test_a_control_naming_its_marker_cancels_only_the_entries_before_it() 
     before it was selected: a late message) is left alone; a folded turn of another
     stream is confirmed by reading, as before."""
     from bus_redis import ControlMessage
-    from worker.controls import Controls
-    from worker.turns import TurnRegistry
+    from worker.runtime.controls import Controls
+    from worker.runtime.inflight import TurnRegistry
 
     looked: list[dict[str, tuple[str, str]]] = []
 

@@ -14,7 +14,7 @@ from replies import wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 from session_store import RedisSessionStore
-from worker.providers import LLMResponse
+from worker.agent.providers import LLMResponse
 
 K = Keys()
 

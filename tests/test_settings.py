@@ -12,8 +12,8 @@ import pytest
 from helpers import ScriptedProvider, run_cli
 
 from bus_redis import FrontendClient, InboundMessage
+from worker.agent.providers import LLMResponse, OpenAIProvider
 from worker.app import make_provider
-from worker.providers import LLMResponse, OpenAIProvider
 from worker.settings import Settings
 
 

@@ -14,8 +14,8 @@ from helpers import ScriptedProvider, dump_all
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from worker import AgentLoop, LoopConfig
-from worker.outcomes import ScopeMismatchError
-from worker.providers import LLMResponse, ToolCallRequest
+from worker.agent.providers import LLMResponse, ToolCallRequest
+from worker.runtime.outcomes import ScopeMismatchError
 
 PIN = "my bank PIN is 4711"
 

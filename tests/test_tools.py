@@ -10,7 +10,7 @@ from replies import collect
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from worker import AgentLoop, LoopConfig
-from worker.providers import LLMResponse, ToolCallRequest
+from worker.agent.providers import LLMResponse, ToolCallRequest
 
 
 def _script(*steps: LLMResponse) -> ScriptedProvider:
@@ -145,7 +145,7 @@ class _MetadataProbe:
 async def test_metadata_reaches_tools_and_reply_without_reserved_keys(
     redis: aioredis.Redis,
 ) -> None:
-    from worker.tools import default_registry
+    from worker.agent.tools import default_registry
 
     tools = default_registry()
     tools.register(_MetadataProbe())

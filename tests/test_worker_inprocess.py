@@ -14,7 +14,7 @@ from replies import collect
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from worker import AgentLoop, LoopConfig
-from worker.providers import LLMResponse, ToolCallRequest
+from worker.agent.providers import LLMResponse, ToolCallRequest
 
 
 def _m(chat: str, text: str, **kw: object) -> InboundMessage:
@@ -290,7 +290,7 @@ async def test_stopping_worker_finishes_its_turn_and_hands_the_rest_over(redis_f
 async def test_a_message_answered_provider_error_can_be_retried_with_its_id(make_loop) -> None:  # type: ignore[no-untyped-def]
     """The page's Retry after a provider error re-sends the same id: the turn runs again,
     the user row stays once, and a later re-send is a duplicate of the answer."""
-    from worker.providers import ProviderError
+    from worker.agent.providers import ProviderError
 
     prompts: list[list[dict[str, object]]] = []
 

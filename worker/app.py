@@ -12,10 +12,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from bus_redis import RedisBus
-from worker.loop import AgentLoop
-from worker.metrics import MeteredProvider, WorkerMetrics
-from worker.packing import use_hiredis_packing
-from worker.providers import EchoProvider, GenerationSettings, LLMProvider, OpenAIProvider
+from worker.agent.providers import EchoProvider, GenerationSettings, LLMProvider, OpenAIProvider
+from worker.ops.metrics import MeteredProvider, WorkerMetrics
+from worker.runtime.loop import AgentLoop
+from worker.runtime.packing import use_hiredis_packing
 from worker.settings import Settings
 
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
@@ -69,7 +69,7 @@ def make_loop(
         config=settings.loop_config(),
     )
     loop.rt.metrics = metrics
-    # the liveness beat runs in a thread on a connection of its own (worker/liveness.py)
+    # the liveness beat runs in a thread on a connection of its own (worker/runtime/liveness.py)
     loop.liveness.beat_client = SyncRedis.from_url(
         settings.redis_url, socket_timeout=2, socket_connect_timeout=2
     )

@@ -28,7 +28,7 @@ class LoopConfig(BaseModel):
     lock_ttl_ms: int = Field(default=10_000, ge=300)
     owner_ttl_ms: int = Field(default=15_000, ge=300)
     # a worker whose liveness beat is older than this is dead: its leases are taken over
-    # (worker/liveness.py); 0 = only when they run out
+    # (worker/runtime/liveness.py); 0 = only when they run out
     liveness_ms: int = Field(default=800, ge=0)
     unified_session: bool = False  # fold every durable session into unified:default
     single_owner: bool = False  # one memory, every session readable (implied by unified)

@@ -86,7 +86,7 @@ class Settings(BaseSettings, LoopConfig):
 
     @model_validator(mode="after")
     def _known_tools(self) -> Settings:
-        from worker.tools import default_registry
+        from worker.agent.tools import default_registry
 
         known = default_registry().names
         for name in [*self.tools_allow, *self.tools_deny]:

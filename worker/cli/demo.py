@@ -19,7 +19,7 @@ from typing import Any
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from worker.app import make_loop, make_redis
-from worker.loop import AgentLoop
+from worker.runtime.loop import AgentLoop
 from worker.settings import Settings
 
 CHANNEL = "demo"

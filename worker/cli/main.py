@@ -17,7 +17,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from bus_redis.config import package_version
-from worker.registration import WorkerConflictError
+from worker.runtime.registration import WorkerConflictError
 from worker.settings import Settings
 
 Command = Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]]

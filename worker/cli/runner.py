@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.app import make_loop, make_redis
-from worker.backoff import Backoff
-from worker.logs import setup_logging
+from worker.ops.logs import setup_logging
+from worker.runtime.backoff import Backoff
 from worker.settings import Settings
 
 log = logging.getLogger("worker")
@@ -102,7 +102,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         aloop.add_signal_handler(sig, stop, sig)
     health = None
     if settings.metrics_port:
-        from worker.health import HealthServer, redis_ready
+        from worker.ops.health import HealthServer, redis_ready
 
         health = HealthServer(render_metrics=loop.rt.metrics.render, ready=redis_ready(redis))
         await health.start(settings.metrics_host, settings.metrics_port)

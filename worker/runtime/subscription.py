@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from bus_redis import ControlMessage, Keys
 from bus_redis.codec import safe, strict_text, text
 from bus_redis.keys import in_channel
-from worker.backoff import Backoff
+from worker.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 CONTROL_CONNECTIONS = 16  # subscriptions per worker at most (channels share them beyond)

@@ -12,8 +12,8 @@ import asyncio
 
 from bus_redis.results import Acquired, AcquireResult, Forward, Notification, Private
 from session_store import OWNER_SCOPE, UNIFIED_SESSION_KEY
-from worker.outcomes import SessionNotActiveError
-from worker.runtime import Runtime
+from worker.runtime.context import Runtime
+from worker.runtime.outcomes import SessionNotActiveError
 
 
 class Acquirer:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.tools.base import ToolContext, schema
+from worker.agent.tools.base import ToolContext, schema
 
 
 class MessageTool:

@@ -15,8 +15,8 @@ import logging
 from bus_redis.codec import safe
 from session_store import Session
 from session_store.codec import encode_meta
-from worker.acquiring import Acquirer
-from worker.runtime import Runtime
+from worker.runtime.acquiring import Acquirer
+from worker.runtime.context import Runtime
 
 log = logging.getLogger(__name__)
 KEEP_RECENT = 8

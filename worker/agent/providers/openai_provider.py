@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from worker.providers.base import (
+from worker.agent.providers.base import (
     DeltaCallback,
     GenerationSettings,
     LLMResponse,

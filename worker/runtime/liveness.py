@@ -33,7 +33,7 @@ import redis
 from bus_redis.codec import safe
 from bus_redis.results import Notification
 from bus_redis.scripts import script_source
-from worker.runtime import Runtime
+from worker.runtime.context import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -37,12 +37,13 @@ from bus_redis.results import (
     owner_member,
 )
 from session_store.codec import encode_meta, encode_rows
-from worker.consolidator import fold_into_memory
-from worker.controls import FORGETTING
-from worker.execution import Outcome, TurnExecution
-from worker.faults import crash_point
-from worker.lease import Lease
-from worker.outcomes import (
+from worker.jobs.consolidation import fold_into_memory
+from worker.runtime.context import Runtime
+from worker.runtime.controls import FORGETTING
+from worker.runtime.execution import Outcome, TurnExecution
+from worker.runtime.faults import crash_point
+from worker.runtime.lease import Lease
+from worker.runtime.outcomes import (
     ScopeMismatchError,
     SessionNotActiveError,
     TurnAbortedError,
@@ -51,7 +52,6 @@ from worker.outcomes import (
     looks_private,
     rejection,
 )
-from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Runtime: the narrow context a worker's parts share (instead of the whole AgentLoop).
 
 Holders, turn executions, maintenance and consolidation read what they need from here;
-per-turn state goes through ``turns`` (its one owner). Nothing below ``worker.loop``
+per-turn state goes through ``turns`` (its one owner). Nothing below ``worker.runtime.loop``
 imports it.
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 from bus_redis import RedisBus
 from bus_redis.registry import Registry
 from session_store import OWNER_SCOPE, MemoryStore, Session, SessionManager
+from worker.agent.providers import LLMProvider
+from worker.agent.runner import TurnRunner
 from worker.config import LoopConfig
 from worker.jobs import JobQueue
-from worker.metrics import WorkerMetrics
-from worker.providers import LLMProvider
-from worker.turn import TurnRunner
-from worker.turns import TurnRegistry
+from worker.ops.metrics import WorkerMetrics
+from worker.runtime.inflight import TurnRegistry
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from worker.tools.base import ToolContext, as_text, schema
+from worker.agent.tools.base import ToolContext, as_text, schema
 
 _STATUSES = ("open", "done", "abandoned")
 

@@ -17,8 +17,8 @@ from bus_redis import OutboundMessage
 from bus_redis.codec import safe, stream_id_ms, text
 from bus_redis.keys import UNIFIED_CHANNEL
 from bus_redis.results import Notification
-from worker.registration import eviction_policy
-from worker.runtime import Runtime
+from worker.runtime.context import Runtime
+from worker.runtime.registration import eviction_policy
 
 log = logging.getLogger(__name__)
 DEAD_WORKER_AFTER_TTLS = 6  # a worker silent for this many lease TTLs is forgotten

@@ -20,7 +20,7 @@ import time
 
 from bus_redis import ControlMessage
 from bus_redis.codec import parse_stream_id
-from worker.runtime import Runtime
+from worker.runtime.context import Runtime
 
 log = logging.getLogger(__name__)
 FORGETTING = ("discard", "delete", "new")  # ops that make a worker forget the session

@@ -11,11 +11,11 @@ from typing import Any
 from bus_redis import InboundMessage
 from session_store import Session
 from session_store.models import now_iso
-from worker.faults import stall_point
-from worker.prompt import ContextBuilder
-from worker.providers import LLMProvider, ToolCallRequest
-from worker.providers.base import DeltaCallback
-from worker.tools import ToolContext, ToolRegistry
+from worker.agent.prompt import ContextBuilder
+from worker.agent.providers import LLMProvider, ToolCallRequest
+from worker.agent.providers.base import DeltaCallback
+from worker.agent.tools import ToolContext, ToolRegistry
+from worker.runtime.faults import stall_point
 
 MAX_ITERATIONS_TEXT = "I stopped after reaching the tool-iteration limit for this turn."
 MAX_INJECTION_CYCLES = 5

@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
 from bus_redis.codec import safe
 from bus_redis.results import owner_member
 from session_store import UNIFIED_SESSION_KEY, Session
-from worker.followups import FollowUpPuller
-from worker.outcomes import (
+from worker.agent.providers import ProviderError
+from worker.agent.runner import TurnState, is_duplicate, is_unanswered_retry, message_key, user_row
+from worker.agent.tools import ToolContext
+from worker.runtime.context import Runtime
+from worker.runtime.followups import FollowUpPuller
+from worker.runtime.outcomes import (
     ScopeMismatchError,
     SessionNotActiveError,
     TurnAbortedError,
@@ -22,14 +26,25 @@ from worker.outcomes import (
     legal_prefix,
     reply,
 )
-from worker.providers import ProviderError
-from worker.tools import ToolContext
-from worker.turn import TurnState, is_duplicate, is_unanswered_retry, message_key, user_row
-
-if TYPE_CHECKING:
-    from worker.holder import SessionHolder
 
 log = logging.getLogger(__name__)
+
+
+class Held(Protocol):
+    """What a turn needs of the lease it runs under (``SessionHolder`` is one): the key
+    and token its writes are fenced by, the session version and generation acquire read,
+    and the memory version it may refresh."""
+
+    rt: Runtime
+    key: str
+    token: str
+    version: int
+    generation: str
+    memory_scope: str
+    memory_version: int
+
+    @property
+    def transient(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -41,7 +56,7 @@ class Outcome:
 
 
 class TurnExecution:
-    def __init__(self, holder: SessionHolder) -> None:
+    def __init__(self, holder: Held) -> None:
         self.holder = holder
         self.rt = holder.rt
         self.key = holder.key

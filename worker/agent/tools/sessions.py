@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.tools.base import ToolContext, as_text, schema
+from worker.agent.tools.base import ToolContext, as_text, schema
 
 _PUBLIC = ("role", "content", "timestamp")
 

@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from worker.providers.base import DeltaCallback, GenerationSettings, LLMResponse, ToolCallRequest
+from worker.agent.providers.base import (
+    DeltaCallback,
+    GenerationSettings,
+    LLMResponse,
+    ToolCallRequest,
+)
 
 
 class EchoProvider:

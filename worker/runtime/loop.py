@@ -7,7 +7,7 @@
      └── Maintenance            heartbeats, owners, channel discovery, sweeps
 
 The per-entry logic (decode, policy checks, the turn, the commit spec) is in
-``worker.holder``; in-flight state is owned by ``worker.turns.TurnRegistry``; this
+``worker.runtime.holder``; in-flight state is owned by ``worker.runtime.inflight.TurnRegistry``; this
 module owns lifecycle, concurrency and the wiring.
 """
 
@@ -28,26 +28,26 @@ from bus_redis.registry import Registry
 from bus_redis.results import Acquired, CommitSpec, Forward, Notification
 from bus_redis.streams import Retention
 from session_store import MemoryStore, RedisSessionStore, SessionManager
-from worker.acquiring import Acquirer
-from worker.backoff import Backoff
+from worker.agent.prompt import IDENTITY, ContextBuilder
+from worker.agent.providers import LLMProvider
+from worker.agent.runner import TurnRunner
+from worker.agent.tools import ToolRegistry, default_registry
 from worker.config import LoopConfig
-from worker.consolidator import JOB_NAME as CONSOLIDATE_JOB
-from worker.consolidator import Consolidator
-from worker.control import ControlListener
-from worker.controls import Controls
-from worker.faults import crash_point
-from worker.holder import SessionHolder
 from worker.jobs import JobQueue, LocalJobQueue
-from worker.liveness import Liveness
-from worker.maintenance import Maintenance
-from worker.outcomes import SessionNotActiveError
-from worker.prompt import IDENTITY, ContextBuilder
-from worker.providers import LLMProvider
-from worker.registration import check_can_serve
-from worker.runtime import Runtime
-from worker.tools import ToolRegistry, default_registry
-from worker.turn import TurnRunner
-from worker.turns import TurnRegistry
+from worker.jobs.consolidation import JOB_NAME as CONSOLIDATE_JOB
+from worker.jobs.consolidation import Consolidator
+from worker.runtime.acquiring import Acquirer
+from worker.runtime.backoff import Backoff
+from worker.runtime.context import Runtime
+from worker.runtime.controls import Controls
+from worker.runtime.faults import crash_point
+from worker.runtime.holder import SessionHolder
+from worker.runtime.inflight import TurnRegistry
+from worker.runtime.liveness import Liveness
+from worker.runtime.maintenance import Maintenance
+from worker.runtime.outcomes import SessionNotActiveError
+from worker.runtime.registration import check_can_serve
+from worker.runtime.subscription import ControlListener
 
 log = logging.getLogger(__name__)
 # Notifications read at once even when fewer slots are free: the extra ones wait for a slot
@@ -164,7 +164,7 @@ class AgentLoop:
     def metrics(self) -> Any:
         return self.rt.turns.metrics
 
-    # --- keys (worker.acquiring) ------------------------------------------------------
+    # --- keys (worker.runtime.acquiring) ------------------------------------------------------
     def effective_key(self, session_key: str) -> str:
         return self.acquirer.effective_key(session_key)
 
@@ -363,7 +363,7 @@ class AgentLoop:
             if pending:
                 await asyncio.wait(pending, timeout=5)
 
-    # --- control (worker.controls) ---------------------------------------------------
+    # --- control (worker.runtime.controls) ---------------------------------------------------
     def on_control(self, control: ControlMessage) -> None:
         self.controls.on_control(control)
 

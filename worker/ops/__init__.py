@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, the health endpoints, log formatting."""
