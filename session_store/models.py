@@ -12,6 +12,37 @@ UNIFIED_SESSION_KEY = "unified:default"
 OWNER_SCOPE = "unified/owner"  # single-owner mode: one memory, every session readable
 _REPLAY_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 DEFAULT_HISTORY_TOKENS = 16_000
+INTERRUPTED = "Error: Task interrupted before this tool finished."
+
+
+def pending_calls(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``(call id, tool name)`` of the last assistant row's tool calls that no tool row after
+    it answers yet (empty once a row other than a tool result follows them)."""
+    pending: list[tuple[str, str]] = []
+    for i in range(len(rows) - 1, -1, -1):
+        row = rows[i]
+        if row.get("role") == "tool":
+            continue
+        if row.get("role") == "assistant" and row.get("tool_calls"):
+            pending = [_call(c) for c in row["tool_calls"] if isinstance(c, dict)]
+            for later in rows[i + 1 :]:
+                _answer(pending, later.get("tool_call_id"))
+        break
+    return pending
+
+
+def _call(call: dict[str, Any]) -> tuple[str, str]:
+    function = call.get("function") if isinstance(call.get("function"), dict) else {}
+    return str(call.get("id") or ""), str((function or {}).get("name") or "")
+
+
+def _answer(pending: list[tuple[str, str]], call_id: Any) -> bool:
+    """Take the first pending call with this id; False when none waits for it."""
+    for n, (cid, _name) in enumerate(pending):
+        if cid == str(call_id or ""):
+            del pending[n]
+            return True
+    return False
 
 
 def _project(row: dict[str, Any]) -> dict[str, Any] | None:
@@ -65,6 +96,7 @@ class Session:
     _replay: list[dict[str, Any] | None] = field(default_factory=list, repr=False)
     _seen_ids: set[str] = field(default_factory=set, repr=False)
     _prefix: list[int] = field(default_factory=lambda: [0], repr=False)  # token prefix sums
+    _pending: list[tuple[str, str]] = field(default_factory=list, repr=False)  # unanswered calls
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, dict):
@@ -75,6 +107,7 @@ class Session:
         self._replay = [_project(m) for m in self.messages]
         self._prefix = list(accumulate((estimate_tokens(m) for m in self.messages), initial=0))
         self._seen_ids = {m["message_id"] for m in self.messages if m.get("message_id")}
+        self._pending = pending_calls(self.messages)
 
     # --- mutation ---------------------------------------------------------------
     def add_message(self, role: str, content: Any, **extra: Any) -> dict[str, Any]:
@@ -83,14 +116,42 @@ class Session:
         return row
 
     def append_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Append rows so that the transcript stays valid, whatever cut the turn that made
+        them: each assistant tool call is answered by exactly one tool row before any other
+        row (a call left unanswered gets a synthetic ``INTERRUPTED`` result first), and a
+        tool row no pending call waits for (an orphan, a duplicate) is dropped."""
         for row in rows:
-            self.messages.append(row)
-            self._replay.append(_project(row))
-            self._prefix.append(self._prefix[-1] + estimate_tokens(row))
-            if row.get("message_id"):
-                self._seen_ids.add(row["message_id"])
+            if row.get("role") == "tool":
+                if _answer(self._pending, row.get("tool_call_id")):
+                    self._append(row)
+                continue
+            self.close_tool_calls()
+            self._append(row)
+            if row.get("role") == "assistant" and row.get("tool_calls"):
+                self._pending = [_call(c) for c in row["tool_calls"] if isinstance(c, dict)]
         if rows:
             self.updated_at = now_iso()
+
+    def close_tool_calls(self) -> None:
+        """Answer every pending tool call with a synthetic ``INTERRUPTED`` result."""
+        pending, self._pending = self._pending, []
+        for call_id, name in pending:
+            self._append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "name": name,
+                    "content": INTERRUPTED,
+                    "timestamp": now_iso(),
+                }
+            )
+
+    def _append(self, row: dict[str, Any]) -> None:
+        self.messages.append(row)
+        self._replay.append(_project(row))
+        self._prefix.append(self._prefix[-1] + estimate_tokens(row))
+        if row.get("message_id"):
+            self._seen_ids.add(row["message_id"])
 
     def unpersisted(self) -> list[dict[str, Any]]:
         return self.messages[self.persisted_count :]
@@ -134,4 +195,12 @@ class Session:
         start = bisect_left(self._prefix, self._prefix[-1] - max_tokens, lo=self.last_consolidated)
         while start < len(self.messages) and self.messages[start].get("role") != "user":
             start += 1
-        return [row for row in self._replay[start:] if row is not None]
+        rows = [row for row in self._replay[start:] if row is not None]
+        # a stored tail whose calls were never answered (a cut turn of an older version):
+        # the model sees them answered as interrupted, as the next append would store them
+        if rows:  # (the window starts on a user row: the calls are in it)
+            rows += [
+                {"role": "tool", "tool_call_id": cid, "name": name, "content": INTERRUPTED}
+                for cid, name in self._pending
+            ]
+        return rows

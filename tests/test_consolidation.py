@@ -100,7 +100,8 @@ async def test_consolidation_runs_as_a_deduplicated_arq_job(
     real_redis: aioredis.Redis, redis_server
 ) -> None:  # type: ignore[no-untyped-def]
     jobs = ArqJobQueue(redis_server.url, "agent")
-    loop = AgentLoop(RedisBus(real_redis), EchoProvider(), jobs=jobs, config=LOW)
+    queue = LOW.model_copy(update={"followup_mode": "queue"})  # a turn per message
+    loop = AgentLoop(RedisBus(real_redis), EchoProvider(), jobs=jobs, config=queue)
     client = FrontendClient(aioredis.from_url(redis_server.url, decode_responses=True))
     task = asyncio.create_task(loop.run())
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from session_store.models import Session, estimate_tokens
+from session_store.models import INTERRUPTED, Session, estimate_tokens, pending_calls
 
 _CALL = [{"id": "c1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]
 ROWS = st.lists(
@@ -45,11 +45,17 @@ def naive(session: Session, max_tokens: int) -> list[dict[str, object]]:
         budget -= estimate_tokens(rows[start])
     while start < len(rows) and rows[start]["role"] != "user":
         start += 1
-    return [
+    window = [
         {k: v for k, v in r.items() if k in _REPLAYED and v is not None}
         for r in rows[start:]
         if not (r["role"] == "assistant" and not r["content"] and not r.get("tool_calls"))
     ]
+    if window:  # calls the stored tail never answered are shown answered as interrupted
+        window += [
+            {"role": "tool", "tool_call_id": cid, "name": name, "content": INTERRUPTED}
+            for cid, name in pending_calls(rows)
+        ]
+    return window
 
 
 @given(ROWS, st.integers(0, 200), st.integers(0, 40))
@@ -58,7 +64,8 @@ def test_window_matches_a_plain_walk(
 ) -> None:
     session = Session(key="k")
     session.append_rows(rows)
-    session.last_consolidated = min(consolidated, len(rows))
+    session.last_consolidated = min(consolidated, len(session.messages))
     assert session.get_history(max_tokens=budget) == naive(session, budget)
-    expected = sum(estimate_tokens(r) for r in rows[session.last_consolidated :])
+    stored = session.messages  # as append_rows kept them valid
+    expected = sum(estimate_tokens(r) for r in stored[session.last_consolidated :])
     assert session.token_count == expected

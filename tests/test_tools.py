@@ -131,6 +131,53 @@ async def test_follow_up_is_injected_between_tool_rounds(redis_factory) -> None:
     assert await client.redis.xlen(client.keys.inbound("web:i")) == 0
 
 
+async def test_messages_that_arrive_before_the_final_answer_join_the_turn(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """The last model boundary (nanobot#5792): the model answered without tools while two
+    more messages arrived; both join, in order, a row each, and the model answers again
+    with them in view; one terminal event covers the three messages."""
+    client = FrontendClient(redis_factory())
+    later = [
+        InboundMessage(id=f"f{i}", channel="web", sender_id="u", chat_id="z", content=f"and {i}")
+        for i in (1, 2)
+    ]
+    steps = [LLMResponse(content="first thoughts"), LLMResponse(content="all three handled")]
+
+    async def handler(**_kw: object) -> LLMResponse:
+        if len(steps) == 2:  # the user writes twice more while the model is answering
+            for msg in later:
+                await client.send(msg)
+        return steps.pop(0)
+
+    provider = ScriptedProvider(handler=handler)
+    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=100))
+    task = asyncio.create_task(loop.run())
+    first = await client.send(
+        InboundMessage(id="m1", channel="web", sender_id="u", chat_id="z", content="start")
+    )
+    got = await collect(client, "web", {first, "f1", "f2"})
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+    final = got[first][-1]
+    assert final.content == "all three handled"
+    assert final.covers == ["m1", "f1", "f2"]
+    assert got["f2"][-1] is final
+    assert provider.calls[1]["messages"][-3:] == [
+        {"role": "assistant", "content": "first thoughts"},
+        {"role": "user", "content": "and 1"},
+        {"role": "user", "content": "and 2"},
+    ]
+    stored = await loop.sessions.read_session("web:z")
+    assert [(m["role"], m["content"]) for m in stored["messages"]] == [
+        ("user", "start"),
+        ("assistant", "first thoughts"),
+        ("user", "and 1"),
+        ("user", "and 2"),
+        ("assistant", "all three handled"),
+    ]
+    assert await client.redis.xlen(client.keys.inbound("web:z")) == 0
+
+
 class _MetadataProbe:
     """A tool that reports the inbound metadata it is given."""
 

@@ -212,7 +212,7 @@ async def test_two_send_commands_in_one_chat_each_get_their_own_reply(
     reads only the events of the message it published."""
     import sys
 
-    spawn_workers(1, env={"AGENT_PROVIDER": "echo"})
+    spawn_workers(1, env={"AGENT_PROVIDER": "echo", "AGENT_FOLLOWUP_MODE": "queue"})
 
     async def send(text: str) -> str:
         proc = await asyncio.create_subprocess_exec(

@@ -19,6 +19,7 @@ from worker.runtime.faults import stall_point
 
 MAX_ITERATIONS_TEXT = "I stopped after reaching the tool-iteration limit for this turn."
 MAX_INJECTION_CYCLES = 5
+FINAL_DRAIN_MAX = 32  # rows joined at the last model boundary (the rest get their own turn)
 FollowUps = Callable[[], Awaitable[list[dict[str, Any]]]]  # user rows that arrived mid-turn
 
 
@@ -86,6 +87,17 @@ def _call_row(content: str | None, calls: list[ToolCallRequest]) -> dict[str, An
     }
 
 
+async def _drain(followups: FollowUps) -> list[dict[str, Any]]:
+    """Everything pending that can join (at most FINAL_DRAIN_MAX rows)."""
+    rows: list[dict[str, Any]] = []
+    while len(rows) < FINAL_DRAIN_MAX:
+        more = await followups()
+        if not more:
+            break
+        rows += more
+    return rows
+
+
 @dataclass(slots=True)
 class TurnRunner:
     provider: LLMProvider
@@ -124,7 +136,22 @@ class TurnRunner:
             state.tokens_in += int(usage.get("prompt_tokens") or 0)
             state.tokens_out += int(usage.get("completion_tokens") or 0)
             if not response.tool_calls:
-                return self._finish(state, response.content or "")
+                # the last model boundary: messages that arrived meanwhile join before the
+                # answer is final (the whole pending prefix, in order, a row each); the
+                # model answers again with them in view
+                late = []
+                if followups is not None and injections < MAX_INJECTION_CYCLES:
+                    injections += 1
+                    late = await _drain(followups)
+                if not late:
+                    return self._finish(state, response.content or "")
+                answer = {"role": "assistant", "content": response.content or ""}
+                messages.append(answer)
+                state.rows.append({**answer, "timestamp": now_iso()})
+                for row in late:
+                    messages.append({"role": "user", "content": row["content"]})
+                    state.rows.append(row)
+                continue
             call_row = _call_row(response.content, response.tool_calls)
             messages.append({k: v for k, v in call_row.items() if k != "timestamp"})
             state.rows.append(call_row)

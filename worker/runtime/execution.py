@@ -163,6 +163,7 @@ class TurnExecution:
             per_pull=cfg.followups_per_pull,
             scope_of=lambda m: self.rt.scope_for(m.channel, m.scope, m.sender_id),
             folded=self.member != self.key,
+            stopping=lambda: self.rt.turns.stopping,
         )
 
     async def _await_turn(self, task: asyncio.Task[str]) -> str | None:

@@ -28,6 +28,7 @@ class FollowUpPuller:
         per_pull: int,
         scope_of: Callable[[InboundMessage], str],
         folded: bool = False,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.bus = bus
         self.session = session
@@ -37,11 +38,12 @@ class FollowUpPuller:
         self.per_pull = per_pull
         self.scope_of = scope_of
         self.folded = folded
+        self.stopping = stopping  # a worker shutting down takes no new work into a turn
         self.injected: list[tuple[str, str]] = []  # (entry id, reply_to), consumed by the turn
         self._closed = False
 
     async def __call__(self) -> list[dict[str, Any]]:
-        if self._closed:
+        if self._closed or self.stopping():
             return []
         rows: list[dict[str, Any]] = []
         for entry_id, payload in await self.bus.peek(
