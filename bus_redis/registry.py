@@ -183,8 +183,6 @@ class Registry:
         """Forget workers whose heartbeat stopped: their inbox, heartbeat entry and idle
         consumers without pending entries (entries still pending are claimed first)."""
         cutoff = int(time.time() * 1000) - older_than_ms
-        # liveness entries of workers long gone (every survivor took their leases over)
-        await self.redis.zremrangebyscore(self.keys.alive, "-inf", cutoff)
         dead = texts(await self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff))
         for worker_id in dead:
             async with self.redis.pipeline(transaction=False) as pipe:

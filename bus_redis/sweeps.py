@@ -58,19 +58,37 @@ class Sweeps:
         """This worker is alive (Redis time, ms); see ``lua/beat.lua``."""
         return int(text(await self.bus.scripts.call("beat", [self.keys.alive], [worker_id])))
 
-    async def dead_workers(self, dead_after_ms: int, *, limit: int = 16) -> list[str]:
-        """Workers whose liveness beat is older than ``dead_after_ms`` (Redis' clock)."""
-        reply = await self.bus.scripts.call("dead", [self.keys.alive], [dead_after_ms, limit])
-        return texts(reply)
+    async def dead_workers(
+        self, dead_after_ms: int, *, forget_after_ms: int, limit: int = 16
+    ) -> list[str]:
+        """Workers whose liveness beat is older than ``dead_after_ms`` against the freshest
+        beat, most recently silent first; entries older than ``forget_after_ms`` are
+        removed (see ``lua/dead.lua``)."""
+        args = [dead_after_ms, limit, forget_after_ms]
+        return texts(await self.bus.scripts.call("dead", [self.keys.alive], args))
+
+    async def still_dead(self, worker_id: str, dead_after_ms: int) -> bool:
+        """Whether ``worker_id`` is still silent (it may beat again: a restart)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zscore(self.keys.alive, worker_id)
+            pipe.zrevrange(self.keys.alive, 0, 0, withscores=True)
+            beat, fresh = await pipe.execute()
+        return beat is None or not fresh or beat < fresh[0][1] - dead_after_ms
 
     async def takeover(
-        self, channels: Iterable[str], dead: str, *, limit: int = LEASES_LOOKED_AT
+        self,
+        channels: Iterable[str],
+        dead: str,
+        *,
+        dead_after_ms: int | None,
+        limit: int = LEASES_LOOKED_AT,
     ) -> list[str]:
         """Re-notify, at once, the keys whose lease ``dead`` holds in ``channels`` (its
-        liveness beat stopped): its leases are deleted so any worker acquires them with a
-        new nonce. Reads at most ``limit`` lease-registry members per channel: leases are
-        held only while served, so a registry is as large as what workers serve, not as
-        what frontends wrote."""
+        liveness beat stopped for ``dead_after_ms``, judged again in the script; None: the
+        caller is ``dead`` itself, starting): its leases are deleted so any worker acquires
+        them with a new nonce. Reads at most ``limit`` lease-registry members per channel:
+        leases are held only while served, so a registry is as large as what workers
+        serve, not as what frontends wrote."""
         done: list[str] = []
         for channel in channels:
             registry = self.keys.leases(channel)
@@ -83,9 +101,11 @@ class Sweeps:
                 for k, v in zip(members, values, strict=True)
                 if v is not None and text(v).partition("|")[2] == dead
             ]
+            silent = "" if dead_after_ms is None else dead_after_ms
             for key, value in held:
-                keys = [self.keys.lease(key), registry, self.keys.ready(channel)]
-                reply = await self.bus.scripts.call("takeover", keys, [value, key, READY_MAXLEN])
+                keys = [self.keys.lease(key), registry, self.keys.ready(channel), self.keys.alive]
+                args = [value, key, READY_MAXLEN, dead, silent]
+                reply = await self.bus.scripts.call("takeover", keys, args)
                 if isinstance(reply, list) and texts(reply)[:1] == ["!unusable"]:
                     await self.repair_ready(channel, texts(reply)[1])
                     break

@@ -124,8 +124,7 @@ class SessionManager:
             and await self.store.load_since(cached)
             and cached.version == version
         ):
-            self._cache.move_to_end(key)
-            return cached
+            return self._remember(cached)  # (it may have been evicted while we read)
         loaded = await self.store.load(key) if version else None
         return self._remember(loaded or Session(key=key))
 

@@ -98,6 +98,7 @@ class RedisSessionStore:
                     continue
         version_at = -2 if session.scope else -1
         session.mark_persisted(int(result[version_at - 1]), generation)
+        session.skipped_rows = 0  # every row of the rewritten hash is one of its messages
 
     async def delete(self, key: str, *, timeout_s: float = 30.0) -> bool:
         """Delete a stored session under its lease: a running turn finishes (and commits)

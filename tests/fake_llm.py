@@ -8,7 +8,9 @@ answers HTTP 500 to the first ``flaky_failures`` requests with that text, then n
 ``status:<code>`` answers that status once per text (then normally), with
 ``Retry-After: 0`` on a 429 or 503; ``toolcall:<name>`` answers a call of tool ``name`` with arguments
 ``{"a": 1}`` (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
-JSON.
+JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``nostream``
+answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
+pieces of a streamed answer.
 """
 
 from __future__ import annotations
@@ -178,7 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", "0"))
         body = json.loads(self.rfile.read(length) or b"{}")
         status, doc = self.server.fake._answer(body, self.connection)
-        if body.get("stream") and status == 200 and "choices" in doc:
+        text = json.dumps(doc)
+        if body.get("stream") and status == 200 and "choices" in doc and "nostream" not in text:
             self._stream(doc)
             return
         with contextlib.suppress(OSError):  # the worker cancelled the request
@@ -188,6 +191,8 @@ class _Handler(BaseHTTPRequestHandler):
         data = b"<html>not json" if "garbage" in doc else json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        if "badgzip" in data.decode(errors="replace"):
+            self.send_header("Content-Encoding", "gzip")  # the body is not gzip
         if status in (429, 503):
             self.send_header("Retry-After", "0")
         self.send_header("Content-Length", str(len(data)))
@@ -205,6 +210,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         midway = "midway" in text
         for n, piece in enumerate([*pieces, None]):
+            if "cutstream" in text and n == 2:
+                self.close_connection = True  # the connection drops mid-answer
+                return
             if midway and n == 2:
                 self.wfile.flush()
                 self.server.fake.started.set()

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.real_redis
 PW = "s3cret-pw-iso"
 K = Keys()
 FAST = {  # short periods so that recovery shows within a test's patience
+    "AGENT_FOLLOWUP_MODE": "queue",  # an answer per message (the tests count them)
     "AGENT_LOCK_TTL_MS": "3000",
     "AGENT_SWEEP_INTERVAL_MS": "500",
     "AGENT_CHANNELS": "web,telegram",

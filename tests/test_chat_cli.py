@@ -33,7 +33,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_chat_through_a_pipe_waits_for_its_answers(redis_server, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
-    spawn_workers(1)
+    spawn_workers(1, env={"AGENT_FOLLOWUP_MODE": "queue"})  # an answer per line
     res = _chat(redis_server.url, "Hi\nWhat is my name?\n/bogus\n/help\n")  # then EOF
     out = res.stdout
     assert res.returncode == 0, res.stderr

@@ -34,7 +34,8 @@ async def test_takeover_deletes_only_the_dead_holders_leases_and_renotifies(
         await redis.zadd(K.leases("web"), {key: 1})
     await redis.set(K.lease("web:c"), "other-nonce|dead", px=10_000)  # renewed meanwhile? no:
     # takeover compares the value it read; a value changed between read and script stays
-    assert sorted(await sweeps.takeover(["web"], "dead")) == ["web:a", "web:c"]
+    await redis.zadd(K.alive, {"alive": 10_000, "dead": 1_000})
+    assert sorted(await sweeps.takeover(["web"], "dead", dead_after_ms=800)) == ["web:a", "web:c"]
     assert await redis.get(K.lease("web:a")) is None
     assert await redis.get(K.lease("web:b")) == "n-web:b|alive"
     assert await redis.zrange(K.leases("web"), 0, -1) == ["web:b"]
@@ -43,7 +44,7 @@ async def test_takeover_deletes_only_the_dead_holders_leases_and_renotifies(
         {"session": "web:a", "effective": "1"},
         {"session": "web:c", "effective": "1"},
     ]
-    assert await sweeps.takeover(["web"], "dead") == []  # nothing left: idempotent
+    assert await sweeps.takeover(["web"], "dead", dead_after_ms=800) == []  # idempotent
 
 
 async def test_dead_workers_are_those_whose_beat_is_older_than_the_limit(
@@ -52,9 +53,49 @@ async def test_dead_workers_are_those_whose_beat_is_older_than_the_limit(
     sweeps = Registry(RedisBus(redis)).sweeps
     now = await sweeps.beat("fresh")
     await redis.zadd(K.alive, {"stale": now - 5_000})
-    assert await sweeps.dead_workers(1_000) == ["stale"]
+    assert await sweeps.dead_workers(1_000, forget_after_ms=60_000) == ["stale"]
     await sweeps.forget_dead("stale")
-    assert await sweeps.dead_workers(1_000) == []
+    assert await sweeps.dead_workers(1_000, forget_after_ms=60_000) == []
+
+
+async def test_silence_is_judged_against_the_freshest_beat(redis: aioredis.Redis) -> None:
+    """After Redis itself stalled, every beat is old by the clock: nobody is dead until
+    one worker beats again and another does not."""
+    sweeps = Registry(RedisBus(redis)).sweeps
+    await redis.zadd(K.alive, {"a": 1_000_000, "b": 1_000_100})  # both long ago
+    assert await sweeps.dead_workers(800, forget_after_ms=60_000) == []
+    await redis.zadd(K.alive, {"b": 1_002_000})
+    assert await sweeps.dead_workers(800, forget_after_ms=60_000) == ["a"]
+
+
+async def test_the_most_recently_dead_come_first_and_the_long_dead_are_forgotten(
+    redis: aioredis.Redis,
+) -> None:
+    sweeps = Registry(RedisBus(redis)).sweeps
+    now = await sweeps.beat("me")
+    await redis.zadd(K.alive, {f"old{i}": now - 30_000 - i for i in range(20)})
+    await redis.zadd(K.alive, {"ancient": now - 120_000, "just": now - 2_000})
+    dead = await sweeps.dead_workers(800, forget_after_ms=60_000, limit=16)
+    assert dead[0] == "just"
+    assert len(dead) == 16
+    assert await redis.zscore(K.alive, "ancient") is None  # forgotten
+
+
+async def test_a_holder_that_beats_again_keeps_its_lease(redis: aioredis.Redis) -> None:
+    """Between a survivor's look and its takeover the holder beat (it restarted under its
+    id and took the session again): the script judges silence again and keeps the lease."""
+    bus = RedisBus(redis)
+    sweeps = Registry(bus).sweeps
+    await bus.ensure_groups([K.ready("web")])
+    await redis.set(K.lease("web:x"), "fresh|X", px=10_000)
+    await redis.zadd(K.leases("web"), {"web:x": 1})
+    await sweeps.beat("S")
+    await sweeps.beat("X")
+    assert await sweeps.takeover(["web"], "X", dead_after_ms=800) == []
+    assert await redis.get(K.lease("web:x")) == "fresh|X"
+    assert not await sweeps.still_dead("X", 800)
+    # the worker itself, starting, hands over what its former life held
+    assert await sweeps.takeover(["web"], "X", dead_after_ms=None) == ["web:x"]
 
 
 def _holder(value: str | None) -> str:

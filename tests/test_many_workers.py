@@ -13,7 +13,10 @@ from replies import collect, wait_until_async
 from bus_redis import FrontendClient, InboundMessage, Keys
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
-FAST = {"AGENT_LOCK_TTL_MS": "1000", "AGENT_OWNER_TTL_MS": "1000"}
+# queue: one turn (and one answer) per message, so that order and exactly-once show per
+# message (inject would let a burst join one turn: tests/test_tools.py covers that)
+QUEUE = {"AGENT_FOLLOWUP_MODE": "queue"}
+FAST = {"AGENT_LOCK_TTL_MS": "1000", "AGENT_OWNER_TTL_MS": "1000", **QUEUE}
 
 
 def _m(session: int, n: int) -> InboundMessage:
@@ -45,7 +48,7 @@ async def _assert_histories(redis: aioredis.Redis, sessions: int, per: int) -> N
 
 async def test_order_no_overlap_exactly_once(real_redis, spawn_workers, fake_llm) -> None:  # type: ignore[no-untyped-def]
     fake_llm.latency_s = (0.0, 0.03)
-    workers = spawn_workers(3, env={"AGENT_CONCURRENCY": "8"})
+    workers = spawn_workers(3, env={"AGENT_CONCURRENCY": "8", **QUEUE})
     client = FrontendClient(real_redis)
 
     async def all_up() -> bool:  # every worker serves before the load arrives
@@ -128,7 +131,7 @@ async def test_unified_mode_serialises_many_chats_across_workers(
     real_redis, spawn_workers, fake_llm
 ) -> None:  # type: ignore[no-untyped-def]
     fake_llm.latency_s = (0.0, 0.02)
-    spawn_workers(3, env={"AGENT_UNIFIED_SESSION": "1"})
+    spawn_workers(3, env={"AGENT_UNIFIED_SESSION": "1", **QUEUE})
     client = FrontendClient(real_redis)
     ids = set()
     for n in range(3):

@@ -147,3 +147,40 @@ async def test_tool_calls_are_parsed_plain_and_streamed(fake_llm: FakeLLM, strea
     assert resp.finish_reason == "tool_calls"
     assert deltas == []
     assert fake_llm.requests[0]["tools"] == tools
+
+
+async def test_a_stream_cut_after_its_first_pieces_is_not_retried(fake_llm: FakeLLM) -> None:
+    """A retry would send the answer's beginning again: once a delta went out, a broken
+    stream is a provider error."""
+    deltas: list[str] = []
+
+    async def on_delta(text: str) -> None:
+        deltas.append(text)
+
+    with pytest.raises(ProviderError, match="after the answer began"):
+        await _provider(fake_llm).chat_with_retry(
+            messages=[{"role": "user", "content": "cutstream please"}], on_delta=on_delta
+        )
+    assert deltas == ["re: ", "cuts"]
+    assert len(fake_llm.requests) == 1
+
+
+async def test_a_body_that_cannot_be_decoded_is_retried_then_reported(fake_llm: FakeLLM) -> None:
+    with pytest.raises(ProviderError, match="APIConnectionError"):
+        await _provider(fake_llm, max_retries=1).chat_with_retry(
+            messages=[{"role": "user", "content": "badgzip"}]
+        )
+    assert len(fake_llm.requests) == 2
+
+
+async def test_a_server_that_ignores_stream_answers_in_one_delta(fake_llm: FakeLLM) -> None:
+    deltas: list[str] = []
+
+    async def on_delta(text: str) -> None:
+        deltas.append(text)
+
+    resp = await _provider(fake_llm).chat_with_retry(
+        messages=[{"role": "user", "content": "nostream"}], on_delta=on_delta
+    )
+    assert resp.content == "re: nostream"
+    assert deltas == ["re: nostream"]

@@ -125,7 +125,7 @@ async def test_unified_mode_drains_each_stream_under_one_lease(
     """The same chat published without an override and with an override equal to
     channel:chat_id is one session key, one stream, one lease: every message reaches the
     model exactly once and no two turns of the unified session overlap."""
-    spawn_workers(2, env={"AGENT_UNIFIED_SESSION": "1"})
+    spawn_workers(2, env={"AGENT_UNIFIED_SESSION": "1", "AGENT_FOLLOWUP_MODE": "queue"})
     client = FrontendClient(real_redis)
     sent: list[str] = []
     ids: dict[str, set[str]] = {"42": set(), "43": set()}

@@ -67,8 +67,9 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "hint": ([k.control_hint(K), k.inbound(K)], []),
         "tidy": ([*stream[:3], k.lease(K), k.owner(K), k.queued("web")], [K]),
         "beat": ([k.alive], ["w"]),
-        "dead": ([k.alive], [1000, 16]),
-        "takeover": ([k.lease(K), k.leases("web"), k.ready("web")], ["n|w", K, 100]),
+        "dead": ([k.alive], [1000, 16, 60000]),
+        "takeover": ([k.lease(K), k.leases("web"), k.ready("web"), k.alive],
+                     ["n|w", K, 100, "w", 800]),
     }  # fmt: skip
     assert set(calls) == set(SCRIPT_NAMES)
     for name, (keys, args) in calls.items():

@@ -219,3 +219,48 @@ async def test_a_rewritten_or_damaged_hash_is_loaded_whole(redis: aioredis.Redis
     assert await store.load_since(damaged)  # the next row is still the hash's third
     assert [m["content"] for m in damaged.messages] == ["b", "c"]
     assert damaged.version == version
+
+
+async def test_a_copy_evicted_while_it_was_read_is_still_returned_and_cached(
+    redis: aioredis.Redis,
+) -> None:
+    """Review: the key could leave the LRU during load_since's round trips (other loads,
+    a discard); the turn must not fail on it."""
+    store = _store(redis)
+    s = Session(key="web:e")
+    s.add_message("user", "a")
+    await store.save(s)
+    manager = SessionManager(store, cache_size=1)
+    copy = await manager.load_for_turn("web:e", s.version, s.generation)
+    version = await _append_as_commit(redis, "web:e", ['{"role":"user","content":"b"}'], "{}")
+    real = store.load_since
+
+    async def evicting(cached: Session) -> bool:
+        manager.invalidate("web:e")  # as a discard control does, mid-read
+        return await real(cached)
+
+    store.load_since = evicting  # type: ignore[method-assign]
+    got = await manager.load_for_turn("web:e", version, s.generation)
+    assert got is copy
+    assert [m["content"] for m in got.messages] == ["a", "b"]
+    assert manager.get_cached("web:e") is got
+
+
+async def test_a_rewrite_of_a_damaged_hash_forgets_the_skipped_rows(redis: aioredis.Redis) -> None:
+    """Review: after save() rewrote a hash that had an unreadable row, every row is one of
+    the messages; the next delta read starts at the hash's next row."""
+    store = _store(redis)
+    s = Session(key="web:k")
+    for text in ("r0", "r1", "r2"):
+        s.add_message("user", text)
+    await store.save(s)
+    await redis.hset(Keys().session("web:k"), "m:1", "not json")
+    damaged = await store.load("web:k")
+    assert damaged is not None
+    assert damaged.skipped_rows == 1
+    await store.save(damaged)  # rewritten: r0, r2
+    assert damaged.skipped_rows == 0
+    rows = ['{"role":"user","content":"new-2"}', '{"role":"user","content":"new-3"}']
+    await _append_as_commit(redis, "web:k", rows, "{}")
+    assert await store.load_since(damaged)
+    assert [m["content"] for m in damaged.messages] == ["r0", "r2", "new-2", "new-3"]

@@ -69,6 +69,7 @@ class Liveness:
         """Beat until cancelled: in a thread when a sync client was given, else here."""
         if not self.enabled:
             return
+        self._stop.clear()  # a loop may run again
         if self.beat_client is not None:
             self._thread = threading.Thread(
                 target=self._beat_thread, name="liveness-beat", daemon=True
@@ -78,7 +79,8 @@ class Liveness:
                 await asyncio.Event().wait()
             finally:
                 self._stop.set()
-                await asyncio.to_thread(self._thread.join, 2)
+                await asyncio.to_thread(self._thread.join, 3)  # > the socket timeout: no
+                # beat lands after the worker forgot its entry
             return
         while True:
             try:
@@ -122,15 +124,19 @@ class Liveness:
         """One look: the keys taken over from dead workers (in the served channels)."""
         rt = self.rt
         sweeps = rt.registry.sweeps
-        dead = [w for w in await sweeps.dead_workers(self.liveness_ms) if w != rt.worker_id]
+        forget = max(6 * rt.bus.lock_ttl_ms, 10 * self.liveness_ms)  # leases ran out by then
+        dead = await sweeps.dead_workers(self.liveness_ms, forget_after_ms=forget)
+        dead = [w for w in dead if w != rt.worker_id]
         self._done = {w: c for w, c in self._done.items() if w in dead}  # bounded
         taken: list[str] = []
         for worker in dead:
             channels = self.channels() - self._done.get(worker, set())
             if not channels:
                 continue
-            keys = await sweeps.takeover(channels, worker)
-            notes = await rt.bus.claim_from(rt.worker_id, worker, self.streams())
+            keys = await sweeps.takeover(channels, worker, dead_after_ms=self.liveness_ms)
+            notes: list[Notification] = []
+            if await sweeps.still_dead(worker, self.liveness_ms):  # not restarted meanwhile
+                notes = await rt.bus.claim_from(rt.worker_id, worker, self.streams())
             self._done.setdefault(worker, set()).update(channels)
             if keys or notes:
                 log.warning(

@@ -218,7 +218,9 @@ class AgentLoop:
         await self._apply_streams()
         # leases still held under this worker id are a former life's (killed, restarted
         # under the same id before anyone noticed): hand them over at once
-        await self.rt.registry.sweeps.takeover(self._served_channels(), self.worker_id)
+        await self.rt.registry.sweeps.takeover(
+            self._served_channels(), self.worker_id, dead_after_ms=None
+        )
         background = [
             asyncio.create_task(self.liveness.run_beat(), name="liveness-beat"),
             asyncio.create_task(self.liveness.run_watch(), name="liveness-watch"),

@@ -146,10 +146,8 @@ class OpenAIProvider:
     async def _post(self, content: bytes) -> LLMResponse:
         try:
             response = await self._next().post(self.url, content=content)
-        except httpx.TimeoutException as exc:
-            raise _RetryableError(f"APITimeoutError: {exc or 'request timed out'}") from exc
-        except httpx.TransportError as exc:
-            raise _RetryableError(f"APIConnectionError: {exc or type(exc).__name__}") from exc
+        except (httpx.TimeoutException, httpx.RequestError, httpx.InvalidURL) as exc:
+            raise _request_error(exc) from exc
         if response.status_code != 200:
             _fail(response.status_code, response.headers, response.content)
         try:
@@ -158,50 +156,102 @@ class OpenAIProvider:
             raise ProviderError(f"APIResponseValidationError: {exc}") from exc
 
     async def _stream(self, content: bytes, on_delta: DeltaCallback) -> LLMResponse:
-        parts: list[str] = []
-        calls: dict[int, dict[str, Any]] = {}
-        finish = "stop"
-        usage: dict[str, Any] = {}
+        """Deltas reach ``on_delta`` as they come. Once one has, a failure is not retried
+        (a retry would send the answer's beginning again): it is a ProviderError."""
+        stream = _Stream(on_delta)
         try:
             async with self._next().stream("POST", self.url, content=content) as response:
                 if response.status_code != 200:
                     _fail(response.status_code, response.headers, await response.aread())
+                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                    # a server that ignored "stream": one answer, one delta
+                    answer = _parse(json.loads(await response.aread()))
+                    if answer.content:
+                        await on_delta(answer.content)
+                    return answer
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    if not await stream.line(line):
                         break
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        raise ProviderError(f"APIError: {_message(chunk)}")
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk.get("choices") or ():
-                        finish = choice.get("finish_reason") or finish
-                        delta = choice.get("delta") or {}
-                        if delta.get("content"):
-                            parts.append(delta["content"])
-                            await on_delta(delta["content"])
-                        for tc in delta.get("tool_calls") or ():
-                            slot = calls.setdefault(
-                                tc.get("index", 0), {"id": "", "name": "", "arguments": ""}
-                            )
-                            slot["id"] = tc.get("id") or slot["id"]
-                            function = tc.get("function") or {}
-                            slot["name"] += function.get("name") or ""
-                            slot["arguments"] += function.get("arguments") or ""
-        except httpx.TimeoutException as exc:
-            raise _RetryableError(f"APITimeoutError: {exc or 'request timed out'}") from exc
-        except httpx.TransportError as exc:
-            raise _RetryableError(f"APIConnectionError: {exc or type(exc).__name__}") from exc
-        except (ValueError, AttributeError, TypeError) as exc:
+        except (httpx.TimeoutException, httpx.RequestError, httpx.InvalidURL) as exc:
+            error = _request_error(exc)
+            if stream.started and isinstance(error, _RetryableError):
+                raise ProviderError(f"{error} (after the answer began)") from exc
+            raise error from exc
+        except (ValueError, LookupError, AttributeError, TypeError) as exc:
             raise ProviderError(f"APIResponseValidationError: {exc}") from exc
+        if not stream.complete:
+            message = "APIConnectionError: the stream ended before the answer did"
+            if stream.started:
+                raise ProviderError(message)
+            raise _RetryableError(message)
+        return stream.result()
+
+
+class _Stream:
+    """The answer being assembled from server-sent chunks."""
+
+    def __init__(self, on_delta: DeltaCallback) -> None:
+        self.on_delta = on_delta
+        self.parts: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish = ""
+        self.usage: dict[str, Any] = {}
+        self.done = False
+        self.started = False  # a delta reached on_delta
+
+    @property
+    def complete(self) -> bool:
+        return self.done or bool(self.finish)
+
+    async def line(self, line: str) -> bool:
+        """Take one SSE line; False at ``[DONE]``."""
+        if not line.startswith("data:"):
+            return True
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return False
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            raise ProviderError(f"APIError: {_message(chunk)}")
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices") or ():
+            self.finish = choice.get("finish_reason") or self.finish
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.parts.append(delta["content"])
+                self.started = True
+                await self.on_delta(delta["content"])
+            for tc in delta.get("tool_calls") or ():
+                slot = self.calls.setdefault(
+                    tc.get("index", 0), {"id": "", "name": "", "arguments": ""}
+                )
+                slot["id"] = tc.get("id") or slot["id"]
+                function = tc.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+        return True
+
+    def result(self) -> LLMResponse:
         tool_calls = [
-            ToolCallRequest(c["id"], c["name"], _args(c["arguments"])) for c in calls.values()
+            ToolCallRequest(c["id"], c["name"], _args(c["arguments"])) for c in self.calls.values()
         ]
         return LLMResponse(
-            content="".join(parts), tool_calls=tool_calls, usage=usage, finish_reason=finish
+            content="".join(self.parts),
+            tool_calls=tool_calls,
+            usage=self.usage,
+            finish_reason=self.finish or "stop",
         )
+
+
+def _request_error(exc: Exception) -> Exception:
+    """What a failed HTTP exchange becomes: timeouts and transport or decoding failures are
+    retried; a URL that cannot be used is not."""
+    if isinstance(exc, httpx.TimeoutException):
+        return _RetryableError(f"APITimeoutError: {exc or 'request timed out'}")
+    if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
+        return ProviderError(f"APIConnectionError: {exc}")
+    return _RetryableError(f"APIConnectionError: {exc or type(exc).__name__}")
 
 
 def _fail(status: int, headers: httpx.Headers, body: bytes) -> None:
