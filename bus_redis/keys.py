@@ -207,6 +207,10 @@ class Keys:
         """Hash holding one scope's long-term memory and its version."""
         return _scoped(self.prefix, scope, "memory")
 
+    def memory_history(self, scope: str) -> str:
+        """Stream: one scope's archive of dated consolidation entries (field ``entry``)."""
+        return _scoped(self.prefix, scope, "history")
+
     # --- per session S (or effective key K), hash tag {channel of S} -------------------
     def inbound(self, session_key: str) -> str:
         """The session's own stream: unprocessed inbound entries, in publish order."""

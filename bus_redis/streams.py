@@ -38,6 +38,7 @@ from bus_redis.results import (
 from bus_redis.scripts import Scripts
 
 WORKER_GROUP = "workers"
+HISTORY_MAXLEN = 10_000  # dated consolidation entries kept per scope
 READY_MAXLEN = 1_000_000
 log = logging.getLogger(__name__)
 
@@ -345,13 +346,24 @@ class RedisBus:
         return int(text(await self.scripts.call("compact", keys, [token, limit])))
 
     async def consolidate(
-        self, key: str, token: str, *, meta: str, version: int, summary: str, memory_key: str
+        self,
+        key: str,
+        token: str,
+        *,
+        meta: str,
+        version: int,
+        scope: str,
+        memory: str,
+        memory_version: int,
+        history: str,
     ) -> str:
-        """Append ``summary`` to the scope's memory and store ``meta`` under the lease:
-        ``'ok'``, ``'moved'`` (the session changed) or ``'lost'``."""
-        keys = [self.keys.lease(key), self.keys.session(key), memory_key]
-        reply = texts(await self.scripts.call("consolidate", keys, [token, meta, version, summary]))
-        return reply[0]
+        """Under the lease: replace the scope's memory (if it is still at
+        ``memory_version``), archive ``history``, store ``meta``. ``'ok'``, ``'moved'``
+        (the session changed), ``'memory_moved'`` (fold again) or ``'lost'``."""
+        k = self.keys
+        keys = [k.lease(key), k.session(key), k.memory(scope), k.memory_history(scope)]
+        args = [token, meta, version, memory, memory_version, history, HISTORY_MAXLEN]
+        return texts(await self.scripts.call("consolidate", keys, args))[0]
 
     async def delete_session(self, key: str, token: str, scope: str) -> int:
         k = self.keys

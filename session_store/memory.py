@@ -12,7 +12,8 @@ from session_store.models import OWNER_SCOPE
 class MemoryStore:
     """``write_memory`` / ``read_memory`` of one scope; readers cache the text by version.
 
-    Turns never write memory: consolidation appends to it with a fenced script
+    Turns never write memory: consolidation replaces it, compare-and-set on its version, with
+    a fenced script
     (``bus_redis/lua/consolidate.lua``). ``write_memory`` replaces it (administration).
     """
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -52,19 +53,33 @@ async def test_long_durable_session_is_folded_into_memory(redis: aioredis.Redis)
     assert len(stored["messages"]) == 12  # nothing is deleted, the offset moves
 
 
-async def test_two_consolidations_of_one_scope_keep_both_summaries(redis: aioredis.Redis) -> None:
-    """Both summaries are made at the same time; memory is appended under each session's
-    lease, never read-modify-written, so neither overwrites the other."""
-    both = asyncio.Barrier(2)
+def _summariser(gate: asyncio.Barrier | None = None) -> Any:
+    """A model that folds well: the memory it is given plus one line per conversation,
+    as JSON. With ``gate``, the first fold of each chat waits for the other's."""
+    first: set[str] = set()
 
     async def summarise(**kw: Any) -> LLMResponse:
-        text = kw["messages"][-1]["content"]
-        if kw.get("tools") is None and "Summarise" in kw["messages"][0]["content"]:
-            await both.wait()
-            return LLMResponse(content=f"summary of {text.split()[1]}")
-        return LLMResponse(content="ok")
+        if kw.get("tools") is not None or "Summarise" not in kw["messages"][0]["content"]:
+            return LLMResponse(content="ok")
+        user = kw["messages"][-1]["content"]
+        current = user.split("# Current memory\n", 1)[1].split("\n\n# Conversation\n")[0]
+        chat = user.split("# Conversation\n", 1)[1].split()[1]  # "user: a0 a0 ..."
+        if gate is not None and chat not in first:
+            first.add(chat)
+            await gate.wait()
+        lines = [line for line in current.splitlines() if line != "(empty)"]
+        memory = "\n".join([*lines, f"summary of {chat}"])
+        return LLMResponse(content=json.dumps({"memory": memory, "history": f"about {chat}"}))
 
-    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=summarise), config=LOW)
+    return summarise
+
+
+async def test_two_consolidations_of_one_scope_keep_both_summaries(redis: aioredis.Redis) -> None:
+    """Both folds start from the same memory at the same time; the second to commit finds
+    the memory moved (compare-and-set on its version) and folds again from what the first
+    wrote, so the memory keeps both facts."""
+    handler = _summariser(asyncio.Barrier(2))
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=handler), config=LOW)
     for chat in ("a", "b"):
         for i in range(6):
             msg = InboundMessage(
@@ -78,6 +93,34 @@ async def test_two_consolidations_of_one_scope_keep_both_summaries(redis: aiored
     assert "summary of b0" in memory
     assert await _last_consolidated(redis, "web:a") > 0
     assert await _last_consolidated(redis, "web:b") > 0
+    archive = [f["entry"] for _, f in await redis.xrange(Keys().memory_history(SCOPE))]
+    assert sorted(e.split("] ", 1)[1] for e in archive) == ["about a0", "about b0"]
+    assert all(e.startswith("[20") for e in archive)  # dated
+
+
+async def test_memory_stays_within_its_budget(redis: aioredis.Redis) -> None:
+    """A model that only ever adds (or answers without the JSON asked for): the memory is
+    cut to AGENT_MEMORY_MAX_CHARS, keeping the newest lines; the archive keeps every
+    entry."""
+
+    async def verbose(**kw: Any) -> LLMResponse:
+        if kw.get("tools") is None and "Summarise" in kw["messages"][0]["content"]:
+            convo = kw["messages"][-1]["content"].split("# Conversation\n", 1)[1]
+            return LLMResponse(content=f"noted {convo.split()[1]} " + "detail " * 30)
+        return LLMResponse(content="ok")
+
+    config = LOW.model_copy(update={"memory_max_chars": 300})
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=verbose), config=config)
+    for i in range(40):
+        msg = InboundMessage(channel="web", sender_id="u", chat_id="grow", content=f"x{i} " * 9)
+        await loop.process_message(msg)
+        await loop.jobs.aclose()
+    memory = await loop.memory.read_memory(SCOPE)
+    assert 0 < len(memory) <= 300
+    assert memory.splitlines()[-1].startswith("noted x")  # the newest line is whole
+    prompt = loop.rt.runner.context.system_prompt(memory)
+    assert len(prompt) < len(loop.rt.runner.context.static_prompt()) + 400  # bounded prompt
+    assert await redis.xlen(Keys().memory_history(SCOPE)) > 3
 
 
 async def test_transient_sessions_are_never_consolidated(redis: aioredis.Redis) -> None:

@@ -59,7 +59,8 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "owner": ([k.owner(K), k.owners("web"), k.out(K)], ["renew", "w", "m", 1000]),
         "owner_lost": ([k.owner(K), k.owners("web"), k.out(K), k.ready("web")],
                        ["m", "{}", K, 100, 1000]),
-        "consolidate": ([k.lease(K), k.session(K), k.memory("web/a")], ["x", "{}", 0, "s"]),
+        "consolidate": ([k.lease(K), k.session(K), k.memory("web/a"), k.memory_history("web/a")],
+                        ["x", "{}", 0, "s", 0, "h", 100]),
         "delete": ([k.lease(K), k.session(K), k.sessions_index("web"), k.sessions_index("web")],
                    ["x", K]),
         "markers": (stream[:3], ["1-1", ""]),
@@ -134,11 +135,19 @@ async def test_a_stale_token_writes_nothing(redis: aioredis.Redis) -> None:
     assert not await bus.emit(K, got.token, K, "{}", transient=False)
     assert (
         await bus.consolidate(
-            K, got.token, meta="{}", version=0, summary="s", memory_key=bus.keys.memory("web/a")
+            K,
+            got.token,
+            meta="{}",
+            version=0,
+            scope="web/a",
+            memory="s",
+            memory_version=0,
+            history="h",
         )
         == "lost"
     )
-    assert not await redis.exists(bus.keys.session(K), bus.keys.out(K), bus.keys.memory("web/a"))
+    memory, history = bus.keys.memory("web/a"), bus.keys.memory_history("web/a")
+    assert not await redis.exists(bus.keys.session(K), bus.keys.out(K), memory, history)
     assert await redis.xlen(bus.keys.inbound(K)) == 1
 
 

@@ -1,17 +1,24 @@
--- consolidate: fenced end of a consolidation: append a summary to the scope's memory and
--- move the session's last_consolidated, in one step (memory is appended, never replaced,
--- so two consolidations of the same scope both keep their facts).
+-- consolidate: fenced end of a consolidation: replace the scope's memory by its updated
+-- version, append a dated entry to the scope's history archive and move the session's
+-- last_consolidated, in one step. Compare-and-set on the memory version: when another
+-- consolidation of the scope wrote first, nothing is written and the caller folds again
+-- from the memory that now is (so neither loses the other's facts).
 -- KEYS[1] lease of K  KEYS[2] session hash of K  KEYS[3] memory hash of the session's scope
+-- KEYS[4] history archive of the scope (stream)
 -- ARGV[1] token  ARGV[2] session meta JSON (with the new last_consolidated)
--- ARGV[3] expected session version  ARGV[4] summary text
--- returns {'lost'} | {'moved'} (the session changed) | {'ok', session version, memory version}
+-- ARGV[3] expected session version  ARGV[4] the updated memory text
+-- ARGV[5] the memory version it was made from  ARGV[6] history entry ('' none)
+-- ARGV[7] archive MAXLEN
+-- returns {'lost'} | {'moved'} (the session changed) | {'memory_moved'} (memory changed)
+--       | {'ok', session version, memory version}
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
 if (redis.call('HGET', KEYS[2], 'version') or '0') ~= ARGV[3] then return {'moved'} end
+if (redis.call('HGET', KEYS[3], 'version') or '0') ~= ARGV[5] then return {'memory_moved'} end
 redis.call('HSET', KEYS[2], 'meta', ARGV[2])
 local version = redis.call('HINCRBY', KEYS[2], 'version', 1)
-local old = redis.call('HGET', KEYS[3], 'content') or ''
-local new = ARGV[4]
-if old ~= '' then new = old .. '\n' .. ARGV[4] end
-redis.call('HSET', KEYS[3], 'content', new)
+redis.call('HSET', KEYS[3], 'content', ARGV[4])
 local mv = redis.call('HINCRBY', KEYS[3], 'version', 1)
+if ARGV[6] ~= '' then
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'entry', ARGV[6])
+end
 return {'ok', version, mv}

@@ -1,16 +1,24 @@
 """Token-based consolidation: fold old messages of a durable session into its scope's
-long-term memory.
+long-term memory, which stays within a budget.
 
-Runs in the background, deduplicated per session, never for transient sessions. The
-summary is made without the lease (the LLM call may be slow); then, under the lease,
-``consolidate.lua`` appends it to the scope's memory and moves ``last_consolidated`` in
-one fenced step: a worker without the lease writes nothing, and two consolidations of
-the same scope both keep their facts (memory is appended, never read-modify-written).
+Runs in the background, deduplicated per session, never for transient sessions. As
+nanobot does, the model gets the scope's current memory and the old rows and returns the
+updated memory (at most ``AGENT_MEMORY_MAX_CHARS``; longer is cut, keeping the newest
+lines) and one line for the scope's dated history archive. The fold is made without the
+lease (the LLM call may be slow); then, under the lease, ``consolidate.lua`` replaces the
+memory, archives the entry and moves ``last_consolidated`` in one fenced step, provided
+the memory is still the version the fold started from: when another consolidation of the
+scope wrote first, the fold is made again from the memory that now is (so neither loses
+the other's facts), at most ``FOLD_ATTEMPTS`` times.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 from bus_redis.codec import safe
 from session_store import Session
@@ -20,8 +28,69 @@ from worker.runtime.context import Runtime
 
 log = logging.getLogger(__name__)
 KEEP_RECENT = 8
-PROMPT = "Summarise the facts worth remembering from this conversation in a few short lines."
+FOLD_ATTEMPTS = 3
 JOB_NAME = "consolidate"
+PROMPT = (
+    "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
+    "current memory and a conversation, reply with only a JSON object "
+    '{{"memory": "...", "history": "..."}}: "memory" is the updated long-term memory, the '
+    "facts of the current memory and of the conversation worth keeping, newest last, in "
+    'at most {budget} characters; "history" is one line saying what the conversation was '
+    "about."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Fold:
+    memory: str  # the updated memory, within the budget
+    history: str  # the archive entry, dated
+    memory_version: int  # the memory it was made from
+
+
+async def fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
+    """Ask the model for the scope's updated memory given ``rows`` (raises what the
+    provider raises)."""
+    budget = rt.config.memory_max_chars
+    current = await rt.memory.read_memory(scope)
+    version = rt.memory.version(scope)
+    text = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in rows)
+    user = f"# Current memory\n{current or '(empty)'}\n\n# Conversation\n{text}"
+    reply = await rt.provider.chat_with_retry(
+        messages=[
+            {"role": "system", "content": PROMPT.format(budget=budget)},
+            {"role": "user", "content": user},
+        ],
+        model=rt.model,
+    )
+    memory, history = _read(reply.content or "", current)
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
+    return Fold(bounded(memory, budget), f"[{stamp}] {history}"[:1000], version)
+
+
+def _read(content: str, current: str) -> tuple[str, str]:
+    """``(memory, history)`` from the model's reply; a reply that is not the JSON asked
+    for is taken as a summary to add to the current memory (and as the history line)."""
+    raw = content.strip().removeprefix("```json").removeprefix("```").removesuffix("```")
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("memory"), str):
+        history = doc.get("history")
+        line = history if isinstance(history, str) and history.strip() else "consolidated"
+        return doc["memory"].strip(), line.strip().splitlines()[0]
+    summary = content.strip()
+    memory = f"{current}\n{summary}" if current and summary else current or summary
+    return memory, (summary.splitlines() or ["consolidated"])[0]
+
+
+def bounded(memory: str, budget: int) -> str:
+    """At most ``budget`` characters, keeping the newest (last) lines whole."""
+    if len(memory) <= budget:
+        return memory
+    tail = memory[-budget:]
+    cut = tail.find("\n")
+    return tail[cut + 1 :] if 0 <= cut < len(tail) - 1 else tail
 
 
 class Consolidator:
@@ -47,73 +116,72 @@ class Consolidator:
         )
 
     async def run_job(self, *, key: str, start: int, end: int) -> None:
-        """The job: summarise rows ``start:end`` of a stored session into its memory."""
-        snapshot = await self.rt.sessions.store.load(key)
-        if snapshot is None or snapshot.last_consolidated != start or not snapshot.scope:
-            return  # gone, transient (never stored), or consolidated meanwhile
-        text = "\n".join(
-            f"{m.get('role')}: {m.get('content')}" for m in snapshot.messages[start:end]
-        )
-        summary = await self.rt.provider.chat_with_retry(
-            messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
-            model=self.rt.model,
-        )
-        await self._commit(key, start, end, summary.content or "")
+        """The job: fold rows ``start:end`` of a stored session into its scope's memory."""
+        for _ in range(FOLD_ATTEMPTS):
+            snapshot = await self.rt.sessions.store.load(key)
+            if snapshot is None or snapshot.last_consolidated != start or not snapshot.scope:
+                return  # gone, transient (never stored), or consolidated meanwhile
+            folded = await fold(self.rt, snapshot.scope, snapshot.messages[start:end])
+            if await self._commit(key, start, end, folded) != "memory_moved":
+                return
+        log.warning("consolidation of %s gave up: its memory kept changing", safe(key))
 
-    async def _commit(self, key: str, start: int, end: int, summary: str) -> None:
+    async def _commit(self, key: str, start: int, end: int, folded: Fold) -> str:
         acquired, _scope = await Acquirer(self.rt).acquire_blocking(key)
         try:
             session = await self.rt.sessions.load_for_turn(
                 key, acquired.version, acquired.generation
             )
             if session.last_consolidated != start or len(session.messages) < end:
-                return
+                return "moved"
             session.last_consolidated = end
             result = await self.rt.bus.consolidate(
                 key,
                 acquired.token,
                 meta=encode_meta(session),
                 version=acquired.version,
-                summary=summary,
-                memory_key=self.rt.memory.key(session.scope),
+                scope=session.scope,
+                memory=folded.memory,
+                memory_version=folded.memory_version,
+                history=folded.history,
             )
-            if result != "ok":
-                self.rt.sessions.invalidate(key)
+            self.rt.sessions.invalidate(key)  # reload: version (and memory) moved, or not
+            if result not in ("ok", "memory_moved"):
                 log.warning("consolidation of %s not committed: %s", safe(key), result)
-            else:
-                self.rt.sessions.invalidate(key)  # reload: version and memory moved
+            return result
         finally:
             await self.rt.bus.release(key, acquired.token)
 
 
 async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> str:
     """``new`` (nanobot's ``/new``): the rows of stored session ``member`` not consolidated
-    yet are summarised into its scope's long-term memory, fenced by the lease of ``key``
-    the caller holds, before the session is deleted. ``'ok'`` (nothing to fold counts),
-    ``'failed'`` (the summary failed: keep the session) or ``'lost'`` (the lease)."""
-    session = await rt.sessions.store.load(member)
-    if session is None or not session.scope:
-        return "ok"  # nothing stored: a fresh conversation already
-    rows = session.messages[session.last_consolidated :]
-    if not rows:
-        return "ok"
-    text = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in rows)
-    try:
-        summary = await rt.provider.chat_with_retry(
-            messages=[{"role": "system", "content": PROMPT}, {"role": "user", "content": text}],
-            model=rt.model,
+    yet are folded into its scope's long-term memory, fenced by the lease of ``key`` the
+    caller holds, before the session is deleted. ``'ok'`` (nothing to fold counts),
+    ``'failed'`` (the fold failed: keep the session) or ``'lost'`` (the lease)."""
+    for _ in range(FOLD_ATTEMPTS):
+        session = await rt.sessions.store.load(member)
+        if session is None or not session.scope:
+            return "ok"  # nothing stored: a fresh conversation already
+        rows = session.messages[session.last_consolidated :]
+        if not rows:
+            return "ok"
+        try:
+            folded = await fold(rt, session.scope, rows)
+        except Exception as exc:
+            log.warning("new conversation in %s: summary failed (%s); session kept",
+                        safe(member), type(exc).__name__)  # fmt: skip
+            return "failed"
+        session.last_consolidated = len(session.messages)
+        result = await rt.bus.consolidate(
+            key,
+            token,
+            meta=encode_meta(session),
+            version=await rt.sessions.store.version(member),
+            scope=session.scope,
+            memory=folded.memory,
+            memory_version=folded.memory_version,
+            history=folded.history,
         )
-    except Exception as exc:
-        log.warning("new conversation in %s: summary failed (%s); session kept",
-                    safe(member), type(exc).__name__)  # fmt: skip
-        return "failed"
-    session.last_consolidated = len(session.messages)
-    result = await rt.bus.consolidate(
-        key,
-        token,
-        meta=encode_meta(session),
-        version=await rt.sessions.store.version(member),
-        summary=summary.content or "",
-        memory_key=rt.memory.key(session.scope),
-    )
-    return result if result in ("ok", "lost") else "failed"
+        if result != "memory_moved":
+            return result if result in ("ok", "lost") else "failed"
+    return "failed"
