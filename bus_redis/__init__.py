@@ -14,7 +14,7 @@ aio       still_wanted(): a cancellation redis-py 8 swallowed is raised again
 """
 
 from bus_redis.client import FrontendClient
-from bus_redis.errors import BusError, MessageRejectedError
+from bus_redis.errors import BusError, MessageRejectedError, SessionBusyError
 from bus_redis.keys import Keys, decode_session, encode_session
 from bus_redis.schema import (
     SESSION_NOT_ACTIVE,
@@ -37,6 +37,7 @@ __all__ = [
     "OpenTransient",
     "OutboundMessage",
     "RedisBus",
+    "SessionBusyError",
     "decode_inbound",
     "decode_session",
     "encode_session",

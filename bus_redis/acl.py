@@ -25,9 +25,10 @@ def frontend_acl(
     # Redis 7 selectors: each command only on the keys it is for, so a frontend cannot
     # even give its own keys a type the workers do not expect.
     setuser = ["ACL", "SETUSER", name, "reset", "on", f">{password}", "-@all"]
-    setuser += ["+ping", "+multi", "+exec", "+discard"]
+    setuser += ["+ping", "+multi", "+exec", "+discard", "+unwatch"]
     setuser += ["+xadd", f"%W~{tag}:in:*", f"%W~{k.ready(channel)}"]  # publish; never read back
     setuser += [f"(+incrby ~{tag}:ctl:*)"]  # the marker hint
+    setuser += [f"(+watch +xlen ~{tag}:in:*)"]  # followup=reject: is the session busy?
     setuser += [f"(+zadd ~{k.queued(channel)})"]  # the sweep's index of sessions with work
     setuser += [f"(+xread +xrevrange +xdel +type ~{tag}:out:*)"]  # events; delete a private one's
     setuser += [f"(+publish &{k.control(channel)})"]

@@ -14,12 +14,19 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, WatchError
 
 from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
+from bus_redis.errors import SessionBusyError
 from bus_redis.keys import Keys, channel_of
-from bus_redis.schema import ControlMessage, InboundMessage, OpenTransient, OutboundMessage
+from bus_redis.schema import (
+    ControlMessage,
+    FollowUp,
+    InboundMessage,
+    OpenTransient,
+    OutboundMessage,
+)
 from bus_redis.streams import READY_MAXLEN
 
 log = logging.getLogger(__name__)
@@ -29,9 +36,14 @@ EventCallback = Callable[[OutboundMessage], Awaitable[None] | None]
 class FrontendClient:
     """Publish messages and controls of a session; read its events (README, wire v2)."""
 
-    def __init__(self, redis: Redis, prefix: str = "agent") -> None:
+    def __init__(
+        self, redis: Redis, prefix: str = "agent", *, followup: FollowUp | None = None
+    ) -> None:
         self.redis = redis
         self.keys = Keys(prefix)
+        # this frontend's default double-texting mode for messages that name none
+        # (``interrupt`` and ``reject`` are carried out here, when publishing)
+        self.followup = followup
 
     async def _publish(self, session_key: str, entry: dict[str, str]) -> str:
         """MULTI: XADD the session stream, ZADD NX its channel's queued index (the sweep's
@@ -46,14 +58,72 @@ class FrontendClient:
         return text(entry_id)
 
     async def send(self, msg: InboundMessage) -> str:
-        """Publish one message; returns its ``reply_to`` (the ``id``, else the entry id)."""
-        entry_id = await self._publish(msg.session_key, {"payload": _dump(msg)})
+        """Publish one message (as :meth:`send_entry`); returns its ``reply_to`` (the
+        ``id``, else the entry id)."""
+        entry_id = await self.send_entry(msg)
         return msg.id or entry_id
 
     async def send_entry(self, msg: InboundMessage) -> str:
         """Publish one message; returns its inbound entry id (the ``reply_to`` of an answer
-        to a payload whose ``id`` could not be read)."""
+        to a payload whose ``id`` could not be read).
+
+        Double texting (``msg.followup``, else this client's default): ``interrupt`` adds
+        an interrupt marker before the message (the running turn is cancelled, keeping its
+        work up to its last complete tool exchange; everything pending runs next);
+        ``reject`` raises ``SessionBusyError`` and queues nothing when a message of the
+        session is queued or being answered; ``inject`` / ``queue`` are the worker's."""
+        mode = msg.followup or self.followup
+        if mode is not None and msg.followup is None:
+            msg = msg.model_copy(update={"followup": mode})
+        if mode == "interrupt":
+            return await self._interrupt(msg)
+        if mode == "reject":
+            return await self._publish_unless_busy(msg)
         return await self._publish(msg.session_key, {"payload": _dump(msg)})
+
+    async def _interrupt(self, msg: InboundMessage) -> str:
+        """MULTI: an ``interrupt`` marker, then the message (as ``_publish``); then the
+        pub/sub control naming the marker. The marker covers nothing queued (those run
+        after, joining the next turn by the injection rules): it only cancels a turn of an
+        entry before it."""
+        s, channel = msg.session_key, channel_of(msg.session_key)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.keys.inbound(s), {"control": "interrupt"})
+            pipe.incr(self.keys.control_hint(s))
+            pipe.xadd(self.keys.inbound(s), {"payload": _dump(msg)})
+            pipe.zadd(self.keys.queued(channel), {s: 0}, nx=True)
+            pipe.xadd(
+                self.keys.ready(channel), {"session": s}, maxlen=READY_MAXLEN, approximate=True
+            )
+            marker, _, entry_id, _, _ = await pipe.execute()
+        control = ControlMessage(op="interrupt", session_key=s, marker=text(marker))
+        await self.redis.publish(self.keys.control(channel), _dump(control))
+        return text(entry_id)
+
+    async def _publish_unless_busy(self, msg: InboundMessage) -> str:
+        """WATCH the session's stream: anything in it (a message queued or being answered)
+        refuses this one; else the usual MULTI, retried when the stream changed between."""
+        s, channel = msg.session_key, channel_of(msg.session_key)
+        inbound = self.keys.inbound(s)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(inbound)
+                    if int(await pipe.xlen(inbound)) > 0:
+                        raise SessionBusyError(s)
+                    pipe.multi()
+                    pipe.xadd(inbound, {"payload": _dump(msg)})
+                    pipe.zadd(self.keys.queued(channel), {s: 0}, nx=True)
+                    pipe.xadd(
+                        self.keys.ready(channel),
+                        {"session": s},
+                        maxlen=READY_MAXLEN,
+                        approximate=True,
+                    )
+                    entry_id, _, _ = await pipe.execute()
+                    return text(entry_id)
+                except WatchError:
+                    continue
 
     async def send_raw(self, session_key: str, payload: str | bytes) -> str:
         """Publish an arbitrary payload (tests, replays of dead letters)."""

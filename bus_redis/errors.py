@@ -1,7 +1,8 @@
 """Errors raised by the bus layer.
 
 BusError
- └── MessageRejectedError    an inbound payload failed decoding/validation (carries an error code)
+ ├── MessageRejectedError    an inbound payload failed decoding/validation (carries an error code)
+ └── SessionBusyError        a `reject` message found its session busy: nothing was queued
 
 Redis' own errors (``redis.exceptions``) are not wrapped: the worker retries them with
 backoff, and the CLI turns them into one line at its edge.
@@ -38,3 +39,14 @@ class MessageRejectedError(BusError):
         self.chat_id = chat_id
         self.session_key = session_key
         self.message_id = message_id
+
+
+class SessionBusyError(BusError):
+    """A message sent with ``followup="reject"`` found a message of its session queued or
+    being answered: it was not queued (error code ``busy``)."""
+
+    code = "busy"
+
+    def __init__(self, session_key: str) -> None:
+        super().__init__(f"busy: session {session_key!r} is answering another message")
+        self.session_key = session_key

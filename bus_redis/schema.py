@@ -44,10 +44,15 @@ ErrorCode = Literal[
     "limit_exceeded",
     "session_lost",
     "provider_error",
+    "busy",
 ]
 SESSION_NOT_ACTIVE = "required session is not active"
-ControlOp = Literal["discard", "stop", "delete", "new"]
-CONTROL_OPS: tuple[str, ...] = ("stop", "discard", "delete", "new")
+ControlOp = Literal["discard", "stop", "delete", "new", "interrupt"]
+CONTROL_OPS: tuple[str, ...] = ("stop", "discard", "delete", "new", "interrupt")
+# What a message does when its session's turn is running (double texting): join it
+# (inject), wait for it (queue), cancel it and start again with everything pending
+# (interrupt), or be refused at once with `busy` (reject)
+FollowUp = Literal["inject", "queue", "interrupt", "reject"]
 
 
 class _Wire(BaseModel):
@@ -88,6 +93,7 @@ class InboundMessage(_Routed):
     require_existing_session: bool = False
     input_role: Literal["user", "system"] | None = None
     timestamp: datetime | None = Field(default=None, strict=False)
+    followup: FollowUp | None = None  # this message's double-texting mode (else the default)
 
     @field_validator("metadata")
     @classmethod

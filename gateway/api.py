@@ -16,7 +16,8 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, R
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from bus_redis import OutboundMessage
+from bus_redis import OutboundMessage, SessionBusyError
+from bus_redis.schema import FollowUp
 from gateway.app import Gateway
 from gateway.auth import User
 from gateway.chats import Chat, ChatLimitError
@@ -81,6 +82,12 @@ class NewMessage(BaseModel):
     )
     metadata: dict[str, Any] = Field(
         default_factory=dict, description="given to tools; keys starting with '_' are dropped"
+    )
+    followup: FollowUp | None = Field(
+        None,
+        description="while the chat is answering: inject (join the turn), queue, interrupt "
+        "(cancel it and start again with everything pending) or reject (409 busy); "
+        "default AGENT_GATEWAY_FOLLOWUP, else the workers' AGENT_FOLLOWUP_MODE",
     )
 
 
@@ -176,8 +183,13 @@ async def send(
         raise HTTPException(429, "too many open streams to wait; send without ?wait=")
     message_id = body.client_id or uuid.uuid4().hex
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
-    msg = g.message(user, chat, body.content, id=message_id, metadata=body.metadata)
-    ids = await g.publish(msg)
+    msg = g.message(
+        user, chat, body.content, id=message_id, metadata=body.metadata, followup=body.followup
+    )
+    try:
+        ids = await g.publish(msg)
+    except SessionBusyError as exc:
+        raise HTTPException(409, str(exc)) from None
     await g.chats.title_from(user, chat, body.content)
     accepted = Accepted(session_id=chat.id, message_id=message_id, cursor=cursor)
     if wait > 0:

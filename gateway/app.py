@@ -51,7 +51,7 @@ class Gateway:
     def __post_init__(self) -> None:
         s = self.settings
         self.keys = Keys(s.key_prefix)
-        self.client = FrontendClient(self.redis, s.key_prefix)
+        self.client = FrontendClient(self.redis, s.key_prefix, followup=s.followup)
         self.auth = Authenticator(s, self.redis)
         self.chats = Chats(
             self.redis,

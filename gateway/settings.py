@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from bus_redis.config import check_log_level, check_redis_url
 from bus_redis.keys import valid_channel
+from bus_redis.schema import FollowUp
 
 DURABLE_ONLY_TOOLS = ("create_goal", "update_goal", "spawn", "cron")  # nanobot's temporary chats
 
@@ -35,6 +36,9 @@ class GatewaySettings(BaseSettings):
         validation_alias=AliasChoices("AGENT_GATEWAY_KEY_PREFIX", "AGENT_KEY_PREFIX"),
     )
     channel: str = "web"
+    # double texting for messages that name none: interrupt / reject are done here, inject /
+    # queue by the workers (unset: the workers' AGENT_FOLLOWUP_MODE)
+    followup: FollowUp | None = None
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     # auth: bearer tokens ("token=user,token2=user2") and/or a file of "token user" lines

@@ -88,7 +88,8 @@ local function streams_of(first_key, first_arg)
   return out
 end
 
--- The op of the first control marker after entry `id`; '' when none is queued; nil when
+-- The op of the first control marker after entry `id` (an `interrupt` marker cancels only
+-- a running turn, over pub/sub: it covers nothing queued and is read past); '' when none is queued; nil when
 -- not known yet (MARKER_SCAN entries were read without reaching a marker or the end:
 -- the caller answers 'again' and the next call reads on). Looked for only while the hint
 -- says markers may be queued. Two memos in the attempts hash make each entry read once,
@@ -112,7 +113,7 @@ local function covering_op(s, id)
     local e = entry_after(s[1], from)
     if not e then break end
     local op = field(e[2], 'control')
-    if op then
+    if op and op ~= 'interrupt' then  -- an interrupt covers no queued entry
       redis.call('HSET', s[2], '_mark', e[1] .. ' ' .. op)
       return op
     end

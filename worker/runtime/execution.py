@@ -28,6 +28,7 @@ from worker.runtime.outcomes import (
 )
 
 log = logging.getLogger(__name__)
+KEEPS_WORK = ("stop", "interrupt")  # cancellations that keep the turn's complete exchanges
 
 
 class Held(Protocol):
@@ -152,7 +153,7 @@ class TurnExecution:
 
     def _puller(self, session: Session, entry_id: str) -> FollowUpPuller | None:
         cfg = self.rt.config
-        if not entry_id or cfg.followup_mode != "inject":
+        if not entry_id:
             return None
         return FollowUpPuller(
             self.rt.bus,
@@ -164,6 +165,7 @@ class TurnExecution:
             scope_of=lambda m: self.rt.scope_for(m.channel, m.scope, m.sender_id),
             folded=self.member != self.key,
             stopping=lambda: self.rt.turns.stopping,
+            default_mode=cfg.followup_mode,
         )
 
     async def _await_turn(self, task: asyncio.Task[str]) -> str | None:
@@ -192,11 +194,12 @@ class TurnExecution:
         if task.cancelled() or reason in ("lease_lost", "shutdown"):
             if reason in (None, "lease_lost", "shutdown"):
                 raise TurnAbortedError(reason or "cancelled")
-            if reason == "stop":
+            keeps = reason in KEEPS_WORK
+            if keeps:  # its work up to the last complete tool exchange
                 session.append_rows(legal_prefix(state.rows))
             detail = f"turn cancelled by {reason}"
             out = error(msg.channel, msg.chat_id, member, reply_to, "cancelled", detail)
-            return Outcome(out, session if reason == "stop" else None)
+            return Outcome(out, session if keeps else None)
         exc = task.exception()
         if isinstance(exc, ProviderError):
             session.append_rows(state.rows[:1])

@@ -2,8 +2,9 @@
 pulled into the turn between tool rounds (as the reference loop does), in publish order.
 
 The first entry that cannot join (unreadable, a control marker, an ``open_transient`` op,
-a system message, a message of another scope) stops the pull; it and everything after it
-get their own turns.
+a system message, a message of another scope, a message whose mode is not ``inject``:
+its own ``followup``, else ``AGENT_FOLLOWUP_MODE``) stops the pull; it and everything
+after it get their own turns.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FollowUpPuller:
         scope_of: Callable[[InboundMessage], str],
         folded: bool = False,
         stopping: Callable[[], bool] = lambda: False,
+        default_mode: str = "inject",
     ) -> None:
         self.bus = bus
         self.session = session
@@ -39,6 +41,7 @@ class FollowUpPuller:
         self.scope_of = scope_of
         self.folded = folded
         self.stopping = stopping  # a worker shutting down takes no new work into a turn
+        self.default_mode = default_mode  # AGENT_FOLLOWUP_MODE; a message may name its own
         self.injected: list[tuple[str, str]] = []  # (entry id, reply_to), consumed by the turn
         self._closed = False
 
@@ -71,5 +74,7 @@ class FollowUpPuller:
         if not isinstance(msg, InboundMessage) or not msg.is_user_input:
             return None
         if msg.session_key != self.member or self.scope_of(msg) != self.session.scope:
+            return None
+        if (msg.followup or self.default_mode) != "inject":  # queue: a turn of its own
             return None
         return msg
