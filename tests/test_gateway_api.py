@@ -391,3 +391,22 @@ def test_gateway_command_line_version_and_typos() -> None:
     assert version.stdout.startswith("agent-gateway ")
     env = {"AGENT_GATEWAY_TOKEN": "x", "AGENT_GATEWAY_TOKENS": "t=u", "AGENT_REDIS_URL": "r"}
     assert unknown_variables(env) == ["AGENT_GATEWAY_TOKEN"]
+
+
+async def test_a_reject_message_to_a_busy_chat_is_409_and_sends_nothing(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """No worker runs: the first message stays queued, so the chat is busy."""
+    async with _client(redis_factory) as http:
+        chat = (await http.post("/api/sessions", json={}, headers=ALICE)).json()
+        path = f"/api/sessions/{chat['id']}/messages"
+        first = await http.post(path, json={"content": "one", "followup": "reject"}, headers=ALICE)
+        assert first.status_code == 202  # idle: accepted
+        busy = await http.post(path, json={"content": "two", "followup": "reject"}, headers=ALICE)
+        assert busy.status_code == 409
+        assert busy.json()["detail"].startswith("busy")
+        queued = await http.post(path, json={"content": "three"}, headers=ALICE)  # default
+        assert queued.status_code == 202
+        bad = await http.post(path, json={"content": "x", "followup": "later"}, headers=ALICE)
+        assert bad.status_code == 422
+    async with _client(redis_factory, followup="reject") as http:  # AGENT_GATEWAY_FOLLOWUP
+        again = await http.post(path, json={"content": "four"}, headers=ALICE)
+        assert again.status_code == 409
