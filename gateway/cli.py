@@ -17,6 +17,8 @@ configuration (environment; options override):
   AGENT_REDIS_URL / AGENT_GATEWAY_REDIS_URL   Redis URL, as the channel's gateway ACL user
   AGENT_KEY_PREFIX                            key prefix (default agent)
   AGENT_GATEWAY_CHANNEL                       the channel served (default web)
+  AGENT_GATEWAY_FOLLOWUP                      double texting for messages naming none: inject,
+                                              queue, interrupt or reject (default: the workers')
   AGENT_GATEWAY_TOKENS                        token=user,token2=user2 (bearer tokens)
   AGENT_GATEWAY_TOKENS_FILE                   a file of 'TOKEN USER' lines
   AGENT_GATEWAY_TRUSTED_PROXIES               addresses/networks whose user header is believed
