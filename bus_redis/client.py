@@ -88,14 +88,14 @@ class FrontendClient:
         entry before it."""
         s, channel = msg.session_key, channel_of(msg.session_key)
         async with self.redis.pipeline(transaction=True) as pipe:
+            # no hint: an interrupt covers nothing, so nothing needs to look for it
             pipe.xadd(self.keys.inbound(s), {"control": "interrupt"})
-            pipe.incr(self.keys.control_hint(s))
             pipe.xadd(self.keys.inbound(s), {"payload": _dump(msg)})
             pipe.zadd(self.keys.queued(channel), {s: 0}, nx=True)
             pipe.xadd(
                 self.keys.ready(channel), {"session": s}, maxlen=READY_MAXLEN, approximate=True
             )
-            marker, _, entry_id, _, _ = await pipe.execute()
+            marker, entry_id, _, _ = await pipe.execute()
         control = ControlMessage(op="interrupt", session_key=s, marker=text(marker))
         await self.redis.publish(self.keys.control(channel), _dump(control))
         return text(entry_id)

@@ -166,3 +166,13 @@ async def test_consolidation_runs_as_a_deduplicated_arq_job(
         loop.stop()
         await asyncio.wait_for(task, 20)
         await client.redis.aclose()
+
+
+def test_an_empty_memory_answer_forgets_nothing() -> None:
+    """Review: ``{"memory": ""}`` once replaced every fact; it keeps the current memory."""
+    from worker.jobs.consolidation import _read, bounded
+
+    assert _read('{"memory": "", "history": "chat"}', "user is Alice") == ("user is Alice", "chat")
+    assert _read('{"memory": "  ", "history": ""}', "") == ("", "consolidated")
+    assert _read("plain summary", "old fact") == ("old fact\nplain summary", "plain summary")
+    assert bounded("one\ntwo\nthree", 9) == "two\nthree"

@@ -119,3 +119,36 @@ async def test_a_message_may_override_the_deployments_mode(
     # inject joins the running turn at its last model boundary; queue gets its own turn,
     # and the first message that does not join stops the pull (order is kept)
     assert joined_a == ({"b"} if override == "inject" else set())
+
+
+async def test_a_stop_after_an_interrupt_still_covers_what_was_queued_before_it(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Review: the interrupt marker once counted in the marker hint, and consuming it could
+    zero a later stop's hint, so a message queued before that stop ran."""
+    holding = {k: asyncio.Event() for k in ("hold-a", "hold-b")}
+    release = asyncio.Event()
+
+    async def model(**kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]["content"]
+        if last in holding:
+            holding[last].set()
+            await release.wait()
+        return LLMResponse(content=f"re: {last}")
+
+    config = LoopConfig(read_block_ms=100, followup_mode="queue")
+    loop = AgentLoop(RedisBus(redis_factory()), ScriptedProvider(handler=model), config=config)
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    await client.send(_m("h", "hold-a", "a"))
+    await asyncio.wait_for(holding["hold-a"].wait(), 10)
+    await client.send(_m("h", "hold-b", "b"))
+    await client.send(_m("h", "c", "c", followup="interrupt"))
+    await asyncio.wait_for(holding["hold-b"].wait(), 10)  # a cancelled, b running
+    await client.stop("web:h")  # covers b and c, both published before it
+    got = await collect(client, "web", {"a", "b", "c"})
+    release.set()
+    await _stop(loop, task)
+    assert [got[k][-1].code for k in "abc"] == ["cancelled", "cancelled", "cancelled"]
+    assert "interrupt" in got["a"][-1].content
+    assert "stop" in got["b"][-1].content

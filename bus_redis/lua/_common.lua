@@ -133,6 +133,7 @@ end
 local function head(s)
   local discarded = nil
   local consumed = {}
+  local hinted = 0  -- markers the hint counts (an interrupt marker is not counted)
   local entry = nil
   while #consumed < HEAD_BATCH do
     local e = entry_after(s[1], consumed[#consumed] or '0-0')
@@ -140,12 +141,15 @@ local function head(s)
     local op = field(e[2], 'control')
     if not op then entry = e break end
     consumed[#consumed + 1] = e[1]
+    if op ~= 'interrupt' then hinted = hinted + 1 end
     if (RANK[op] or 0) > (RANK[discarded] or 0) then discarded = op end
   end
   if #consumed > 0 then
     redis.call('XDEL', s[1], unpack(consumed))
     redis.call('HDEL', s[2], '_mark')
-    local n = safe(false, 'DECRBY', s[3], #consumed)  -- a hint that is no integer is junk
+  end
+  if hinted > 0 then
+    local n = safe(false, 'DECRBY', s[3], hinted)  -- a hint that is no integer is junk
     if not n or n <= 0 then redis.call('DEL', s[3]) end
   end
   return entry, discarded, (not entry and #consumed == HEAD_BATCH)

@@ -78,7 +78,8 @@ def _read(content: str, current: str) -> tuple[str, str]:
     if isinstance(doc, dict) and isinstance(doc.get("memory"), str):
         history = doc.get("history")
         line = history if isinstance(history, str) and history.strip() else "consolidated"
-        return doc["memory"].strip(), line.strip().splitlines()[0]
+        memory = doc["memory"].strip() or current  # an empty answer forgets nothing
+        return memory, line.strip().splitlines()[0]
     summary = content.strip()
     memory = f"{current}\n{summary}" if current and summary else current or summary
     return memory, (summary.splitlines() or ["consolidated"])[0]
@@ -89,7 +90,9 @@ def bounded(memory: str, budget: int) -> str:
     if len(memory) <= budget:
         return memory
     tail = memory[-budget:]
-    cut = tail.find("\n")
+    if memory[-budget - 1] == "\n":  # the tail starts on a line: whole
+        return tail
+    cut = tail.find("\n")  # else drop the cut line's rest
     return tail[cut + 1 :] if 0 <= cut < len(tail) - 1 else tail
 
 
