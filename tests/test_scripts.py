@@ -100,6 +100,25 @@ async def test_acquire_selects_then_commit_releases_when_empty(redis: aioredis.R
     assert not await redis.exists(*left)
 
 
+async def test_a_commit_of_many_rows_stores_each_once_after_the_rest(
+    redis: aioredis.Redis,
+) -> None:
+    """Rows and the head go in one HSET, in chunks past 500 rows (Lua's unpack limit)."""
+    bus = await _queued(redis, "one", "two")
+    first = await bus.acquire(K, "w1", member=K)
+    assert isinstance(first, Acquired)
+    assert isinstance(first.step, Entry)
+    spec = CommitSpec(member=K, entry_ids=[first.step.entry_id], meta="{}", rows=['{"r":0}'])
+    _, gen, second = await bus.commit(K, first.token, "w1", spec, select=[K])
+    assert isinstance(second, Entry)
+    rows = [f'{{"r":{i}}}' for i in range(1, 1201)]
+    spec = CommitSpec(member=K, entry_ids=[second.entry_id], meta='{"m":1}', rows=rows)
+    version, gen2, _ = await bus.commit(K, first.token, "w1", spec, select=[K])
+    h = await redis.hgetall(bus.keys.session(K))
+    assert (version, gen2, h["count"], h["meta"]) == (2, gen, "1201", '{"m":1}')
+    assert [h[f"m:{i}"] for i in range(1201)] == ['{"r":0}', *rows]
+
+
 async def test_commit_is_idempotent_under_a_client_retry(redis: aioredis.Redis) -> None:
     bus = await _queued(redis, "one", "two")
     got = await bus.acquire(K, "w1", member=K)

@@ -22,21 +22,28 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
 local n = tonumber(ARGV[15])
 local first = string.match(ARGV[2], '%S+')
 local applied = first and #safe({}, 'XRANGE', KEYS[3], first, first) == 0
-local s = redis.call('HMGET', KEYS[2], 'version', 'gen')
+local s = redis.call('HMGET', KEYS[2], 'version', 'gen', 'count')
 local version, gen = tonumber(s[1] or '0'), s[2] or ''
 
 if not applied then
   if ARGV[6] ~= '' then
-    local count = tonumber(redis.call('HGET', KEYS[2], 'count') or '0')
-    for i = 1, n do
-      redis.call('HSET', KEYS[2], 'm:' .. (count + i - 1), ARGV[15 + i])
-    end
+    local count = tonumber(s[3] or '0')
+    local fields = {'count', count + n, 'meta', ARGV[6]}
     if gen == '' then  -- the hash is created: it joins its scope's index (once)
       gen = ARGV[14]
-      redis.call('HSET', KEYS[2], 'gen', gen)
+      fields[#fields + 1] = 'gen'
+      fields[#fields + 1] = gen
       redis.call('ZADD', KEYS[7], now_ms(), ARGV[7])
     end
-    redis.call('HSET', KEYS[2], 'count', count + n, 'meta', ARGV[6])
+    for i = 1, n do  -- the rows and the head in one HSET (in chunks: unpack's stack)
+      fields[#fields + 1] = 'm:' .. (count + i - 1)
+      fields[#fields + 1] = ARGV[15 + i]
+      if #fields >= 1000 then
+        redis.call('HSET', KEYS[2], unpack(fields))
+        fields = {}
+      end
+    end
+    if #fields > 0 then redis.call('HSET', KEYS[2], unpack(fields)) end
     version = redis.call('HINCRBY', KEYS[2], 'version', 1)
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[7])
   end
