@@ -48,14 +48,22 @@ class FrontendClient:
     async def _publish(self, session_key: str, entry: dict[str, str]) -> str:
         """MULTI: XADD the session stream, ZADD NX its channel's queued index (the sweep's
         safety net), XADD its channel's ready queue. Returns the entry id."""
-        channel = channel_of(session_key)
-        ready = self.keys.ready(channel)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.inbound(session_key), entry)  # type: ignore[arg-type]
-            pipe.zadd(self.keys.queued(channel), {session_key: 0}, nx=True)
-            pipe.xadd(ready, {"session": session_key}, maxlen=READY_MAXLEN, approximate=True)
+            self._notify(pipe, session_key)
             entry_id, _, _ = await pipe.execute()
         return text(entry_id)
+
+    def _notify(self, pipe: Any, session_key: str) -> None:
+        """Queue, in ``pipe``: ZADD NX the channel's queued index, XADD its ready queue."""
+        channel = channel_of(session_key)
+        pipe.zadd(self.keys.queued(channel), {session_key: 0}, nx=True)
+        pipe.xadd(
+            self.keys.ready(channel),
+            {"session": session_key},
+            maxlen=READY_MAXLEN,
+            approximate=True,
+        )
 
     async def send(self, msg: InboundMessage) -> str:
         """Publish one message (as :meth:`send_entry`); returns its ``reply_to`` (the
@@ -91,10 +99,7 @@ class FrontendClient:
             # no hint: an interrupt covers nothing, so nothing needs to look for it
             pipe.xadd(self.keys.inbound(s), {"control": "interrupt"})
             pipe.xadd(self.keys.inbound(s), {"payload": _dump(msg)})
-            pipe.zadd(self.keys.queued(channel), {s: 0}, nx=True)
-            pipe.xadd(
-                self.keys.ready(channel), {"session": s}, maxlen=READY_MAXLEN, approximate=True
-            )
+            self._notify(pipe, s)
             marker, entry_id, _, _ = await pipe.execute()
         control = ControlMessage(op="interrupt", session_key=s, marker=text(marker))
         await self.redis.publish(self.keys.control(channel), _dump(control))
@@ -103,7 +108,7 @@ class FrontendClient:
     async def _publish_unless_busy(self, msg: InboundMessage) -> str:
         """WATCH the session's stream: anything in it (a message queued or being answered)
         refuses this one; else the usual MULTI, retried when the stream changed between."""
-        s, channel = msg.session_key, channel_of(msg.session_key)
+        s = msg.session_key
         inbound = self.keys.inbound(s)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
@@ -113,13 +118,7 @@ class FrontendClient:
                         raise SessionBusyError(s)
                     pipe.multi()
                     pipe.xadd(inbound, {"payload": _dump(msg)})
-                    pipe.zadd(self.keys.queued(channel), {s: 0}, nx=True)
-                    pipe.xadd(
-                        self.keys.ready(channel),
-                        {"session": s},
-                        maxlen=READY_MAXLEN,
-                        approximate=True,
-                    )
+                    self._notify(pipe, s)
                     entry_id, _, _ = await pipe.execute()
                     return text(entry_id)
                 except WatchError:
@@ -277,13 +276,7 @@ class FrontendClient:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.inbound(session_key), {"control": op})
             pipe.incr(self.keys.control_hint(session_key))
-            pipe.zadd(self.keys.queued(channel), {session_key: 0}, nx=True)
-            pipe.xadd(
-                self.keys.ready(channel),
-                {"session": session_key},
-                maxlen=READY_MAXLEN,
-                approximate=True,
-            )
+            self._notify(pipe, session_key)
             marker = text((await pipe.execute())[0])
         # published after the marker exists, naming it: the running turn is cancelled
         # without the worker reading the stream (one round trip less under load)
