@@ -33,7 +33,13 @@ async def throughput(url: str, sessions: int, messages: int, workers: int) -> No
             RedisBus(CountingRedis.from_url(url, decode_responses=True)),
             EchoProvider(),
             config=LoopConfig(
-                worker_id=f"bench-{i}", concurrency=64, read_block_ms=100, channels=["bench"]
+                worker_id=f"bench-{i}",
+                concurrency=64,
+                read_block_ms=100,
+                channels=["bench"],
+                # a turn per message: queued messages would otherwise join a turn at its
+                # last model boundary, and turns/s would count fewer, larger turns
+                followup_mode="queue",
             ),
         )
         for i in range(workers)
@@ -81,7 +87,8 @@ async def _read_all(
                 ev = json.loads(fields["payload"])
                 answered.add(ev.get("reply_to") or "")
                 position[stream] = eid
-                per[stream] += ev["type"] in ("message", "error")
+                if ev["type"] in ("message", "error"):  # one answer may cover several
+                    per[stream] += len(ev.get("covers") or [None])
             if per[stream] >= messages:
                 del position[stream]
     return first
@@ -106,6 +113,7 @@ async def throughput_processes(url: str, sessions: int, messages: int, workers: 
         "AGENT_CONCURRENCY": "64",
         "AGENT_JOBS": "local",
         "AGENT_CHANNELS": "procs",
+        "AGENT_FOLLOWUP_MODE": "queue",  # a turn per message (see throughput)
     }
     procs = [WorkerProcess(url, worker_id=f"bench-p{i}", env=env) for i in range(workers)]
     answered: set[str] = set()

@@ -132,6 +132,13 @@ class Session:
         if rows:
             self.updated_at = now_iso()
 
+    def extend_stored(self, rows: list[dict[str, Any]]) -> None:
+        """Rows read from the stored hash, as they are (each mirrors a hash row: nothing is
+        repaired here; a stored open tail is closed in the replay and on the next append)."""
+        for row in rows:
+            self._append(row)
+        self._pending = pending_calls(self.messages)
+
     def close_tool_calls(self) -> None:
         """Answer every pending tool call with a synthetic ``INTERRUPTED`` result."""
         pending, self._pending = self._pending, []

@@ -25,6 +25,8 @@ from session_store.codec import (
 from session_store.models import Session
 from session_store.protocol import SessionInfo
 
+ROWS_AHEAD = 8  # rows read with the head fields when catching up (one round trip)
+
 
 class RedisSessionStore:
     """Durable sessions in Redis. Turn commits go through the fenced
@@ -47,22 +49,26 @@ class RedisSessionStore:
         enough (another generation: re-created or rewritten; fewer rows; an older version):
         the caller loads the whole hash."""
         hkey = self.keys.session(cached.key)
-        raw = await self.redis.hmget(hkey, ["meta", "count", "version", "gen"])  # type: ignore[misc]
-        meta_raw, count_raw, version_raw, gen_raw = (text(v) if v is not None else "" for v in raw)
-        count, version = int(count_raw or 0), int(version_raw or 0)
         have = cached.persisted_count + cached.skipped_rows  # the hash's rows it has seen
+        ahead = [f"m:{i}" for i in range(have, have + ROWS_AHEAD)]  # usually all it lacks
+        raw = await self.redis.hmget(hkey, ["meta", "count", "version", "gen", *ahead])  # type: ignore[misc]
+        meta_raw, count_raw, version_raw, gen_raw = (
+            text(v) if v is not None else "" for v in raw[:4]
+        )
+        count, version = int(count_raw or 0), int(version_raw or 0)
         if gen_raw != cached.generation or count < have or version < cached.version:
             return False
-        fresh: list[Any] = []
-        if count > have:
-            fields = [f"m:{i}" for i in range(have, count)]
-            fresh = await self.redis.hmget(hkey, fields)  # type: ignore[misc]
+        fresh: list[Any] = list(raw[4 : 4 + count - have])
+        if count > have + ROWS_AHEAD:  # more turns than that ran elsewhere
+            fields = [f"m:{i}" for i in range(have + ROWS_AHEAD, count)]
+            fresh += await self.redis.hmget(hkey, fields)  # type: ignore[misc]
         rows = decode_rows(text(r) if r is not None else None for r in fresh)
         if rows is None:
             return False  # a row is missing or unreadable: the whole hash decides
-        apply_meta(cached, decode_meta(meta_raw))
-        cached.append_rows(rows)
-        apply_meta(cached, decode_meta(meta_raw))  # its updated_at, not the append's
+        cached.extend_stored(rows)
+        apply_meta(
+            cached, decode_meta(meta_raw)
+        )  # after: last_consolidated may be past the old end
         cached.mark_persisted(version, gen_raw)
         return True
 

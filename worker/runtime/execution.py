@@ -153,7 +153,9 @@ class TurnExecution:
 
     def _puller(self, session: Session, entry_id: str) -> FollowUpPuller | None:
         cfg = self.rt.config
-        if not entry_id:
+        if not entry_id or cfg.followup_mode != "inject":
+            # joining costs a read of the stream at every model boundary: a queue
+            # deployment does not pay it (a message cannot ask to join there)
             return None
         return FollowUpPuller(
             self.rt.bus,
