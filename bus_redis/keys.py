@@ -198,6 +198,18 @@ class Keys:
         """Stream a gateway replica adds to, to wake its own blocked event read."""
         return f"{self.prefix}:{{{channel}}}:gw:wake:{encode_session(replica)}"
 
+    def cron_defs(self, channel: str) -> str:
+        """Hash: schedule id -> its definition (JSON; ``worker.jobs.schedules``)."""
+        return f"{self.prefix}:{{{channel}}}:cron:defs"
+
+    def cron_due(self, channel: str) -> str:
+        """Sorted set: schedule id -> its next firing (ms)."""
+        return f"{self.prefix}:{{{channel}}}:cron:due"
+
+    def subagents(self, channel: str) -> str:
+        """Sorted set: session key -> when it last spawned a subagent (``status`` lists)."""
+        return f"{self.prefix}:{{{channel}}}:subagents"
+
     # --- per scope (lives in the slot of its channel) -------------------------------------
     def scope_sessions(self, scope: str) -> str:
         """Sorted set of the durable sessions of one scope (session tools read only these)."""
@@ -239,6 +251,35 @@ class Keys:
     def owner(self, session_key: str) -> str:
         """Content-free owner record of a transient session (hash, TTL)."""
         return _session_key(self.prefix, "owner", session_key)
+
+    def journal(self, session_key: str) -> str:
+        """Hash: the tool journal of the turn running under effective key K (worker-only)."""
+        return _session_key(self.prefix, "journal", session_key)
+
+    def crons(self, session_key: str) -> str:
+        """Set: the ids of the session's schedules (deleted with the session)."""
+        return _session_key(self.prefix, "crons", session_key)
+
+    def spawned(self, session_key: str) -> str:
+        """Hash: subagent id -> what it does, of the session's running subagents."""
+        return _session_key(self.prefix, "spawned", session_key)
+
+    def deletion(self, session_key: str, lease: str, scope: str) -> list[str]:
+        """The KEYS of ``lua/delete.lua`` for session ``S`` (fenced by ``lease``)."""
+        channel = channel_of(session_key)
+        index = self.sessions_index(channel)
+        return [
+            lease,
+            self.session(session_key),
+            index,
+            self.scope_sessions(scope) if scope else index,
+            self.out(session_key),
+            self.journal(session_key),
+            self.crons(session_key),
+            self.cron_defs(channel),
+            self.cron_due(channel),
+            self.spawned(session_key),
+        ]
 
     def attempts(self, session_key: str) -> str:
         """Hash: inbound entry id -> delivery attempts."""

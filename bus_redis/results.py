@@ -106,6 +106,7 @@ class CommitSpec:
     dead_reason: str = ""  # why it was dead-lettered (metrics)
     message_id: str = ""  # the answered message's id (the turn's log line)
     tokens: tuple[int, int] = (0, 0)  # in, out, as the provider reported them (log line)
+    journaled: bool = False  # the turn kept a tool journal: the commit drops it
 
 
 def parse_step(raw: list[Any]) -> Step | None:

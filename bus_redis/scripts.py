@@ -36,6 +36,7 @@ SCRIPT_NAMES = (
     "beat",
     "dead",
     "takeover",
+    "journal",
 )
 
 

@@ -39,6 +39,7 @@ from bus_redis.scripts import Scripts
 
 WORKER_GROUP = "workers"
 HISTORY_MAXLEN = 10_000  # dated consolidation entries kept per scope
+JOURNAL_TTL_MS = 86_400_000  # a tool journal outlives any redelivery of its entry
 READY_MAXLEN = 1_000_000
 log = logging.getLogger(__name__)
 
@@ -319,11 +320,12 @@ class RedisBus:
         index = k.sessions_index(channel_of(key))
         keys += [index, k.scope_sessions(spec.scope) if spec.scope else index]
         keys += [k.owner(m), k.owners(channel_of(m)), k.pending(key), k.dead(channel_of(m))]
-        keys.append(k.leases(channel_of(key)))
+        keys += [k.leases(channel_of(key)), k.journal(key)]
         ttl = r.transient_ttl_ms if spec.transient else r.ttl_ms
         args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, r.maxlen, ttl, spec.meta]
         args += [key, spec.owner_op, worker_id, spec.owner_member, self.owner_ttl_ms, spec.dead]
-        args += ["1" if select is not None else "0", secrets.token_hex(8)]
+        mode = ("1" if select is not None else "0") + ("j" if spec.journaled else "")
+        args += [mode, secrets.token_hex(8)]
         args += [len(spec.rows), *spec.rows, *sargs]
         raw = await self.scripts.call("commit", keys + skeys, args)
         parts = texts(raw[:3])
@@ -365,8 +367,22 @@ class RedisBus:
         args = [token, meta, version, memory, memory_version, history, HISTORY_MAXLEN]
         return texts(await self.scripts.call("consolidate", keys, args))[0]
 
+    async def journal(self, key: str, token: str, entry: str, rows: Sequence[str]) -> int:
+        """Append ``rows`` to the tool journal of ``entry`` running under the lease of
+        ``key`` (none: drop it); -1 when the lease is lost (see ``lua/journal.lua``)."""
+        keys = [self.keys.lease(key), self.keys.journal(key)]
+        args = [token, entry, JOURNAL_TTL_MS, *rows]
+        return int(text(await self.scripts.call("journal", keys, args)))
+
+    async def read_journal(self, key: str, entry: str) -> list[str]:
+        """The journaled rows of ``entry`` (a lost attempt's), in order; [] when none."""
+        raw = await self.redis.hgetall(self.keys.journal(key))  # type: ignore[misc]
+        doc = {text(k): text(v) for k, v in raw.items()}
+        if doc.get("entry") != entry:
+            return []
+        n = int(doc.get("n") or 0)
+        return [doc[str(i)] for i in range(1, n + 1) if str(i) in doc]
+
     async def delete_session(self, key: str, token: str, scope: str) -> int:
-        k = self.keys
-        keys = [k.lease(key), k.session(key), k.sessions_index(channel_of(key))]
-        keys.append(k.scope_sessions(scope) if scope else k.sessions_index(channel_of(key)))
+        keys = self.keys.deletion(key, self.keys.lease(key), scope)
         return int(text(await self.scripts.call("delete", keys, [token, key])))

@@ -165,10 +165,7 @@ class RedisSessionStore:
         """Delete session ``key`` (hash, index entries, events) if ``lease`` still holds
         ``token``: 1 deleted, 0 nothing stored, -1 the lease was lost."""
         meta = decode_meta(text(await self.redis.hget(self.keys.session(key), "meta")))  # type: ignore[misc]
-        keys = [lease, self.keys.session(key), self.keys.sessions_index(channel_of(key))]
-        scope = str(meta.get("scope") or "")
-        keys.append(self.keys.scope_sessions(scope) if scope else keys[-1])
-        keys.append(self.keys.out(key))
+        keys = self.keys.deletion(key, lease, str(meta.get("scope") or ""))
         return int(text(await self._scripts.call("delete", keys, [token, key])))
 
     async def read(self, key: str) -> dict[str, Any] | None:

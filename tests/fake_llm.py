@@ -7,7 +7,7 @@ the answer, then holds the rest until ``release()``; ``fail`` answers HTTP 500; 
 answers HTTP 500 to the first ``flaky_failures`` requests with that text, then normally;
 ``status:<code>`` answers that status once per text (then normally), with
 ``Retry-After: 0`` on a 429 or 503; ``toolcall:<name>`` answers a call of tool ``name`` with arguments
-``{"a": 1}`` (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
+``{"a": 1}``, ``toolcall:<name>{...}`` with those (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
 JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``nostream``
 answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
 pieces of a streamed answer.
@@ -30,7 +30,7 @@ from typing import Any
 
 _TAG = re.compile(r"^\[([^\]]+)\]")
 _STATUS = re.compile(r"status:(\d{3})")
-_TOOLCALL = re.compile(r"toolcall:(\w+)")
+_TOOLCALL = re.compile(r"toolcall:(\w+)(\{[^}]*\})?")
 
 
 class _Server(ThreadingHTTPServer):
@@ -148,7 +148,10 @@ class FakeLLM:
                         {
                             "id": "call_1",
                             "type": "function",
-                            "function": {"name": call.group(1), "arguments": '{"a": 1}'},
+                            "function": {
+                                "name": call.group(1),
+                                "arguments": call.group(2) or '{"a": 1}',
+                            },
                         }
                     ],
                 }

@@ -6,13 +6,14 @@
 -- KEYS[7] scope index (joined when the hash is created)  KEYS[8] owner S
 -- KEYS[9] owners registry (of S)
 -- KEYS[10] pending K      KEYS[11] dead letters (of S's channel)
--- KEYS[12] lease registry of K's channel
--- KEYS[13..] stream keys for the next selection, seven per stream (see _common.lua)
+-- KEYS[12] lease registry of K's channel  KEYS[13] tool journal K
+-- KEYS[14..] stream keys for the next selection, seven per stream (see _common.lua)
 -- ARGV[1] token  ARGV[2] entry ids to delete, space separated  ARGV[3] event JSON ('' none)
 -- ARGV[4] MAXLEN of streams  ARGV[5] out stream ttl ms  ARGV[6] session meta JSON ('' = nothing
 -- to persist)  ARGV[7] K  ARGV[8] owner op ('', 'set', 'del')  ARGV[9] worker id
 -- ARGV[10] owner registry member  ARGV[11] owner ttl ms  ARGV[12] dead-letter JSON ('' none)
--- ARGV[13] '1' to select the next entry / release, '0' to stop after the commit
+-- ARGV[13] '1' to select the next entry / release, '0' to stop after the commit; a 'j'
+--          after it: the turn kept a tool journal, dropped now that it is answered
 -- ARGV[14] generation for a session hash this commit creates
 -- ARGV[15] n = number of rows  ARGV[16..15+n] rows (JSON)  ARGV[16+n..] stream session keys
 -- returns {'lost'} | {'ok', version, generation, <next_or_release result...>}
@@ -70,9 +71,10 @@ if not applied then
     redis.call('ZREM', KEYS[9], ARGV[10])
   end
 end
+if string.sub(ARGV[13], 2, 2) == 'j' then redis.call('DEL', KEYS[13]) end
 
 local head = {'ok', version, gen}
-if ARGV[13] ~= '1' then return head end
-local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(13, 16 + n), ARGV[7], ARGV[4])
+if string.sub(ARGV[13], 1, 1) ~= '1' then return head end
+local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(14, 16 + n), ARGV[7], ARGV[4])
 for _, v in ipairs(nxt) do head[#head + 1] = v end
 return head

@@ -1,10 +1,18 @@
--- delete: remove a durable session under its lease (so no running turn re-creates it).
+-- delete: remove a durable session under its lease (so no running turn re-creates it),
+-- with its schedules, its tool journal and its subagents' registrations.
 -- KEYS[1] lease of the holder  KEYS[2] session hash  KEYS[3] channel's sessions index
 -- KEYS[4] scope index of the session ('' scope: KEYS[3] again)  KEYS[5] the session's events
+-- KEYS[6] its tool journal  KEYS[7] its schedules (set of ids)  KEYS[8] the channel's
+-- schedule definitions  KEYS[9] the channel's due index  KEYS[10] its running subagents
 -- ARGV[1] token  ARGV[2] the session key
 -- returns 1 deleted, 0 nothing stored, -1 lease lost
+-- Work is bounded: a session has at most AGENT_CRON_MAX_PER_SESSION schedules.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
-redis.call('DEL', KEYS[5])
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[7])) do
+  redis.call('HDEL', KEYS[8], id)
+  redis.call('ZREM', KEYS[9], id)
+end
+redis.call('DEL', KEYS[5], KEYS[6], KEYS[7], KEYS[10])
 return redis.call('DEL', KEYS[2])

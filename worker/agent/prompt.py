@@ -43,12 +43,18 @@ class ContextBuilder:
         return self._with_memory[2]
 
     def build(
-        self, session: Session, user_row: dict[str, Any] | None, memory: str | None
+        self,
+        session: Session,
+        user_row: dict[str, Any] | None,
+        memory: str | None,
+        disabled: frozenset[str] | None = None,
     ) -> list[dict[str, Any]]:
         """``[system, *history, user]``; ``memory`` is None for transient sessions;
-        ``user_row`` None: the history ends with the message to answer (a retry)."""
+        ``user_row`` None: the history ends with the message to answer (a retry);
+        ``disabled``: the tools not to name (default: the session's disabled tools)."""
         history = session.get_history(max_tokens=self.history_tokens)
-        prompt = self.system_prompt(memory, session.policy.disabled_tools)
+        off = session.policy.disabled_tools if disabled is None else disabled
+        prompt = self.system_prompt(memory, off)
         if user_row is None:
             return [{"role": "system", "content": prompt}, *history]
         current = {"role": "user", "content": user_row["content"]}

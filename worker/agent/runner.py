@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from bus_redis import InboundMessage
 from session_store import Session
@@ -15,12 +15,23 @@ from worker.agent.prompt import ContextBuilder
 from worker.agent.providers import LLMProvider, ToolCallRequest
 from worker.agent.providers.base import DeltaCallback
 from worker.agent.tools import ToolContext, ToolRegistry
-from worker.runtime.faults import stall_point
+from worker.runtime.faults import crash_point, stall_point
 
 MAX_ITERATIONS_TEXT = "I stopped after reaching the tool-iteration limit for this turn."
 MAX_INJECTION_CYCLES = 5
 FINAL_DRAIN_MAX = 32  # rows joined at the last model boundary (the rest get their own turn)
 FollowUps = Callable[[], Awaitable[list[dict[str, Any]]]]  # user rows that arrived mid-turn
+UNKNOWN_EFFECT = (
+    "Error: the worker running this call stopped before its result was recorded. It was "
+    "not run again, so whether it took effect is unknown; tell the user."
+)
+
+
+class ToolJournal(Protocol):
+    """Where a turn records its tool exchanges as they happen (fenced by the lease), so
+    that a re-run after a crash replays them instead of running the tools again."""
+
+    async def record(self, rows: list[dict[str, Any]]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -31,6 +42,10 @@ class TurnState:
     final: str | None = None
     tokens_in: int = 0  # as the provider reported them, over the turn's model calls
     tokens_out: int = 0
+    journal: ToolJournal | None = None
+    replayed: list[dict[str, Any]] = field(default_factory=list)  # the lost attempt's journal
+    unknown: list[str] = field(default_factory=list)  # tools whose effect a crash left unknown
+    calls: int = 0  # tool calls executed (or replayed) so far: a call's ordinal
 
 
 def message_key(msg: InboundMessage, reply_to: str, *, folded: bool) -> str:
@@ -87,6 +102,19 @@ def _call_row(content: str | None, calls: list[ToolCallRequest]) -> dict[str, An
     }
 
 
+async def _record(state: TurnState, rows: list[dict[str, Any]]) -> None:
+    if state.journal is not None:
+        await state.journal.record(rows)
+
+
+def _arguments(fn: dict[str, Any]) -> dict[str, Any]:
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+    except ValueError:
+        return {}
+    return args if isinstance(args, dict) else {}
+
+
 async def _drain(followups: FollowUps) -> list[dict[str, Any]]:
     """Everything pending that can join (at most FINAL_DRAIN_MAX rows)."""
     rows: list[dict[str, Any]] = []
@@ -125,8 +153,11 @@ class TurnRunner:
         injections = 0
         if not retry:
             state.rows.append(first_row)
-        messages = self.context.build(session, None if retry else first_row, memory)
-        offered = self.tools.definitions(session.policy.disabled_tools)
+        off = self.tools.unavailable(session)
+        messages = self.context.build(session, None if retry else first_row, memory, off)
+        offered = self.tools.definitions(off)
+        if state.replayed:
+            await self._resume(state, messages, ctx)
         for _ in range(self.max_iterations):
             stall_point("before_model")
             response = await self.provider.chat_with_retry(
@@ -155,22 +186,76 @@ class TurnRunner:
             call_row = _call_row(response.content, response.tool_calls)
             messages.append({k: v for k, v in call_row.items() if k != "timestamp"})
             state.rows.append(call_row)
+            await _record(state, [call_row])  # before any call runs
             for call in response.tool_calls:
-                result = await self.tools.execute(call.name, call.arguments, ctx)
-                tool_row = {
-                    "role": "tool",
-                    "tool_call_id": call.id,
-                    "name": call.name,
-                    "content": result,
-                }
-                messages.append(tool_row)
-                state.rows.append({**tool_row, "timestamp": now_iso()})
+                result = await self._execute(state, call.name, call.arguments, ctx)
+                crash_point("tool_ran")
+                await self._answer(state, messages, call.id, call.name, result)
+                crash_point("tool_recorded")
             if followups is not None and injections < MAX_INJECTION_CYCLES:
                 injections += 1
                 for row in await followups():
                     messages.append({"role": "user", "content": row["content"]})
                     state.rows.append(row)
         return self._finish(state, MAX_ITERATIONS_TEXT)
+
+    async def _execute(
+        self, state: TurnState, name: str, arguments: dict[str, Any], ctx: ToolContext
+    ) -> str:
+        state.calls += 1
+        ctx.call_id = f"{ctx.turn_id}#{state.calls}"  # the same call in a re-run: same id
+        return await self.tools.execute(name, arguments, ctx)
+
+    @staticmethod
+    async def _answer(
+        state: TurnState,
+        messages: list[dict[str, Any]],
+        call_id: str,
+        name: str,
+        result: str,
+        *,
+        record: bool = True,
+    ) -> None:
+        row = {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}
+        messages.append(row)
+        row = {**row, "timestamp": now_iso()}
+        state.rows.append(row)
+        if record:
+            await _record(state, [row])
+
+    async def _resume(
+        self, state: TurnState, messages: list[dict[str, Any]], ctx: ToolContext
+    ) -> None:
+        """A re-run after a crash: the lost attempt's tool exchanges come first, from its
+        journal. A call of an idempotent tool runs again (its effect may have been lost
+        with the attempt's uncommitted session); any other call is never run twice: its
+        journaled result is used, or, when the crash came before its result was recorded,
+        a result saying its effect is unknown (and the reply says so)."""
+        results = {
+            r.get("tool_call_id"): r.get("content")
+            for r in state.replayed
+            if r.get("role") == "tool"
+        }
+        for row in state.replayed:
+            if row.get("role") != "assistant" or not row.get("tool_calls"):
+                continue
+            messages.append({k: v for k, v in row.items() if k != "timestamp"})
+            state.rows.append(row)
+            for call in row["tool_calls"]:
+                call_id, fn = call.get("id"), call.get("function") or {}
+                name = str(fn.get("name"))
+                journaled = results.get(call_id)
+                if self.tools.is_idempotent(name):
+                    result = await self._execute(state, name, _arguments(fn), ctx)
+                elif isinstance(journaled, str):
+                    state.calls += 1
+                    await self._answer(state, messages, call_id, name, journaled, record=False)
+                    continue
+                else:
+                    state.calls += 1
+                    result = UNKNOWN_EFFECT
+                    state.unknown.append(name)
+                await self._answer(state, messages, call_id, name, result)
 
     @staticmethod
     def _finish(state: TurnState, text: str) -> str:

@@ -17,6 +17,7 @@ from bus_redis.registry import Registry
 from session_store import OWNER_SCOPE, MemoryStore, Session, SessionManager
 from worker.agent.providers import LLMProvider
 from worker.agent.runner import TurnRunner
+from worker.agent.tools.base import Services
 from worker.config import LoopConfig
 from worker.jobs import JobQueue
 from worker.ops.metrics import WorkerMetrics
@@ -41,6 +42,7 @@ class Runtime:
     confirm: Callable[[dict[str, tuple[str, str]]], Awaitable[None]] = field(
         default=lambda _r: _noop()
     )
+    services: Services | None = None  # subagents and schedules (worker.jobs)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
 

@@ -16,8 +16,10 @@ from session_store import UNIFIED_SESSION_KEY, Session
 from worker.agent.providers import ProviderError
 from worker.agent.runner import TurnState, is_duplicate, is_unanswered_retry, message_key, user_row
 from worker.agent.tools import ToolContext
+from worker.agent.tools.base import Origin
 from worker.runtime.context import Runtime
 from worker.runtime.followups import FollowUpPuller
+from worker.runtime.journal import TurnJournal
 from worker.runtime.outcomes import (
     ScopeMismatchError,
     SessionNotActiveError,
@@ -29,6 +31,10 @@ from worker.runtime.outcomes import (
 
 log = logging.getLogger(__name__)
 KEEPS_WORK = ("stop", "interrupt")  # cancellations that keep the turn's complete exchanges
+RESUMED_NOTE = (
+    "\n\n(This answer was resumed after the worker running it stopped. Not repeated, "
+    "so whether they took effect is unknown: {tools}.)"
+)
 
 
 class Held(Protocol):
@@ -54,6 +60,7 @@ class Outcome:
     session: Session | None = None  # persist its unpersisted rows when durable
     injected: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reply_to)
     tokens: tuple[int, int] = (0, 0)  # in, out (the turn's log line)
+    journal: TurnJournal | None = None  # dropped once the turn is committed
 
 
 class TurnExecution:
@@ -118,7 +125,13 @@ class TurnExecution:
         return Outcome(reply(msg, self.member, reply_to, answer, metadata=meta))
 
     async def run(
-        self, msg: InboundMessage, *, reply_to: str, member: str, entry_id: str = ""
+        self,
+        msg: InboundMessage,
+        *,
+        reply_to: str,
+        member: str,
+        entry_id: str = "",
+        attempts: int = 1,
     ) -> Outcome:
         self.member = member or self.key
         session = await self._session(msg)
@@ -129,12 +142,23 @@ class TurnExecution:
             return self._duplicate(msg, session, reply_to, row_id)
         memory = await self._memory(session)
         state = TurnState()
+        journal = None
+        if entry_id and session.policy.persist:
+            holder = self.holder
+            journal = TurnJournal(self.rt.bus, self.key, holder.token, self.member, entry_id)
+            state.journal = journal
+            if attempts > 1:  # a redelivery: what the lost attempt did comes first
+                state.replayed = await journal.replay()
         ctx = ToolContext(
             session,
             self.rt.sessions,
             emit=lambda text: self._emit(msg, reply_to, text),
             metadata=dict(msg.metadata),
+            origin=Origin(self.member, msg.channel, msg.chat_id, self.key, self.holder.token),
+            services=self.rt.services,
         )
+        if entry_id:
+            ctx.turn_id = f"{self.member}|{entry_id}"
         row = user_row(msg, row_id)
         puller = self._puller(session, entry_id)
         on_delta = None
@@ -145,6 +169,7 @@ class TurnExecution:
         reason = await self._await_turn(task)
         outcome = await self._outcome(task, reason, msg, session, state, reply_to)
         outcome.tokens = (state.tokens_in, state.tokens_out)
+        outcome.journal = journal
         if puller is not None and puller.injected:
             outcome.injected = puller.injected
             if outcome.reply is not None:
@@ -217,7 +242,11 @@ class TurnExecution:
         if key == UNIFIED_SESSION_KEY:  # where the shared session last spoke, under the lease
             session.metadata["last_channel"] = f"{msg.channel}:{msg.chat_id}"
         meta = {**msg.metadata, "worker": self.rt.worker_id}
-        return Outcome(reply(msg, member, reply_to, task.result(), metadata=meta), session)
+        answer = task.result()
+        if state.unknown:  # the user is told which effects a crash left unknown
+            meta["resumed"] = {"unknown_effects": sorted(set(state.unknown))}
+            answer += RESUMED_NOTE.format(tools=", ".join(sorted(set(state.unknown))))
+        return Outcome(reply(msg, member, reply_to, answer, metadata=meta), session)
 
     async def _emit(
         self, msg: InboundMessage, reply_to: str, text: str, *, kind: str = "progress"

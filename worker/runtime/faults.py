@@ -13,7 +13,15 @@ import os
 import time
 
 _POINTS = frozenset(p for p in os.environ.get("AGENT_FAULT_POINTS", "").split(",") if p)
-KNOWN = ("after_read", "after_acquire", "before_commit", "after_commit", "stall:before_model")
+KNOWN = (
+    "after_read",
+    "after_acquire",
+    "tool_ran",  # a tool call ran, its result is not journaled yet
+    "tool_recorded",  # its result is journaled, the turn is not committed
+    "before_commit",
+    "after_commit",
+    "stall:before_model",
+)
 _stalled: set[str] = set()
 
 

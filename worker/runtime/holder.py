@@ -307,7 +307,11 @@ class SessionHolder:
     ) -> CommitSpec | None:
         try:
             outcome = await self.run_message(
-                msg, reply_to=reply_to, member=entry.member, entry_id=entry.entry_id
+                msg,
+                reply_to=reply_to,
+                member=entry.member,
+                entry_id=entry.entry_id,
+                attempts=entry.attempts,
             )
         except SessionNotActiveError as exc:
             return fail("session_not_active", str(exc))
@@ -333,6 +337,7 @@ class SessionHolder:
 
     def fill_spec(self, spec: CommitSpec, outcome: Outcome) -> None:
         self._set_reply(spec, outcome.reply)
+        spec.journaled = outcome.journal is not None and outcome.journal.written
         spec.tokens = outcome.tokens
         spec.entry_ids.extend(eid for eid, _ in outcome.injected)
         session = outcome.session
@@ -369,8 +374,14 @@ class SessionHolder:
 
     # --- the turn -------------------------------------------------------------------------------
     async def run_message(
-        self, msg: InboundMessage, *, reply_to: str, member: str, entry_id: str = ""
+        self,
+        msg: InboundMessage,
+        *,
+        reply_to: str,
+        member: str,
+        entry_id: str = "",
+        attempts: int = 1,
     ) -> Outcome:
         return await TurnExecution(self).run(
-            msg, reply_to=reply_to, member=member, entry_id=entry_id
+            msg, reply_to=reply_to, member=member, entry_id=entry_id, attempts=attempts
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -14,6 +15,26 @@ log = logging.getLogger(__name__)
 Emit = Callable[[str], Awaitable[None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where the turn's message came from and what fences its writes: a tool that posts
+    back into the session (a subagent's result, a schedule's firing) uses it."""
+
+    member: str  # the session key of the inbound stream the message came from
+    channel: str
+    chat_id: str
+    lease_key: str = ""  # the effective key whose lease this turn runs under
+    token: str = ""
+
+
+class Services(Protocol):
+    """The background services durable-only tools use (``worker.jobs`` implements them)."""
+
+    async def spawn(self, ctx: ToolContext, task: str, label: str) -> str: ...
+
+    async def schedule(self, ctx: ToolContext, action: str, args: dict[str, Any]) -> str: ...
+
+
 @dataclass(slots=True)
 class ToolContext:
     """What a tool may touch during one turn."""
@@ -22,6 +43,12 @@ class ToolContext:
     sessions: SessionManager
     emit: Emit  # send a non-terminal message to the session's frontend
     metadata: dict[str, Any] = field(default_factory=dict)  # the inbound message's metadata
+    origin: Origin | None = None
+    services: Services | None = None
+    # the turn ("<session>|<entry id>": the same in a re-run after a crash) and the call
+    # being executed ("<turn>#<ordinal>"): ids derived from it are stable and unique
+    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    call_id: str = ""
 
     @property
     def scope(self) -> str:
@@ -30,7 +57,14 @@ class ToolContext:
 
 
 class Tool(Protocol):
-    """A tool: ``execute(ctx, **arguments)`` returns the text fed back to the model."""
+    """A tool: ``execute(ctx, **arguments)`` returns the text fed back to the model.
+
+    Optional class attributes (read with defaults): ``idempotent`` (False) — running the
+    call again is harmless: it only reads, or its effect lands with the turn's commit (a
+    turn re-run after a crash runs it again; a call of a tool that is not idempotent is
+    replayed from the journal instead, never run twice); ``durable_only`` (False) — never
+    offered to, nor run in, a session that does not persist (a private session's text
+    must not leave its owner's memory, and the tool's effect would outlive it)."""
 
     name: str
     description: str
@@ -71,6 +105,22 @@ class ToolRegistry:
         names = [n for n in self._tools if (not allow or n in allow) and n not in deny]
         return ToolRegistry(self._tools[n] for n in names)
 
+    def is_idempotent(self, name: str) -> bool:
+        return bool(getattr(self._tools.get(name), "idempotent", False))
+
+    def unavailable(self, session: Session) -> frozenset[str]:
+        """The tools ``session`` may not use: its ``disabled_tools``, and the durable-only
+        tools when it does not persist."""
+        off = session.policy.disabled_tools
+        if session.policy.persist:
+            return off
+        durable = self._durable_only
+        return off | durable if durable else off
+
+    @property
+    def _durable_only(self) -> frozenset[str]:
+        return frozenset(n for n, t in self._tools.items() if getattr(t, "durable_only", False))
+
     def definitions(self, disabled: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
         """OpenAI ``tools`` entries of the tools this session may use."""
         return [
@@ -90,7 +140,7 @@ class ToolRegistry:
         """Run one call; a disabled, unknown or failing tool becomes an error string the
         model can read, never an exception out of the turn."""
         tool = self._tools.get(name)
-        if tool is None or name in ctx.session.policy.disabled_tools:
+        if tool is None or name in self.unavailable(ctx.session):
             return f"Error: tool {name!r} is not available in this session"
         try:
             return await tool.execute(ctx, **arguments)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Any
 
@@ -21,11 +22,25 @@ class CreateGoalTool:
     name = "create_goal"
     description = "Record a goal for this session; returns its id."
     parameters = schema({"title": {"type": "string"}}, ["title"])
+    idempotent = True  # its effect lands with the turn's commit; the id follows the call
 
     async def execute(self, ctx: ToolContext, title: str) -> str:
-        goal = {"id": uuid.uuid4().hex[:8], "title": title, "status": "open"}
-        _goals(ctx).append(goal)
+        goals = _goals(ctx)
+        goal_id = _goal_id(ctx.call_id)
+        for goal in goals:
+            if goal.get("id") == goal_id:  # the same call, run again
+                return as_text(goal)
+        goal = {"id": goal_id, "title": title, "status": "open"}
+        goals.append(goal)
         return as_text(goal)
+
+
+def _goal_id(call_id: str) -> str:
+    """Derived from the tool call, so a call run again (a turn re-run after a crash)
+    names the same goal; random when there is no call id."""
+    if not call_id:
+        return uuid.uuid4().hex[:8]
+    return hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
 class UpdateGoalTool:
@@ -39,6 +54,7 @@ class UpdateGoalTool:
         },
         ["goal_id"],
     )
+    idempotent = True
 
     async def execute(
         self, ctx: ToolContext, goal_id: str, status: str = "", title: str = ""

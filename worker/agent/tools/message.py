@@ -9,6 +9,7 @@ class MessageTool:
     name = "message"
     description = "Send a message to the user now, while the turn goes on."
     parameters = schema({"content": {"type": "string"}}, ["content"])
+    idempotent = False  # the user has seen it: a re-run after a crash does not send it again
 
     async def execute(self, ctx: ToolContext, content: str) -> str:
         await ctx.emit(content)

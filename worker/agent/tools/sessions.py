@@ -24,6 +24,7 @@ class ReadSessionTool:
             "limit": {"type": "integer", "minimum": 1, "maximum": 200},
         }
     )
+    idempotent = True  # reads only
 
     async def execute(self, ctx: ToolContext, session_key: str = "", limit: int = 20) -> str:
         if not session_key or session_key == ctx.session.key:
@@ -40,6 +41,7 @@ class SearchSessionsTool:
     parameters = schema(
         {"query": {"type": "string"}, "max_sessions": {"type": "integer"}}, ["query"]
     )
+    idempotent = True  # reads only
 
     async def execute(self, ctx: ToolContext, query: str, max_sessions: int = 20) -> str:
         needle = query.casefold()

@@ -1,0 +1,57 @@
+"""TurnJournal: a durable turn's tool exchanges, recorded as they happen and fenced by its
+lease (``lua/journal.lua``), so that when the worker dies and the entry is delivered
+again, the new attempt replays them instead of running the tools a second time.
+
+What is recorded: each assistant row with tool calls (before any of its calls runs) and
+each tool result (as soon as it is known). A call whose result is missing from the journal
+may or may not have run; the re-run decides by the tool's ``idempotent`` flag
+(``worker.agent.runner``). Private sessions keep no journal: their text stays in their
+owner's memory, and their owner's death ends them anyway. The journal is read only on a
+redelivery, and dropped by the commit of a turn that wrote (or replayed) one, in the same
+script: a journal outlives its turn only when the turn is never committed (TTL 1 day, and
+the next entry under the lease starts afresh).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from bus_redis import RedisBus
+from worker.runtime.outcomes import TurnAbortedError
+
+log = logging.getLogger(__name__)
+
+
+class TurnJournal:
+    def __init__(self, bus: RedisBus, key: str, token: str, member: str, entry_id: str) -> None:
+        self.bus = bus
+        self.key = key  # the effective key: one turn runs under its lease at a time
+        self.token = token
+        self.entry = f"{member}|{entry_id}"
+        self.written = False
+
+    async def record(self, rows: list[dict[str, Any]]) -> None:
+        """Append rows; a lost lease ends the turn before another tool can run."""
+        encoded = [json.dumps(r, ensure_ascii=False, default=str) for r in rows]
+        if await self.bus.journal(self.key, self.token, self.entry, encoded) < 0:
+            raise TurnAbortedError("lease_lost")
+        self.written = True
+
+    async def replay(self) -> list[dict[str, Any]]:
+        """The rows a lost attempt of this entry recorded (a redelivery)."""
+        rows: list[dict[str, Any]] = []
+        for raw in await self.bus.read_journal(self.key, self.entry):
+            try:
+                row = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        self.written = self.written or bool(rows)
+        return rows
+
+    async def drop(self) -> None:
+        """Drop the journal of this entry (the commit does it for a committed turn)."""
+        await self.bus.journal(self.key, self.token, self.entry, [])
