@@ -37,6 +37,11 @@ SCRIPT_NAMES = (
     "dead",
     "takeover",
     "journal",
+    "cron_add",
+    "cron_remove",
+    "cron_fire",
+    "spawn_add",
+    "spawn_done",
 )
 
 

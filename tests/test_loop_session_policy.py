@@ -13,7 +13,7 @@ from helpers import ScriptedProvider, dump_all
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from session_store import UNIFIED_SESSION_KEY
 from worker import AgentLoop
-from worker.agent.providers import LLMResponse
+from worker.agent.providers import LLMResponse, ToolCallRequest
 
 DURABLE_TOOLS = {"create_goal", "update_goal", "spawn", "cron"}
 
@@ -27,6 +27,10 @@ def _message(key: str, content: str) -> InboundMessage:
         session_key_override=key,
         require_existing_session=True,
     )
+
+
+def _call(name: str, arguments: dict[str, object]) -> ToolCallRequest:
+    return ToolCallRequest(id=f"call-{name}", name=name, arguments=arguments)
 
 
 def _loop(redis: aioredis.Redis, provider: ScriptedProvider, **kwargs: object) -> AgentLoop:
@@ -77,13 +81,41 @@ async def test_durable_session_gets_memory_tools_persistence_and_consolidation(
     await loop.process_message(msg)
 
     assert "shared durable memory" in str(provider.calls[0]["messages"])
-    assert DURABLE_TOOLS - {"spawn", "cron"} <= {
-        t["function"]["name"] for t in provider.calls[0]["tools"]
-    }
+    assert {t["function"]["name"] for t in provider.calls[0]["tools"]} >= DURABLE_TOOLS
     stored = await loop.sessions.read_session("websocket:durable")
     assert stored is not None
     assert [m["content"] for m in stored["messages"]] == ["durable question", "durable answer"]
     loop.consolidator.maybe_consolidate_by_tokens.assert_awaited_once()
+
+
+async def test_a_transient_session_never_gets_spawn_or_cron_even_if_it_disables_nothing(
+    redis: aioredis.Redis,
+) -> None:
+    """spawn and cron are durable-only: a subagent's task and a schedule live in Redis and
+    outlive the private session, so no private session is offered them, names them in its
+    prompt, or may call them."""
+    answers = [LLMResponse(tool_calls=[_call("cron", {"action": "list"})]), LLMResponse("done")]
+
+    async def script(**_: object) -> LLMResponse:
+        return answers.pop(0)
+
+    provider = ScriptedProvider(handler=script)
+    loop = _loop(redis, provider)
+    key = "websocket:transient-open"
+    loop.sessions.get_or_create_transient(key)  # disables nothing
+
+    await loop.process_message(_message(key, "schedule something"))
+
+    offered = {t["function"]["name"] for t in provider.calls[0]["tools"]}
+    assert {"spawn", "cron"}.isdisjoint(offered)
+    assert "create_goal" in offered
+    system = provider.calls[0]["messages"][0]["content"]
+    assert "spawn" not in system
+    assert "cron" not in system
+    session = loop.sessions.get_cached(key)
+    assert session is not None
+    [result] = [m for m in session.messages if m["role"] == "tool"]
+    assert result["content"] == "Error: tool 'cron' is not available in this session"
 
 
 async def test_transient_session_stays_outside_unified_session(redis: aioredis.Redis) -> None:

@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from worker.cli import acl, admin, demo, frontend, runner, status
+    from worker.cli import acl, admin, demo, frontend, runner, schedules, status
 
     parser = argparse.ArgumentParser(
         prog="agent-worker",
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     _common(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (runner, frontend, status, admin, acl, demo):
+    for module in (runner, frontend, status, admin, schedules, acl, demo):
         module.register(sub, _common)
     return parser
 

@@ -11,9 +11,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from bus_redis import Keys
+from bus_redis import Keys, RedisBus
 from bus_redis.codec import stream_id_ms, text
 from bus_redis.streams import WORKER_GROUP
+from bus_redis.subagents import SubagentStore
 from worker.app import make_redis
 from worker.cli.admin import _channels
 from worker.cli.main import redact_url
@@ -23,9 +24,10 @@ from worker.settings import Settings
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(
         "status",
-        help="workers, queues, pending entries, active leases (--check: a healthcheck)",
+        help="workers, queues, leases, running subagents (--check: a healthcheck)",
         description="Workers (alive while their heartbeat is younger than their lease TTL), "
-        "each channel's queues, and every active lease with its holder. With --check, print "
+        "each channel's queues, every active lease with its holder, and the subagents "
+        "queued or running (with the worker running each). With --check, print "
         "one line and exit 1 when no worker is alive, or the oldest queued notification is "
         "older than --max-queue-age (a container healthcheck).",
     )
@@ -85,7 +87,39 @@ async def collect_status(
                 holder = value.partition("|")[2]
                 ttl = int(await redis.pttl(keys.lease(key)))
                 leases.append({"key": key, "holder": holder, "expires_in_ms": ttl})
-    return {"redis": "up", "workers": workers, "channels": per_channel, "active_leases": leases}
+    subagents = await _subagents(redis, keys, list(per_channel), now_ms)
+    return {
+        "redis": "up",
+        "workers": workers,
+        "channels": per_channel,
+        "active_leases": leases,
+        "subagents": subagents,
+    }
+
+
+async def _subagents(
+    redis: aioredis.Redis, keys: Keys, channels: list[str], now_ms: int, *, limit: int = 100
+) -> list[dict[str, Any]]:
+    """Running (and queued) subagents, at most ``limit`` sessions per channel."""
+    store = SubagentStore(RedisBus(redis, keys.prefix))
+    found = []
+    for channel in channels:
+        for session in await store.sessions(channel, limit=limit):
+            for sid, raw in sorted((await store.of_session(session)).items()):
+                try:
+                    doc = json.loads(raw)
+                except ValueError:
+                    continue
+                started = int(doc.get("started_ms") or doc.get("created_ms") or now_ms)
+                found.append({
+                    "id": sid,
+                    "session": session,
+                    "label": doc.get("label", ""),
+                    "state": doc.get("state", "queued"),
+                    "worker": doc.get("worker", ""),
+                    "running_for_ms": max(0, now_ms - started),
+                })  # fmt: skip
+    return found
 
 
 def _check(report: dict[str, Any], max_queue_age_s: float) -> tuple[bool, str]:
@@ -141,5 +175,12 @@ async def status(args: argparse.Namespace, settings: Settings) -> int:
     for lease in report["active_leases"]:
         print(
             f"  {lease['key']}  held by {lease['holder']}  expires in {lease['expires_in_ms']} ms"
+        )
+    print(f"subagents ({len(report['subagents'])}):")
+    for sub in report["subagents"]:
+        where = f" on {sub['worker']}" if sub["worker"] else ""
+        print(
+            f"  {sub['id']}  {sub['state']}{where}  session {sub['session']}  "
+            f"{sub['label']!r}  for {sub['running_for_ms']} ms"
         )
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from arq import create_pool
@@ -32,12 +33,19 @@ class ArqJobQueue:
     def register(self, name: str, handler: JobHandler) -> None:
         self.handlers[name] = handler
 
-    async def enqueue(self, name: str, *, job_id: str, **kwargs: Any) -> bool:
+    async def enqueue(
+        self, name: str, *, job_id: str, defer_until_ms: int | None = None, **kwargs: Any
+    ) -> bool:
         if self._enqueue_pool is None:
             self._enqueue_pool = await create_pool(
                 self.settings, default_queue_name=self.queue_name
             )
-        job = await self._enqueue_pool.enqueue_job(name, _job_id=job_id, **kwargs)
+        when = None
+        if defer_until_ms is not None:
+            when = datetime.fromtimestamp(defer_until_ms / 1000, UTC)
+        job = await self._enqueue_pool.enqueue_job(
+            name, _job_id=job_id, _defer_until=when, **kwargs
+        )
         return job is not None
 
     async def start(self) -> None:

@@ -15,8 +15,11 @@ class JobQueue(Protocol):
         """Make ``name`` runnable (before :meth:`start`)."""
         ...
 
-    async def enqueue(self, name: str, *, job_id: str, **kwargs: Any) -> bool:
-        """Queue a job; False when a job with this id is already queued or running."""
+    async def enqueue(
+        self, name: str, *, job_id: str, defer_until_ms: int | None = None, **kwargs: Any
+    ) -> bool:
+        """Queue a job (to run at ``defer_until_ms``, epoch ms, when given); False when a
+        job with this id is already queued or running."""
         ...
 
     async def start(self) -> None: ...

@@ -36,6 +36,11 @@ from worker.config import LoopConfig
 from worker.jobs import JobQueue, LocalJobQueue
 from worker.jobs.consolidation import JOB_NAME as CONSOLIDATE_JOB
 from worker.jobs.consolidation import Consolidator
+from worker.jobs.schedules import JOB_NAME as CRON_JOB
+from worker.jobs.schedules import Schedules
+from worker.jobs.services import BackgroundServices
+from worker.jobs.subagents import JOB_NAME as SUBAGENT_JOB
+from worker.jobs.subagents import Subagents
 from worker.runtime.acquiring import Acquirer
 from worker.runtime.backoff import Backoff
 from worker.runtime.context import Runtime
@@ -107,6 +112,11 @@ class AgentLoop:
         self.acquirer = Acquirer(self.rt)
         self.rt.confirm = self.controls.confirm_and_cancel
         self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
+        self.subagents = Subagents(self.rt, self.tools)
+        self.schedules = Schedules(self.rt)
+        self.rt.services = BackgroundServices(self.subagents, self.schedules)
+        self.rt.jobs.register(SUBAGENT_JOB, self.subagents.run_job)
+        self.rt.jobs.register(CRON_JOB, self.schedules.fire)
         self.holders: dict[str, SessionHolder] = {}
         self._serving: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.concurrency)
@@ -121,6 +131,7 @@ class AgentLoop:
             serving=lambda key: key in self.holders,
             set_channels=self._set_channels,
             streams=lambda: list(self._streams),
+            periodic=self.schedules.sweep,
         )
         self.liveness = Liveness(
             self.rt,
@@ -368,6 +379,7 @@ class AgentLoop:
     # --- control (worker.runtime.controls) ---------------------------------------------------
     def on_control(self, control: ControlMessage) -> None:
         self.controls.on_control(control)
+        self.subagents.on_control(control)
 
     async def _confirm_and_cancel(self, running: dict[str, tuple[str, str]]) -> None:
         await self.controls.confirm_and_cancel(running)

@@ -9,7 +9,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -35,9 +36,11 @@ class Maintenance:
         serving: Callable[[str], bool],
         set_channels: Callable[[set[str]], None],
         streams: Callable[[], list[str]],
+        periodic: Callable[[set[str]], Awaitable[Any]] | None = None,
     ) -> None:
         self.rt = rt
         self.streams = streams  # the notification streams the consumer reads
+        self.periodic = periodic  # more work per tick over the served channels (schedules)
         self.dispatch = dispatch
         self.serving = serving  # whether a holder runs for this key here
         self.set_channels = set_channels
@@ -96,6 +99,8 @@ class Maintenance:
         for key in await rt.registry.sweeps.leases(channels):
             log.info("lease of %s expired without release; re-notified", safe(key))
         await self.sweep()
+        if self.periodic is not None:
+            await self.periodic(self.channels)
         streams = self.streams()
         stale = await rt.bus.claim_stale(rt.worker_id, streams, min_idle_ms=rt.bus.lock_ttl_ms)
         if stale:

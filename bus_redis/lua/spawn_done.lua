@@ -1,0 +1,22 @@
+-- spawn_done: a subagent's registration while it runs, and its end: its result is
+-- published into its session's stream as a frontend publishes a message, only while it
+-- is still registered (a stop, discard or delete of the session unregisters it).
+-- KEYS[1] the session's subagents  KEYS[2] the channel's index of sessions with subagents
+-- KEYS[3] the session's inbound stream  KEYS[4] channel's queued index  KEYS[5] its ready queue
+-- ARGV[1] subagent id  ARGV[2] 'running' (ARGV[3]: what it does now, JSON), 'done'
+-- (ARGV[3]: the result message, JSON) or 'drop'  ARGV[4] session key  ARGV[5] ready MAXLEN
+-- returns 1 done, 0 not registered (aborted, or done already)
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+if ARGV[2] == 'running' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  return 1
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('ZREM', KEYS[2], ARGV[4]) end
+if ARGV[2] == 'done' then
+  local added = redis.pcall('XADD', KEYS[3], '*', 'payload', ARGV[3])
+  if type(added) == 'table' and added.err then return 1 end  -- a frontend's junk there
+  redis.call('ZADD', KEYS[4], 'NX', 0, ARGV[4])
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'session', ARGV[4])
+end
+return 1

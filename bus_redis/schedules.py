@@ -1,0 +1,89 @@
+"""ScheduleStore: the Redis side of scheduled turns (``worker.jobs.schedules`` decides the
+times). A channel keeps its schedules' definitions in one hash and their next firings in
+one sorted set; a session keeps the ids of its own (at most a configured number, deleted
+with it). Every write is one script: add (fenced by the adding turn's lease), remove, and
+fire, which publishes the firing into the session's stream and moves the schedule on in
+one step, so a firing is delivered once whichever worker comes first.
+"""
+
+from __future__ import annotations
+
+from bus_redis.codec import text
+from bus_redis.keys import channel_of
+from bus_redis.streams import READY_MAXLEN, RedisBus
+
+
+class ScheduleStore:
+    def __init__(self, bus: RedisBus) -> None:
+        self.bus = bus
+        self.keys = bus.keys
+        self.redis = bus.raw
+
+    async def add(
+        self, lease_key: str, token: str, session: str, sid: str, doc: str, first_ms: int,
+        *, limit: int,
+    ) -> int:  # fmt: skip
+        """1 added, 2 added already, 0 the session has ``limit`` schedules, -1 lease lost."""
+        k, channel = self.keys, channel_of(session)
+        keys = [k.lease(lease_key), k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
+        return int(
+            text(await self.bus.scripts.call("cron_add", keys, [token, sid, doc, first_ms, limit]))
+        )
+
+    async def remove(self, session: str, sid: str) -> bool:
+        k, channel = self.keys, channel_of(session)
+        keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
+        return int(text(await self.bus.scripts.call("cron_remove", keys, [sid]))) == 1
+
+    async def purge(self, channel: str, sid: str) -> None:
+        """Drop an unreadable definition (its session's set keeps the id until deleted)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.keys.cron_defs(channel), sid)
+            pipe.zrem(self.keys.cron_due(channel), sid)
+            await pipe.execute()
+
+    async def fire(
+        self, session: str, sid: str, due_ms: int, payload: str, next_ms: int | None
+    ) -> int:
+        """1 fired, 0 not due at ``due_ms`` any more, -2 moved on without a message."""
+        k, channel = self.keys, channel_of(session)
+        keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
+        keys += [k.inbound(session), k.queued(channel), k.ready(channel)]
+        nxt = "" if next_ms is None else next_ms
+        args = [sid, due_ms, payload, nxt, session, READY_MAXLEN]
+        return int(text(await self.bus.scripts.call("cron_fire", keys, args)))
+
+    async def of_session(self, session: str) -> list[tuple[str, str, int | None]]:
+        """``(id, definition JSON, next firing ms)`` of a session's schedules."""
+        k, channel = self.keys, channel_of(session)
+        ids = sorted(text(i) for i in await self.redis.smembers(k.crons(session)))  # type: ignore[misc]
+        return await self.read(channel, ids)
+
+    async def read(self, channel: str, ids: list[str]) -> list[tuple[str, str, int | None]]:
+        if not ids:
+            return []
+        k = self.keys
+        docs = await self.redis.hmget(k.cron_defs(channel), ids)  # type: ignore[misc]
+        out = []
+        for sid, doc in zip(ids, docs, strict=True):
+            if doc is None:
+                continue
+            due = await self.redis.zscore(k.cron_due(channel), sid)
+            out.append((sid, text(doc), None if due is None else int(due)))
+        return out
+
+    async def all_of(self, channel: str, *, limit: int = 1000) -> list[tuple[str, str, int | None]]:
+        """A channel's schedules, soonest first (operators' ``cron list``)."""
+        ids = [text(i) for i in await self.redis.zrange(self.keys.cron_due(channel), 0, limit - 1)]
+        return await self.read(channel, ids)
+
+    async def due(self, channel: str, now_ms: int, *, limit: int) -> list[tuple[str, int]]:
+        """At most ``limit`` schedules of ``channel`` due by ``now_ms``, the most overdue first."""
+        rows = await self.redis.zrangebyscore(
+            self.keys.cron_due(channel), "-inf", now_ms, start=0, num=limit, withscores=True
+        )
+        return [(text(sid), int(score)) for sid, score in rows]
+
+    async def definition(self, channel: str, sid: str) -> str | None:
+        doc = await self.redis.hget(self.keys.cron_defs(channel), sid)  # type: ignore[misc]
+        return None if doc is None else text(doc)

@@ -1,0 +1,65 @@
+"""SubagentStore: the Redis side of subagents (``worker.jobs.subagents`` runs them). A
+session's running subagents are fields of one hash (at most a configured number); a
+channel indexes the sessions that have some (``agent-worker status`` lists them). The
+result goes into the session's stream only while the subagent is still registered: a
+stop, discard or delete of the session unregisters them, and nothing comes back."""
+
+from __future__ import annotations
+
+from bus_redis.codec import text
+from bus_redis.keys import channel_of
+from bus_redis.streams import READY_MAXLEN, RedisBus
+
+REGISTRATION_TTL_MS = 3_600_000  # a registration outlives any subagent's time limit
+
+
+class SubagentStore:
+    def __init__(self, bus: RedisBus) -> None:
+        self.bus = bus
+        self.keys = bus.keys
+        self.redis = bus.raw
+
+    async def add(
+        self, lease_key: str, token: str, session: str, sid: str, doc: str, *, limit: int
+    ) -> int:
+        """1 added, 2 added already, 0 ``limit`` are running, -1 lease lost."""
+        k = self.keys
+        keys = [k.lease(lease_key), k.spawned(session), k.subagents(channel_of(session))]
+        args = [token, sid, doc, limit, REGISTRATION_TTL_MS, session]
+        return int(text(await self.bus.scripts.call("spawn_add", keys, args)))
+
+    async def _done(self, session: str, sid: str, op: str, doc: str = "") -> bool:
+        k, channel = self.keys, channel_of(session)
+        keys = [k.spawned(session), k.subagents(channel), k.inbound(session)]
+        keys += [k.queued(channel), k.ready(channel)]
+        args = [sid, op, doc, session, READY_MAXLEN]
+        return int(text(await self.bus.scripts.call("spawn_done", keys, args))) == 1
+
+    async def running(self, session: str, sid: str, doc: str) -> bool:
+        """Record who runs it; False when it was aborted before it started."""
+        return await self._done(session, sid, "running", doc)
+
+    async def finish(self, session: str, sid: str, payload: str) -> bool:
+        """Publish the result message; False when it was aborted (nothing published)."""
+        return await self._done(session, sid, "done", payload)
+
+    async def drop(self, session: str, sid: str) -> None:
+        await self._done(session, sid, "drop")
+
+    async def abort_all(self, session: str) -> int:
+        """Unregister every subagent of ``session`` (none of their results will come)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(k.spawned(session))
+            pipe.zrem(k.subagents(channel_of(session)), session)
+            deleted, _ = await pipe.execute()
+        return int(deleted)
+
+    async def of_session(self, session: str) -> dict[str, str]:
+        raw = await self.redis.hgetall(self.keys.spawned(session))  # type: ignore[misc]
+        return {text(a): text(b) for a, b in raw.items()}
+
+    async def sessions(self, channel: str, *, limit: int = 1000) -> list[str]:
+        return [
+            text(s) for s in await self.redis.zrange(self.keys.subagents(channel), 0, limit - 1)
+        ]

@@ -1,0 +1,270 @@
+"""Scheduled turns (the ``cron`` tool): a durable session's schedules fire as ``system``
+inbound messages of that session, published as a frontend publishes (so order, leases and
+scope apply), by whichever worker comes first, once per firing.
+
+Kinds: one-shot ``at`` (an ISO 8601 time), ``every_seconds`` (at least
+``AGENT_CRON_MIN_EVERY_S``) and ``cron_expr`` (five fields, read by ``cronsim``) in an
+IANA time zone (``tz``, default UTC; daylight-saving changes follow the zone).
+
+Delivery: each firing is an arq job deferred to its time, with the id
+``<prefix>:cron:<channel>:<schedule>:<firing ms>`` (any number of enqueues is one job);
+every worker's maintenance tick also fires what is overdue (a job lost with a Redis
+restart, a worker killed before enqueueing the next). ``lua/cron_fire.lua`` publishes the
+firing and moves the schedule on in one step, only if the schedule is still due at that
+firing: a firing is delivered once. The message id ``cron:<schedule>:<firing ms>`` is
+deterministic, so the duplicate-id rule would collapse a second copy anyway.
+
+Missed firings (every worker down, Redis down): a late schedule fires once when it is
+noticed, and its next firing is the first one after now; the firings missed in between
+are skipped, not replayed one after another. A one-shot ``at`` in the past fires once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from datetime import datetime
+from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
+from pydantic import BaseModel, ValidationError
+
+from bus_redis import InboundMessage
+from bus_redis.codec import safe
+from bus_redis.keys import channel_of
+from bus_redis.schedules import ScheduleStore
+from worker.agent.tools.base import ToolContext
+from worker.runtime.context import Runtime
+from worker.runtime.outcomes import TurnAbortedError
+
+log = logging.getLogger(__name__)
+JOB_NAME = "cron_fire"
+SWEEP_BATCH = 32  # overdue schedules a worker fires per channel and maintenance tick
+MAX_MESSAGE_CHARS = 2000
+MAX_EVERY_S = 366 * 86_400
+
+
+class ScheduleError(ValueError):
+    """A schedule the tool refuses (the message is the model's to read)."""
+
+
+class Schedule(BaseModel):
+    id: str
+    session: str  # the session key of the stream its firings go to
+    channel: str
+    chat_id: str
+    message: str
+    kind: Literal["at", "every", "cron"]
+    at_ms: int | None = None
+    every_s: int | None = None
+    cron_expr: str | None = None
+    tz: str = "UTC"
+    created_ms: int
+
+    def first_due(self, now_ms: int) -> int:
+        if self.kind == "at":
+            return int(self.at_ms or now_ms)
+        if self.kind == "every":
+            return now_ms + int(self.every_s or 1) * 1000
+        return cron_after(str(self.cron_expr), self.tz, now_ms)
+
+    def next_due(self, due_ms: int, now_ms: int) -> int | None:
+        """The firing after ``due_ms``, coalescing missed ones: the first after now."""
+        if self.kind == "at":
+            return None
+        if self.kind == "every":
+            step = int(self.every_s or 1) * 1000
+            return due_ms + ((max(now_ms, due_ms) - due_ms) // step + 1) * step
+        return cron_after(str(self.cron_expr), self.tz, max(now_ms, due_ms))
+
+    def describe(self) -> str:
+        if self.kind == "at":
+            return "once"
+        if self.kind == "every":
+            return f"every {self.every_s} s"
+        return f"cron '{self.cron_expr}' ({self.tz})"
+
+
+def cron_after(expr: str, tz: str, after_ms: int) -> int:
+    start = datetime.fromtimestamp(after_ms / 1000, ZoneInfo(tz))
+    return int(next(CronSim(expr, start)).timestamp() * 1000)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def iso(ms: int, tz: str = "UTC") -> str:
+    return datetime.fromtimestamp(ms / 1000, ZoneInfo(tz)).isoformat(timespec="seconds")
+
+
+def parse_schedule(
+    args: dict[str, Any], *, sid: str, session: str, chat_id: str, min_every_s: int, now: int
+) -> Schedule:
+    """The schedule the model asked for, or ``ScheduleError`` saying what is wrong."""
+    message = args.get("message")
+    if not isinstance(message, str) or not message.strip():
+        raise ScheduleError("add needs a non-empty 'message' (what the scheduled turn is about)")
+    if len(message) > MAX_MESSAGE_CHARS:
+        raise ScheduleError(f"'message' is longer than {MAX_MESSAGE_CHARS} characters")
+    tz = args.get("tz") or "UTC"
+    try:
+        zone = ZoneInfo(str(tz))
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ScheduleError(
+            f"unknown time zone {tz!r} (use an IANA name such as Europe/Berlin)"
+        ) from None
+    given = [k for k in ("at", "every_seconds", "cron_expr") if args.get(k) not in (None, "")]
+    if len(given) != 1:
+        raise ScheduleError("give exactly one of 'at', 'every_seconds', 'cron_expr'")
+    base: dict[str, Any] = {"id": sid, "session": session, "channel": channel_of(session)}
+    base["chat_id"] = chat_id
+    base |= {"message": message.strip(), "tz": str(tz), "created_ms": now}
+    if given[0] == "at":
+        try:
+            when = datetime.fromisoformat(str(args["at"]))
+        except ValueError:
+            raise ScheduleError("'at' must be an ISO 8601 time, e.g. 2026-12-24T18:00") from None
+        when = when if when.tzinfo else when.replace(tzinfo=zone)
+        at_ms = int(when.timestamp() * 1000)
+        if at_ms < now - 1000:
+            raise ScheduleError(f"'at' is in the past ({iso(at_ms, str(tz))})")
+        return Schedule(kind="at", at_ms=at_ms, **base)
+    if given[0] == "every_seconds":
+        every = args["every_seconds"]
+        if isinstance(every, bool) or not isinstance(every, int | float) or every != int(every):
+            raise ScheduleError("'every_seconds' must be a whole number of seconds")
+        if not min_every_s <= int(every) <= MAX_EVERY_S:
+            raise ScheduleError(f"'every_seconds' must be between {min_every_s} and {MAX_EVERY_S}")
+        return Schedule(kind="every", every_s=int(every), **base)
+    expr = str(args["cron_expr"])
+    try:
+        cron_after(expr, str(tz), now)
+    except (CronSimError, ValueError, StopIteration):
+        raise ScheduleError(f"'cron_expr' {expr!r} is not a cron expression (5 fields)") from None
+    return Schedule(kind="cron", cron_expr=expr, **base)
+
+
+class Schedules:
+    """The ``cron`` tool's service, the firing job and the overdue sweep."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.store = ScheduleStore(rt.bus)
+
+    # --- the tool -----------------------------------------------------------------------
+    async def handle(self, ctx: ToolContext, action: str, args: dict[str, Any]) -> str:
+        origin = ctx.origin
+        if origin is None or not ctx.session.policy.persist:
+            return "Error: schedules are for stored conversations only"
+        if action == "add":
+            return await self._add(ctx, args)
+        if action == "list":
+            rows = await self.store.of_session(origin.member)
+            return (
+                json.dumps([self._public(doc, due) for _, doc, due in rows])
+                if rows
+                else "No schedules"
+            )
+        if action == "remove":
+            sid = str(args.get("id") or "")
+            removed = bool(sid) and await self.store.remove(origin.member, sid)
+            return (
+                f"Removed schedule {sid}"
+                if removed
+                else f"Error: no schedule {sid!r} in this conversation"
+            )
+        return "Error: action must be add, list or remove"
+
+    async def _add(self, ctx: ToolContext, args: dict[str, Any]) -> str:
+        origin, cfg = ctx.origin, self.rt.config
+        assert origin is not None
+        sid = hashlib.sha256(ctx.call_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        now = now_ms()
+        try:
+            schedule = parse_schedule(
+                args, sid=sid, session=origin.member, chat_id=origin.chat_id,
+                min_every_s=cfg.cron_min_every_s, now=now,
+            )  # fmt: skip
+        except ScheduleError as exc:
+            return f"Error: {exc}"
+        first = schedule.first_due(now)
+        added = await self.store.add(
+            origin.lease_key, origin.token, origin.member, sid, schedule.model_dump_json(),
+            first, limit=cfg.cron_max_per_session,
+        )  # fmt: skip
+        if added < 0:
+            raise TurnAbortedError("lease_lost")
+        if added == 0:
+            return f"Error: this conversation has {cfg.cron_max_per_session} schedules already; remove one first"
+        await self.enqueue(schedule.channel, sid, first)
+        return f"Scheduled {sid}: {schedule.describe()}, next at {iso(first, schedule.tz)}"
+
+    @staticmethod
+    def _public(doc: str, due: int | None) -> dict[str, Any]:
+        s = Schedule.model_validate_json(doc)
+        return {
+            "id": s.id,
+            "message": s.message,
+            "rule": s.describe(),
+            "next": iso(due, s.tz) if due is not None else None,
+        }
+
+    # --- firing ---------------------------------------------------------------------------
+    async def enqueue(self, channel: str, sid: str, due_ms: int) -> None:
+        job_id = f"{self.rt.bus.keys.prefix}:cron:{channel}:{sid}:{due_ms}"
+        await self.rt.jobs.enqueue(
+            JOB_NAME, job_id=job_id, defer_until_ms=due_ms, channel=channel, sid=sid, due_ms=due_ms
+        )
+
+    async def fire(self, *, channel: str, sid: str, due_ms: int) -> bool:
+        """The job (and the sweep): deliver the firing ``due_ms`` of schedule ``sid`` if
+        it is still due then; True when this call delivered it."""
+        doc = await self.store.definition(channel, sid)
+        if doc is None:
+            return False
+        try:
+            schedule = Schedule.model_validate_json(doc)
+        except ValidationError:
+            log.warning("schedule %s of %s is unreadable; removed", safe(sid), safe(channel))
+            await self.store.purge(channel, sid)
+            return False
+        now = now_ms()
+        if due_ms > now:  # early (another worker's clock): at its time instead
+            await self.enqueue(channel, sid, due_ms)
+            return False
+        nxt = schedule.next_due(due_ms, now)
+        fired = await self.store.fire(
+            schedule.session, sid, due_ms, self._message(schedule, due_ms), nxt
+        )
+        if fired and nxt is not None:
+            await self.enqueue(channel, sid, nxt)
+        if fired == -2:
+            log.warning("a firing of %s was not delivered: its stream is not a stream", safe(sid))
+        return fired == 1
+
+    @staticmethod
+    def _message(s: Schedule, due_ms: int) -> str:
+        member = s.session
+        msg = InboundMessage(
+            id=f"cron:{s.id}:{due_ms}",
+            channel=s.channel,
+            chat_id=s.chat_id,
+            session_key_override=member if member != f"{s.channel}:{s.chat_id}" else None,
+            sender_id="cron",
+            input_role="system",
+            content=f"Scheduled ({s.describe()}, due {iso(due_ms, s.tz)}): {s.message}",
+            metadata={"cron": {"id": s.id, "due_ms": due_ms}},
+        )
+        return msg.model_dump_json(exclude_none=True)
+
+    async def sweep(self, channels: set[str]) -> int:
+        """Fire what is overdue (at most ``SWEEP_BATCH`` per channel and call)."""
+        fired, now = 0, now_ms()
+        for channel in sorted(channels):
+            for sid, due in await self.store.due(channel, now, limit=SWEEP_BATCH):
+                fired += await self.fire(channel=channel, sid=sid, due_ms=due)
+        return fired

@@ -1,0 +1,187 @@
+"""Subagents (the ``spawn`` tool): a task handed to an arq job that any worker may run,
+with its own bounded tool set (reads of its session's scope only: no spawn, no cron, no
+message, no goals) and iteration budget. Its result returns into the session that spawned
+it as a ``system`` inbound message, published as a frontend publishes one, so order,
+leases and scope apply, and it joins a running turn by the injection rules.
+
+Registration (``bus_redis.subagents``): the spawning turn registers the subagent under
+its lease (at most ``AGENT_SUBAGENTS_PER_SESSION`` running per session); the job runs
+only while registered and publishes its result only while still registered. A stop,
+discard, delete or ``new`` of the session aborts its subagents: every worker hears the
+control over pub/sub and cancels the ones it runs (which unregister themselves), and the
+worker that spawned them unregisters any not started yet, so none of their results come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+from bus_redis import ControlMessage, InboundMessage
+from bus_redis.codec import safe
+from bus_redis.subagents import SubagentStore
+from session_store import Session
+from session_store.models import SessionPolicy, now_iso
+from worker.agent.prompt import ContextBuilder
+from worker.agent.providers import ProviderError
+from worker.agent.runner import TurnRunner, TurnState
+from worker.agent.tools import ToolContext, ToolRegistry
+from worker.runtime.context import Runtime
+from worker.runtime.outcomes import TurnAbortedError
+
+log = logging.getLogger(__name__)
+JOB_NAME = "subagent"
+SUBAGENT_TOOLS = ("read_session", "search_sessions")  # reads within the session's scope
+ABORTING = ("stop", "discard", "delete", "new")
+MAX_TASK_CHARS = 8000
+SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
+IDENTITY = (
+    "You are a subagent of redis-agent-worker: you work on one task for a conversation "
+    "and reply with its result only, complete and self-contained. Use tools when they help "
+    "and never invent tool results."
+)
+
+
+class Subagents:
+    def __init__(self, rt: Runtime, tools: ToolRegistry) -> None:
+        self.rt = rt
+        self.store = SubagentStore(rt.bus)
+        allowed = [n for n in SUBAGENT_TOOLS if n in tools.names]
+        self.tools = tools.chosen(allow=allowed) if allowed else ToolRegistry()
+        context = ContextBuilder(self.tools.names, identity=IDENTITY)
+        self.runner = TurnRunner(
+            rt.provider, self.tools, context, rt.model, rt.config.subagent_max_iterations
+        )
+        self.running: dict[str, dict[str, asyncio.Task[str]]] = {}  # session -> id -> task
+        self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
+        self.spawned_here: dict[str, None] = {}  # sessions with subagents spawned here (LRU)
+
+    # --- the tool -----------------------------------------------------------------------
+    async def spawn(self, ctx: ToolContext, task: str, label: str) -> str:
+        origin = ctx.origin
+        if origin is None or not ctx.session.policy.persist:
+            return "Error: subagents are for stored conversations only"
+        if not task.strip():
+            return "Error: 'task' is empty"
+        sid = hashlib.sha256(ctx.call_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        label = (label or task).strip().splitlines()[0][:60]
+        doc = {
+            "id": sid,
+            "session": origin.member,
+            "channel": origin.channel,
+            "chat_id": origin.chat_id,
+            "scope": ctx.session.scope,
+            "label": label,
+            "task": task[:MAX_TASK_CHARS],
+            "state": "queued",
+            "created_ms": int(time.time() * 1000),
+        }
+        limit = self.rt.config.subagents_per_session
+        added = await self.store.add(
+            origin.lease_key, origin.token, origin.member, sid, json.dumps(doc), limit=limit
+        )
+        if added < 0:
+            raise TurnAbortedError("lease_lost")
+        if added == 0:
+            return f"Error: {limit} subagents of this conversation are running; wait for one"
+        self._remember(origin.member)
+        job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
+        await self.rt.jobs.enqueue(JOB_NAME, job_id=job_id, session=origin.member, sid=sid)
+        return (
+            f"Subagent {sid} ({label}) started; its result will arrive in this conversation "
+            "as a system message. Do not wait for it in this turn."
+        )
+
+    def _remember(self, session: str) -> None:
+        self.spawned_here.pop(session, None)
+        self.spawned_here[session] = None
+        while len(self.spawned_here) > SPAWNED_HERE_MAX:
+            self.spawned_here.pop(next(iter(self.spawned_here)))
+
+    # --- the job ------------------------------------------------------------------------
+    async def run_job(self, *, session: str, sid: str) -> None:
+        doc = (await self.store.of_session(session)).get(sid)
+        if doc is None:
+            return  # aborted before it started (or done already)
+        spec = json.loads(doc)
+        spec |= {"state": "running", "worker": self.rt.worker_id}
+        spec["started_ms"] = int(time.time() * 1000)
+        if not await self.store.running(session, sid, json.dumps(spec)):
+            return
+        task = asyncio.create_task(self._work(spec), name=f"subagent:{sid}")
+        self.running.setdefault(session, {})[sid] = task
+        try:
+            result = await asyncio.wait_for(asyncio.shield(task), self.rt.config.subagent_timeout_s)
+            text = f"[subagent {sid} ({spec['label']}) finished]\n{result}"
+        except TimeoutError:
+            task.cancel()
+            text = f"[subagent {sid} ({spec['label']}) gave up: out of time]"
+        except asyncio.CancelledError:
+            if sid in self.aborted:
+                self.aborted.discard(sid)
+                await self.store.drop(session, sid)
+                log.info("subagent %s of %s aborted", sid, safe(session))
+                return
+            task.cancel()  # shutdown: arq runs the job again elsewhere
+            raise
+        except ProviderError as exc:
+            text = f"[subagent {sid} ({spec['label']}) failed: {exc}]"
+        finally:
+            tasks = self.running.get(session, {})
+            tasks.pop(sid, None)
+            if not tasks:
+                self.running.pop(session, None)
+        if await self.store.finish(session, sid, self._message(spec, text)):
+            log.info("subagent %s of %s finished", sid, safe(session))
+
+    async def _work(self, spec: dict[str, Any]) -> str:
+        policy = SessionPolicy(persist=False, log_content=True)
+        scratch = Session(key=f"subagent:{spec['id']}", scope=str(spec["scope"]), policy=policy)
+        prompt = (
+            f"Task (from conversation {spec['session']}; read_session with that key reads "
+            f"it):\n{spec['task']}"
+        )
+        row = {"role": "user", "content": prompt, "timestamp": now_iso()}
+        ctx = ToolContext(scratch, self.rt.sessions, emit=_nowhere)
+        return await self.runner.run(scratch, row, None, ctx, TurnState())
+
+    @staticmethod
+    def _message(spec: dict[str, Any], text: str) -> str:
+        member, channel, chat_id = spec["session"], spec["channel"], spec["chat_id"]
+        msg = InboundMessage(
+            id=f"spawn:{spec['id']}",
+            channel=channel,
+            chat_id=chat_id,
+            session_key_override=member if member != f"{channel}:{chat_id}" else None,
+            sender_id="subagent",
+            input_role="system",
+            content=text,
+            metadata={"subagent": spec["id"]},
+        )
+        return msg.model_dump_json(exclude_none=True)
+
+    # --- aborting -----------------------------------------------------------------------
+    def on_control(self, control: ControlMessage) -> None:
+        """A stop, discard, delete or new of a session: its subagents end, here at once."""
+        if control.op not in ABORTING:
+            return
+        session = control.session_key
+        for sid, task in self.running.get(session, {}).items():
+            self.aborted.add(sid)
+            task.cancel()
+        if session in self.spawned_here:  # the ones not started yet
+            self.spawned_here.pop(session, None)
+            self.rt.spawn(self._abort(session))
+
+    async def _abort(self, session: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.store.abort_all(session)
+
+
+async def _nowhere(_text: str) -> None:
+    return None
