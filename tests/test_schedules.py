@@ -1,0 +1,237 @@
+"""Scheduled turns (the ``cron`` tool, ``worker.jobs.schedules``): what a schedule may be,
+when it fires next (missed firings coalesce), a firing delivered once whoever fires it,
+end to end in-process on fakeredis and a real redis-server, deletion with the session;
+three worker processes and a restart on a real one."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider, run_cli
+from replies import channel_events, collect, until
+
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from bus_redis.schedules import ScheduleStore
+from worker import AgentLoop
+from worker.agent.providers import LLMResponse, ToolCallRequest
+from worker.jobs.schedules import Schedule, ScheduleError, parse_schedule
+
+K = Keys()
+NOW = int(datetime(2026, 3, 28, 12, 0, tzinfo=UTC).timestamp() * 1000)
+
+
+def _parse(**args: Any) -> Schedule:
+    return parse_schedule(
+        {"message": "m", **args}, sid="s", session="web:c", chat_id="c", min_every_s=60, now=NOW
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ({}, "exactly one of"),
+        ({"every_seconds": 10}, "between 60"),
+        ({"every_seconds": 90.5}, "whole number"),
+        ({"cron_expr": "every day"}, "not a cron expression"),
+        ({"cron_expr": "0 9 * * *", "tz": "Mars/Olympus"}, "unknown time zone"),
+        ({"at": "yesterday"}, "ISO 8601"),
+        ({"at": "2026-03-27T12:00:00+00:00"}, "in the past"),
+        ({"at": "2026-03-29T12:00", "every_seconds": 60}, "exactly one of"),
+        ({"message": "  ", "every_seconds": 60}, "non-empty"),
+        ({"message": "x" * 2001, "every_seconds": 60}, "longer than"),
+    ],
+)
+def test_what_cannot_be_scheduled_is_refused_with_a_reason(args: dict[str, Any], says: str) -> None:
+    with pytest.raises(ScheduleError, match=says):
+        _parse(**args)
+
+
+def test_missed_firings_coalesce_into_one_and_the_next_is_after_now() -> None:
+    every = _parse(every_seconds=60)
+    assert every.first_due(NOW) == NOW + 60_000
+    due = NOW + 60_000
+    assert every.next_due(due, due) == due + 60_000  # on time
+    assert every.next_due(due, due + 150_000) == due + 180_000  # 2 missed: skipped, not replayed
+    once = _parse(at="2026-03-28T13:00:00+01:00")  # naive or not, the given zone counts
+    assert once.first_due(NOW) == NOW
+    assert once.next_due(NOW, NOW) is None
+
+
+def test_cron_expressions_follow_their_time_zone_across_daylight_saving() -> None:
+    daily = _parse(cron_expr="0 9 * * *", tz="Europe/Berlin")
+    first = daily.first_due(NOW)  # the 29th at 09:00 CEST (DST began that night)
+    second = daily.next_due(first, first)
+    assert datetime.fromtimestamp(first / 1000, UTC).hour == 7
+    assert second - first == 86_400_000
+    winter = _parse(cron_expr="0 9 * * *", tz="Europe/Berlin").first_due(NOW - 86_400_000 * 2)
+    assert datetime.fromtimestamp(winter / 1000, UTC).hour == 8  # the 27th, still CET
+
+
+async def _add(store: ScheduleStore, redis: aioredis.Redis, session: str, every_s: int) -> int:
+    sched = Schedule(
+        id="s1", session=session, channel="web", chat_id=session.split(":", 1)[1],
+        message="tick", kind="every", every_s=every_s, created_ms=0,
+    )  # fmt: skip
+    await redis.set(K.lease(session), "n|w", px=10_000)
+    due = int(time.time() * 1000) - 1  # due now
+    assert (
+        await store.add(session, "n|w", session, "s1", sched.model_dump_json(), due, limit=3) == 1
+    )
+    assert await store.add(session, "x|zombie", session, "s2", "{}", due, limit=3) == -1
+    await redis.delete(K.lease(session))
+    return due
+
+
+async def test_a_firing_is_delivered_once_whoever_fires_it(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """Three workers' jobs and sweeps race for one firing: one delivers it (one entry in the
+    session's stream) and moves the schedule on; the others find it moved."""
+    loops = [AgentLoop(RedisBus(redis_factory()), ScriptedProvider([])) for _ in range(3)]
+    redis = redis_factory()
+    due = await _add(loops[0].schedules.store, redis, "web:once", every_s=3600)
+    fired = await asyncio.gather(
+        *(lp.schedules.fire(channel="web", sid="s1", due_ms=due) for lp in loops),
+        *(lp.schedules.sweep({"web"}) for lp in loops),
+    )
+    assert sum(int(f) for f in fired) == 1
+    [(_, fields)] = await redis.xrange(K.inbound("web:once"))
+    msg = InboundMessage.model_validate_json(fields["payload"])
+    assert msg.id == f"cron:s1:{due}"
+    assert msg.input_role == "system"
+    assert msg.sender_id == "cron"
+    assert await redis.zscore(K.cron_due("web"), "s1") == due + 3_600_000
+    assert await redis.zscore(K.queued("web"), "web:once") is not None  # the sweep's index
+    for lp in loops:
+        await lp.jobs.aclose()
+
+
+class CronModel:
+    """Adds a schedule when asked to, answers everything else."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = args
+
+    async def __call__(self, **kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == "remind me":
+            call = ToolCallRequest("c1", "cron", {"action": "add", **self.args})
+            return LLMResponse(tool_calls=[call])
+        return LLMResponse(content=f"re: {last['content']}")
+
+
+async def test_a_schedule_fires_into_its_session_and_goes_with_it(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """A turn adds a schedule; its firings arrive as system messages of that session and are
+    answered there, each once; deleting the session removes the schedule."""
+    model = CronModel({"every_seconds": 1, "message": "stretch"})
+    make_loop(ScriptedProvider(handler=model), cron_min_every_s=1, followup_mode="queue")
+    client = FrontendClient(redis)
+    msg = InboundMessage(id="r1", channel="web", chat_id="cr", sender_id="u", content="remind me")
+    await client.send(msg)
+    got = await collect(client, "web", {"r1"}, timeout_s=10)
+    tool_rows = [e for e in got["r1"] if e.is_terminal]
+    assert tool_rows[0].type == "message"
+    [sid] = [s for s in await redis.smembers(K.crons("web:cr"))]
+
+    async def firings() -> list[str]:
+        return sorted(
+            {e.reply_to or "" for e in await channel_events(client, "web") if e.is_terminal}
+            - {"r1"}
+        )
+
+    await until(lambda: _at_least(firings, 2), timeout_s=15)
+    fired = await firings()
+    assert all(f.startswith(f"cron:{sid}:") for f in fired)
+    got = await collect(client, "web", set(fired), timeout_s=10)
+    for f in fired:
+        assert [e.type for e in got[f] if e.is_terminal] == ["message"]
+        assert "stretch" in (got[f][-1].content or "")
+    await client.delete("web:cr")
+    await until(lambda: _gone(redis, sid), timeout_s=10)
+
+
+async def _at_least(firings: Any, n: int) -> bool:
+    return len(await firings()) >= n
+
+
+async def _gone(redis: aioredis.Redis, sid: str) -> bool:
+    return (
+        await redis.hget(K.cron_defs("web"), sid) is None
+        and await redis.zscore(K.cron_due("web"), sid) is None
+        and not await redis.exists(K.crons("web:cr"))
+    )
+
+
+# --- three worker processes, then a restart (real redis-server) -------------------------
+
+
+def _due_of(reply_to: str) -> int:
+    return int(reply_to.rsplit(":", 1)[1])
+
+
+@pytest.mark.real_redis
+@pytest.mark.slow
+async def test_three_workers_fire_each_firing_once_and_again_after_a_restart(
+    real_redis, redis_server, spawn_workers
+) -> None:  # type: ignore[no-untyped-def]
+    env = {"AGENT_CRON_MIN_EVERY_S": "1", "AGENT_FOLLOWUP_MODE": "queue"}
+    workers = spawn_workers(3, env=env)
+    client = FrontendClient(real_redis)
+    add = json.dumps({"action": "add", "every_seconds": 1, "message": "tick"})
+    at = datetime.fromtimestamp(time.time() + 2, UTC).isoformat()
+    once = json.dumps({"action": "add", "at": at, "message": "once"})
+    await client.send(_m("every", f"toolcall:cron{add}"))
+    await client.send(_m("at", f"toolcall:cron{once}"))
+    await collect(client, "web", {"every", "at"}, timeout_s=30)
+
+    async def fired(chat: str) -> list[str]:
+        events = await channel_events(client, "web")
+        return [
+            e.reply_to or ""
+            for e in events
+            if e.is_terminal and e.session_key == f"web:{chat}" and e.reply_to != chat
+        ]
+
+    await until(lambda: _count(fired, "every", 3), timeout_s=30)
+    await until(lambda: _count(fired, "at", 1), timeout_s=30)
+    for w in workers:
+        w.kill()
+    assert len(await fired("at")) == 1  # the one-shot fired once, and is gone
+    assert not await real_redis.exists(K.crons("web:at"))
+    before = await fired("every")
+    assert len(before) == len(set(before))  # each firing answered once
+    [sid] = await real_redis.smembers(K.crons("web:every"))
+    due = int(await real_redis.zscore(K.cron_due("web"), sid))
+    # every worker down while more firings come due
+    await until(lambda: time.time() * 1000 > due + 2_500, timeout_s=10)
+    spawn_workers(1, env=env)
+    await until(lambda: _count(fired, "every", len(before) + 2), timeout_s=30)
+    after = await fired("every")
+    assert len(after) == len(set(after))
+    dues = sorted(_due_of(r) for r in after)
+    assert due in dues  # the overdue firing was delivered once, late ...
+    gaps = [b - a for a, b in itertools.pairwise(dues)]
+    late = dues.index(due)
+    assert gaps[late] >= 3_000  # ... and the ones missed after it were skipped
+    assert all(g == 1_000 for i, g in enumerate(gaps) if i != late)
+    # operators: list and remove
+    cli_env = {"AGENT_REDIS_URL": redis_server.url}
+    listed = await asyncio.to_thread(run_cli, "cron", "list", "--json", env=cli_env)
+    assert [row["id"] for row in json.loads(listed.stdout)] == [sid]
+    removed = await asyncio.to_thread(run_cli, "cron", "remove", sid, env=cli_env)
+    assert removed.returncode == 0, removed.stderr
+    assert await real_redis.zscore(K.cron_due("web"), sid) is None
+    assert not await real_redis.sismember(K.crons("web:every"), sid)
+
+
+async def _count(fired: Any, chat: str, n: int) -> bool:
+    return len(await fired(chat)) >= n
+
+
+def _m(chat: str, text: str) -> InboundMessage:
+    return InboundMessage(id=chat, channel="web", chat_id=chat, sender_id="u", content=text)
