@@ -1,0 +1,184 @@
+"""Subagents (the ``spawn`` tool, ``worker.jobs.subagents``): a task runs as a background
+job with its own bounded tools, and its result returns into the session that spawned it
+as a system message, answered there; a stop aborts it (nothing comes back); a session
+runs a bounded number at once. In-process on fakeredis and a real redis-server; across
+two worker processes on a real one, with ``agent-worker status`` listing what runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from helpers import ScriptedProvider, run_cli
+from replies import channel_events, collect, until
+
+from bus_redis import FrontendClient, InboundMessage, Keys
+from worker.agent.providers import LLMResponse, ToolCallRequest
+
+K = Keys()
+
+
+def _m(chat: str, text: str, id_: str) -> InboundMessage:
+    return InboundMessage(id=id_, channel="web", chat_id=chat, sender_id="u", content=text)
+
+
+class Model:
+    """The parent spawns on "research ..."; a subagent (its prompt starts with "Task")
+    waits for ``release`` when its task says "slow"; the rest is echoed."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.subagent_started = asyncio.Event()
+        self.subagent_tools: list[str] = []
+        self.cancelled = 0
+        self.spawns = 0
+
+    async def __call__(self, **kw: Any) -> LLMResponse:
+        messages = kw["messages"]
+        last = messages[-1]
+        if last["role"] == "user" and last["content"].startswith("research"):
+            self.spawns += 1
+            task = last["content"].removeprefix("research").strip()
+            call = ToolCallRequest(f"c{self.spawns}", "spawn", {"task": task, "label": "r"})
+            return LLMResponse(tool_calls=[call])
+        if last["role"] == "user" and last["content"].startswith("Task"):
+            self.subagent_tools = [t["function"]["name"] for t in kw.get("tools") or []]
+            self.subagent_started.set()
+            if "slow" in last["content"]:
+                try:
+                    await self.release.wait()
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
+            return LLMResponse(content="found: 42")
+        return LLMResponse(content=f"re: {last['content']}")
+
+
+async def test_a_subagents_result_comes_back_into_its_session(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    model = Model()
+    make_loop(ScriptedProvider(handler=model), followup_mode="queue")
+    client = FrontendClient(redis)
+    await client.send(_m("sa", "research the answer", "q1"))
+    got = await collect(client, "web", {"q1"}, timeout_s=10)
+    assert [e.type for e in got["q1"] if e.is_terminal] == ["message"]
+
+    async def results() -> list[str]:
+        events = await channel_events(client, "web")
+        return [e.reply_to or "" for e in events if (e.reply_to or "").startswith("spawn:")]
+
+    await until(lambda: _some(results), timeout_s=10)
+    [rid] = await results()
+    got = await collect(client, "web", {rid}, timeout_s=10)
+    [answer] = [e for e in got[rid] if e.is_terminal]
+    assert answer.session_key == "web:sa"
+    assert "found: 42" in (answer.content or "")
+    stored = await redis.hget(K.session("web:sa"), "meta")
+    assert json.loads(stored)["scope"] == "web/sender:u"  # the session's scope, unchanged
+    assert sorted(model.subagent_tools) == ["read_session", "search_sessions"]
+    assert not await redis.exists(K.spawned("web:sa"))  # unregistered once done
+    assert await redis.zscore(K.subagents("web"), "web:sa") is None
+
+
+async def _some(results: Any) -> bool:
+    return bool(await results())
+
+
+async def test_stop_aborts_a_running_subagent_and_nothing_comes_back(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    model = Model()
+    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
+    client = FrontendClient(redis)
+    await client.send(_m("st", "research slow thing", "q1"))
+    await collect(client, "web", {"q1"}, timeout_s=10)
+    await asyncio.wait_for(model.subagent_started.wait(), 10)
+    assert await redis.hlen(K.spawned("web:st")) == 1
+    await client.stop("web:st")
+    await until(lambda: model.cancelled == 1, timeout_s=10)
+    await until(lambda: _unregistered(redis, "web:st"), timeout_s=10)
+    model.release.set()
+    await client.send(_m("st", "after", "q2"))  # the session goes on
+    got = await collect(client, "web", {"q2"}, timeout_s=10)
+    assert [e.type for e in got["q2"] if e.is_terminal] == ["message"]
+    assert not loop.subagents.running
+    events = await channel_events(client, "web")
+    assert not [e for e in events if (e.reply_to or "").startswith("spawn:")]
+
+
+async def _unregistered(redis: Any, session: str) -> bool:
+    return not await redis.exists(K.spawned(session))
+
+
+async def test_a_session_runs_a_bounded_number_of_subagents(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    model = Model()
+    make_loop(ScriptedProvider(handler=model), followup_mode="queue", subagents_per_session=1)
+    client = FrontendClient(redis)
+    await client.send(_m("bd", "research slow one", "q1"))
+    await collect(client, "web", {"q1"}, timeout_s=10)
+    await asyncio.wait_for(model.subagent_started.wait(), 10)
+    await client.send(_m("bd", "research slow two", "q2"))
+    await collect(client, "web", {"q2"}, timeout_s=10)
+    stored = await redis.hgetall(K.session("web:bd"))
+    rows = sorted((int(f[2:]), v) for f, v in stored.items() if f.startswith("m:"))
+    tool_rows = [json.loads(v) for _, v in rows]
+    results = [r["content"] for r in tool_rows if r.get("role") == "tool"]
+    assert results[0].startswith("Subagent ")
+    assert results[1] == "Error: 1 subagents of this conversation are running; wait for one"
+    assert await redis.hlen(K.spawned("web:bd")) == 1
+    model.release.set()
+
+
+# --- two worker processes (real redis-server) ---------------------------------------------
+
+
+@pytest.mark.real_redis
+@pytest.mark.slow
+async def test_spawn_across_two_workers_listed_by_status_and_aborted_by_stop(
+    real_redis, redis_server, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """Two sessions spawn a subagent each; the fake model holds both ("block" in their
+    tasks, escaped in the parent's text). ``status`` lists them running; a stop of one
+    session aborts its subagent wherever it runs; the other's result arrives in its own
+    session once released."""
+    spawn_workers(2, env={"AGENT_FOLLOWUP_MODE": "queue"})
+    client = FrontendClient(real_redis)
+    for chat in ("keep", "stop"):
+        args = '{"task": "bl\\u006fck ' + chat + '", "label": "' + chat + '"}'
+        await client.send(_m(chat, f"toolcall:spawn{args}", chat))
+    await collect(client, "web", {"keep", "stop"}, timeout_s=30)
+    cli_env = {"AGENT_REDIS_URL": redis_server.url}
+
+    async def running() -> list[dict[str, Any]]:
+        out = await asyncio.to_thread(run_cli, "status", "--json", env=cli_env)
+        return [s for s in json.loads(out.stdout)["subagents"] if s["state"] == "running"]
+
+    await until(lambda: _n(running, 2), timeout_s=30)
+    listed = await running()
+    assert {s["session"] for s in listed} == {"web:keep", "web:stop"}
+    assert {s["worker"] for s in listed} <= {"w0", "w1"}
+    await client.stop("web:stop")
+    await until(lambda: fake_llm.hangups >= 1, timeout_s=10)  # its model call was cut
+    await until(lambda: _unregistered(real_redis, "web:stop"), timeout_s=10)
+    fake_llm.release()
+
+    async def result_of(chat: str) -> list[str]:
+        events = await channel_events(client, "web")
+        return [
+            e.reply_to or ""
+            for e in events
+            if e.session_key == f"web:{chat}" and (e.reply_to or "").startswith("spawn:")
+        ]
+
+    await until(lambda: _n(result_of, 1, "keep"), timeout_s=30)
+    [rid] = await result_of("keep")
+    got = await collect(client, "web", {rid}, timeout_s=30)
+    [answer] = [e for e in got[rid] if e.is_terminal]
+    assert answer.session_key == "web:keep"
+    assert "[subagent " in (answer.content or "")
+    await client.send(_m("stop", "after", "after"))
+    await collect(client, "web", {"after"}, timeout_s=30)
+    assert await result_of("stop") == []
+
+
+async def _n(fn: Any, n: int, *args: Any) -> bool:
+    return len(await fn(*args)) >= n
