@@ -21,14 +21,14 @@ class ScheduleStore:
 
     async def add(
         self, lease_key: str, token: str, session: str, sid: str, doc: str, first_ms: int,
-        *, limit: int,
+        *, limit: int, channel_limit: int,
     ) -> int:  # fmt: skip
-        """1 added, 2 added already, 0 the session has ``limit`` schedules, -1 lease lost."""
+        """1 added, 2 added already, 0 the session has ``limit`` schedules, -2 the channel
+        has ``channel_limit``, -1 lease lost."""
         k, channel = self.keys, channel_of(session)
         keys = [k.lease(lease_key), k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
-        return int(
-            text(await self.bus.scripts.call("cron_add", keys, [token, sid, doc, first_ms, limit]))
-        )
+        args = [token, sid, doc, first_ms, limit, channel_limit]
+        return int(text(await self.bus.scripts.call("cron_add", keys, args)))
 
     async def remove(self, session: str, sid: str) -> bool:
         k, channel = self.keys, channel_of(session)

@@ -20,12 +20,14 @@ class SubagentStore:
         self.redis = bus.raw
 
     async def add(
-        self, lease_key: str, token: str, session: str, sid: str, doc: str, *, limit: int
-    ) -> int:
-        """1 added, 2 added already, 0 ``limit`` are running, -1 lease lost."""
+        self, lease_key: str, token: str, session: str, sid: str, doc: str, *, limit: int,
+        channel_limit: int,
+    ) -> int:  # fmt: skip
+        """1 added, 2 added already, 0 ``limit`` run in the session, -2 ``channel_limit``
+        sessions of the channel have some running, -1 lease lost."""
         k = self.keys
         keys = [k.lease(lease_key), k.spawned(session), k.subagents(channel_of(session))]
-        args = [token, sid, doc, limit, REGISTRATION_TTL_MS, session]
+        args = [token, sid, doc, limit, REGISTRATION_TTL_MS, session, channel_limit]
         return int(text(await self.bus.scripts.call("spawn_add", keys, args)))
 
     async def _done(self, session: str, sid: str, op: str, doc: str = "") -> bool:

@@ -81,10 +81,10 @@ async def _add(store: ScheduleStore, redis: aioredis.Redis, session: str, every_
     )  # fmt: skip
     await redis.set(K.lease(session), "n|w", px=10_000)
     due = int(time.time() * 1000) - 1  # due now
-    assert (
-        await store.add(session, "n|w", session, "s1", sched.model_dump_json(), due, limit=3) == 1
-    )
-    assert await store.add(session, "x|zombie", session, "s2", "{}", due, limit=3) == -1
+    doc, caps = sched.model_dump_json(), {"limit": 3, "channel_limit": 9}
+    assert await store.add(session, "n|w", session, "s1", doc, due, **caps) == 1
+    assert await store.add(session, "n|w", session, "s1", doc, due, **caps) == 2  # same call
+    assert await store.add(session, "x|zombie", session, "s2", doc, due, **caps) == -1
     await redis.delete(K.lease(session))
     return due
 

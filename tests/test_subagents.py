@@ -182,3 +182,34 @@ async def test_spawn_across_two_workers_listed_by_status_and_aborted_by_stop(
 
 async def _n(fn: Any, n: int, *args: Any) -> bool:
     return len(await fn(*args)) >= n
+
+
+async def test_a_channel_full_of_subagents_leaves_another_channel_served(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """A channel whose sessions hold every subagent slot it may (one session here) gets a
+    refusal for a further session; another channel's sessions still spawn, and get their
+    results."""
+    model = Model()
+    make_loop(
+        ScriptedProvider(handler=model), followup_mode="queue", subagent_sessions_per_channel=1
+    )
+    client = FrontendClient(redis)
+    await client.send(_m("a1", "research slow one", "q1"))
+    await collect(client, "web", {"q1"}, timeout_s=10)
+    await asyncio.wait_for(model.subagent_started.wait(), 10)
+    await client.send(_m("a2", "research slow two", "q2"))
+    await collect(client, "web", {"q2"}, timeout_s=10)
+    stored = await redis.hgetall(K.session("web:a2"))
+    results = [json.loads(v) for f, v in stored.items() if f.startswith("m:")]
+    [refusal] = [r["content"] for r in results if r.get("role") == "tool"]
+    assert refusal.startswith("Error: too many subagents are running")
+    other = InboundMessage(
+        id="o1", channel="cli", chat_id="b", sender_id="u", content="research quick"
+    )
+    await client.send(other)
+
+    async def result() -> list[str]:
+        events = await channel_events(client, "cli")
+        return [e.reply_to or "" for e in events if (e.reply_to or "").startswith("spawn:")]
+
+    await until(lambda: _some(result), timeout_s=10)
+    model.release.set()

@@ -2,12 +2,13 @@
 -- KEYS[1] lease of the turn  KEYS[2] channel's schedule definitions  KEYS[3] channel's due
 -- index  KEYS[4] the session's schedules (set of ids)
 -- ARGV[1] token  ARGV[2] schedule id  ARGV[3] definition (JSON)  ARGV[4] first firing (ms)
--- ARGV[5] at most this many schedules per session
+-- ARGV[5] at most this many schedules per session  ARGV[6] per channel
 -- returns 1 added, 2 added already (the same call, run again), 0 the session is full,
--- -1 lease lost
+-- -2 the channel is, -1 lease lost
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 2 end
 if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[5]) then return 0 end
+if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[6]) then return -2 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[2])

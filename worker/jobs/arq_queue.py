@@ -58,7 +58,7 @@ class ArqJobQueue:
             queue_name=self.queue_name,
             redis_pool=await create_pool(self.settings, default_queue_name=self.queue_name),
             handle_signals=False,
-            max_jobs=4,
+            max_jobs=32,  # subagents wait on the model most of their time
             job_timeout=600,
             poll_delay=0.2,
             log_results=False,

@@ -194,10 +194,12 @@ class Schedules:
         first = schedule.first_due(now)
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, schedule.model_dump_json(),
-            first, limit=cfg.cron_max_per_session,
+            first, limit=cfg.cron_max_per_session, channel_limit=cfg.cron_max_per_channel,
         )  # fmt: skip
-        if added < 0:
+        if added == -1:
             raise TurnAbortedError("lease_lost")
+        if added == -2:
+            return "Error: this service holds as many schedules as it may; try again later"
         if added == 0:
             return f"Error: this conversation has {cfg.cron_max_per_session} schedules already; remove one first"
         await self.enqueue(schedule.channel, sid, first)

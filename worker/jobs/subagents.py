@@ -60,6 +60,8 @@ class Subagents:
         self.running: dict[str, dict[str, asyncio.Task[str]]] = {}  # session -> id -> task
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
         self.spawned_here: dict[str, None] = {}  # sessions with subagents spawned here (LRU)
+        # the result message must fit the payload limit its session's worker applies
+        self.max_chars = rt.config.max_payload_bytes // 8
 
     # --- the tool -----------------------------------------------------------------------
     async def spawn(self, ctx: ToolContext, task: str, label: str) -> str:
@@ -81,12 +83,16 @@ class Subagents:
             "state": "queued",
             "created_ms": int(time.time() * 1000),
         }
-        limit = self.rt.config.subagents_per_session
+        cfg = self.rt.config
+        limit = cfg.subagents_per_session
         added = await self.store.add(
-            origin.lease_key, origin.token, origin.member, sid, json.dumps(doc), limit=limit
-        )
-        if added < 0:
+            origin.lease_key, origin.token, origin.member, sid, json.dumps(doc), limit=limit,
+            channel_limit=cfg.subagent_sessions_per_channel,
+        )  # fmt: skip
+        if added == -1:
             raise TurnAbortedError("lease_lost")
+        if added == -2:
+            return "Error: too many subagents are running in this service; try again later"
         if added == 0:
             return f"Error: {limit} subagents of this conversation are running; wait for one"
         self._remember(origin.member)
@@ -117,7 +123,7 @@ class Subagents:
         self.running.setdefault(session, {})[sid] = task
         try:
             result = await asyncio.wait_for(asyncio.shield(task), self.rt.config.subagent_timeout_s)
-            text = f"[subagent {sid} ({spec['label']}) finished]\n{result}"
+            text = f"[subagent {sid} ({spec['label']}) finished]\n{result[: self.max_chars]}"
         except TimeoutError:
             task.cancel()
             text = f"[subagent {sid} ({spec['label']}) gave up: out of time]"
