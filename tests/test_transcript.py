@@ -2,7 +2,9 @@
 tool result before the next model call, whatever cuts a turn (stop, lease loss, crash,
 provider error), over interleavings hypothesis picks. The real TurnRunner runs turns of
 tool rounds against one Session; a cut lands at any provider call or tool execution; what
-the holder would keep of the cut turn is appended as it would be (``worker.runtime``)."""
+the holder would keep of the cut turn is appended as it would be (``worker.runtime``); a
+crash is followed by the redelivered attempt, which replays the lost one's tool journal
+and runs no tool call twice."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class Script:
         self.kind = "none"
         self.rounds: list[int] = []
         self.turn = 0
+        self.runs: dict[str, int] = {}  # tool executions by call (ordinal in its turn)
 
     def get_default_model(self) -> str:
         return "m"
@@ -79,7 +82,18 @@ class Script:
 
     async def execute(self, ctx: ToolContext, **_kw: Any) -> str:
         self._tick(provider=False)
+        self.runs[ctx.call_id] = self.runs.get(ctx.call_id, 0) + 1
         return "worked"
+
+
+class Journal:
+    """The tool journal in memory (TurnJournal records to Redis, fenced)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    async def record(self, rows: list[dict[str, Any]]) -> None:
+        self.rows += rows
 
 
 TURN = st.tuples(
@@ -104,21 +118,29 @@ async def _run(turns: list[tuple[list[int], str, int]]) -> None:
     for n, (rounds, kind, cut_at) in enumerate(turns):
         script.turn, script.step, script.rounds = n, 0, list(rounds)
         script.kind, script.cut_at = kind, (cut_at if kind != "none" else -1)
-        state = TurnState()
+        journal = Journal()
+        state = TurnState(journal=journal)
         first = {"role": "user", "content": f"turn {n}", "message_id": f"m{n}"}
-        ctx = ToolContext(session=session, sessions=None, emit=_emit)  # type: ignore[arg-type]
+        ctx = ToolContext(session=session, sessions=None, emit=_emit, turn_id=f"m{n}")  # type: ignore[arg-type]
         try:
             await runner.run(session, first, None, ctx, state)
         except asyncio.CancelledError:
             if kind == "stop":  # what a stopped turn keeps (TurnExecution._outcome)
                 session.append_rows(legal_prefix(state.rows))
-            # lease lost, crash: nothing of the attempt is committed
+            if kind == "crash":  # redelivered: the new attempt replays the journal
+                script.cut_at = -1
+                again = TurnState(journal=journal, replayed=list(journal.rows))
+                ctx = ToolContext(session=session, sessions=None, emit=_emit, turn_id=f"m{n}")  # type: ignore[arg-type]
+                await runner.run(session, first, None, ctx, again)
+                session.append_rows(again.rows)
+            # lease lost: nothing of the attempt is committed (its entry runs again later)
         except ProviderError:
             session.append_rows(state.rows[:1])  # the user row, answered provider_error
         else:
             session.append_rows(state.rows)
         assert_valid(session.messages, closed=True)
         assert_valid(session.get_history(), closed=True)
+        assert all(n == 1 for n in script.runs.values())  # no tool call ran twice
 
 
 async def _emit(_text: str) -> None:
