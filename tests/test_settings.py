@@ -41,7 +41,7 @@ async def test_prompt_and_tools_reach_the_model(redis_factory, make_loop) -> Non
     assert system.startswith("You are Rex, the shop's assistant.")
     assert "helpful assistant running inside" not in system
     offered = {t["function"]["name"] for t in call["tools"]}
-    assert offered == {"read_session", "search_sessions", "update_goal"}
+    assert offered == {"read_session", "search_sessions", "update_goal", "spawn", "cron"}
     assert "create_goal" not in system  # a denied tool is named nowhere
 
 
