@@ -279,6 +279,7 @@ class Keys:
             self.cron_defs(channel),
             self.cron_due(channel),
             self.spawned(session_key),
+            self.subagents(channel),
         ]
 
     def attempts(self, session_key: str) -> str:

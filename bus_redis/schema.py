@@ -49,6 +49,9 @@ ErrorCode = Literal[
 SESSION_NOT_ACTIVE = "required session is not active"
 ControlOp = Literal["discard", "stop", "delete", "new", "interrupt"]
 CONTROL_OPS: tuple[str, ...] = ("stop", "discard", "delete", "new", "interrupt")
+# senders of the system messages workers publish themselves (a schedule's firing, a
+# subagent's result): such a message never starts a session of its own
+WORKER_SENDERS = frozenset({"cron", "subagent"})
 # What a message does when its session's turn is running (double texting): join it
 # (inject), wait for it (queue), cancel it and start again with everything pending
 # (interrupt), or be refused at once with `busy` (reject)
@@ -100,6 +103,11 @@ class InboundMessage(_Routed):
     def _strip_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
         """Keys starting with ``_`` are reserved for the worker: never taken from the wire."""
         return {k: v for k, v in value.items() if not k.startswith("_")}
+
+    @property
+    def worker_made(self) -> bool:
+        """A system message of the kind workers publish (``WORKER_SENDERS``)."""
+        return self.input_role == "system" and self.sender_id in WORKER_SENDERS
 
     @property
     def is_user_input(self) -> bool:

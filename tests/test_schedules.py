@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider, run_cli
+from redis.exceptions import ResponseError
 from replies import channel_events, collect, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.schedules import ScheduleStore
 from worker import AgentLoop
 from worker.agent.providers import LLMResponse, ToolCallRequest
+from worker.jobs import LocalJobQueue
 from worker.jobs.schedules import Schedule, ScheduleError, parse_schedule
 
 K = Keys()
@@ -43,6 +45,8 @@ def _parse(**args: Any) -> Schedule:
         ({"cron_expr": "0 9 * * *", "tz": "Mars/Olympus"}, "unknown time zone"),
         ({"at": "yesterday"}, "ISO 8601"),
         ({"at": "2026-03-27T12:00:00+00:00"}, "in the past"),
+        ({"at": "2027-06-01T12:00:00+00:00"}, "366 days ahead"),
+        ({"every_seconds": float("inf")}, "whole number"),
         ({"at": "2026-03-29T12:00", "every_seconds": 60}, "exactly one of"),
         ({"message": "  ", "every_seconds": 60}, "non-empty"),
         ({"message": "x" * 2001, "every_seconds": 60}, "longer than"),
@@ -74,6 +78,21 @@ def test_cron_expressions_follow_their_time_zone_across_daylight_saving() -> Non
     assert datetime.fromtimestamp(winter / 1000, UTC).hour == 8  # the 27th, still CET
 
 
+def test_in_the_hour_clocks_go_back_every_next_firing_is_later() -> None:
+    """America/New_York repeats 01:00-02:00 on 2026-11-01: a firing computed inside that
+    hour must not name the earlier 01:30 again (the schedule would never move on)."""
+    nightly = _parse(cron_expr="30 1 * * *", tz="America/New_York")
+    at = int(datetime(2026, 11, 1, 6, 0, tzinfo=UTC).timestamp() * 1000)  # 01:00 EST
+    due = nightly.next_due(at, at)
+    assert due is not None
+    assert due > at
+    for _ in range(5):
+        nxt = nightly.next_due(due, due)
+        assert nxt is not None
+        assert nxt > due
+        due = nxt
+
+
 async def _add(store: ScheduleStore, redis: aioredis.Redis, session: str, every_s: int) -> int:
     sched = Schedule(
         id="s1", session=session, channel="web", chat_id=session.split(":", 1)[1],
@@ -86,6 +105,7 @@ async def _add(store: ScheduleStore, redis: aioredis.Redis, session: str, every_
     assert await store.add(session, "n|w", session, "s1", doc, due, **caps) == 2  # same call
     assert await store.add(session, "x|zombie", session, "s2", doc, due, **caps) == -1
     await redis.delete(K.lease(session))
+    await redis.hset(K.session(session), "count", 0)  # its turn was committed
     return due
 
 
@@ -109,6 +129,57 @@ async def test_a_firing_is_delivered_once_whoever_fires_it(redis_factory) -> Non
     assert await redis.zscore(K.queued("web"), "web:once") is not None  # the sweep's index
     for lp in loops:
         await lp.jobs.aclose()
+
+
+async def test_a_schedule_of_a_session_never_stored_is_dropped_not_fired(redis) -> None:  # type: ignore[no-untyped-def]
+    """The turn that added it was never committed (discarded, failed): its firing must
+    not create a session (under a scope of its own that others would share). While the
+    first turn still runs (its lease is held), the firing waits instead."""
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
+    store = loop.schedules.store
+    due = await _add(store, redis, "web:orphan", every_s=3600)
+    await redis.delete(K.session("web:orphan"))
+    await redis.set(K.lease("web:orphan"), "n|w", px=10_000)
+    assert not await loop.schedules.fire(channel="web", sid="s1", due_ms=due)
+    assert await redis.zscore(K.cron_due("web"), "s1") == due  # waits for the commit
+    await redis.delete(K.lease("web:orphan"))
+    assert not await loop.schedules.fire(channel="web", sid="s1", due_ms=due)
+    assert await redis.hget(K.cron_defs("web"), "s1") is None
+    assert await redis.zscore(K.cron_due("web"), "s1") is None
+    assert not await redis.exists(K.inbound("web:orphan"))
+
+
+async def test_a_worker_made_message_never_starts_a_session(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """A firing (or a subagent's result) that reaches a session with nothing stored is
+    answered ``session_not_active`` and stores nothing: no session with the scope
+    ``web/sender:cron`` that every such session would share."""
+    make_loop(ScriptedProvider(handler=CronModel({})))
+    client = FrontendClient(redis)
+    msg = InboundMessage(
+        id="cron:x:1", channel="web", chat_id="gone", sender_id="cron", input_role="system",
+        content="Scheduled: stretch",
+    )  # fmt: skip
+    await client.send(msg)
+    got = await collect(client, "web", {"cron:x:1"}, timeout_s=10)
+    [answer] = [e for e in got["cron:x:1"] if e.is_terminal]
+    assert answer.code == "session_not_active"
+    assert not await redis.exists(K.session("web:gone"))
+
+
+async def test_only_firings_within_the_horizon_are_queued_as_jobs(redis) -> None:  # type: ignore[no-untyped-def]
+    """A firing days ahead waits in Redis only (the sweep queues it when it comes within
+    two minutes), so removing schedules leaves no job behind for long; each firing is
+    queued once per worker however often the sweep sees it."""
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
+    jobs = loop.jobs
+    assert isinstance(jobs, LocalJobQueue)
+    now = int(time.time() * 1000)
+    await loop.schedules.enqueue("web", "far", now + 86_400_000)
+    assert not jobs._running
+    await loop.schedules.enqueue("web", "near", now + 60_000)
+    await loop.schedules.enqueue("web", "near", now + 60_000)
+    assert len(jobs._running) == 1
+    await jobs.aclose()
 
 
 class CronModel:
@@ -235,3 +306,26 @@ async def _count(fired: Any, chat: str, n: int) -> bool:
 
 def _m(chat: str, text: str) -> InboundMessage:
     return InboundMessage(id=chat, channel="web", chat_id=chat, sender_id="u", content=text)
+
+
+@pytest.mark.real_redis
+async def test_a_full_redis_loses_no_firing(real_redis) -> None:  # type: ignore[no-untyped-def]
+    """At ``maxmemory`` (noeviction) the firing's publish is refused: the schedule stays
+    due as it was (a one-shot too), and fires once Redis has room again."""
+    loop = AgentLoop(RedisBus(real_redis), ScriptedProvider([]))
+    due = await _add(loop.schedules.store, real_redis, "web:full", every_s=3600)
+    await real_redis.hset(K.cron_defs("web"), "s1", Schedule(
+        id="s1", session="web:full", channel="web", chat_id="full", message="once",
+        kind="at", at_ms=due, created_ms=0,
+    ).model_dump_json())  # fmt: skip
+    await real_redis.config_set("maxmemory", "1")
+    try:
+        with pytest.raises(ResponseError, match="maxmemory"):
+            await loop.schedules.fire(channel="web", sid="s1", due_ms=due)
+    finally:
+        await real_redis.config_set("maxmemory", "0")
+    assert await real_redis.zscore(K.cron_due("web"), "s1") == due
+    assert await real_redis.hget(K.cron_defs("web"), "s1") is not None
+    assert await loop.schedules.fire(channel="web", sid="s1", due_ms=due)
+    assert await real_redis.hget(K.cron_defs("web"), "s1") is None  # a one-shot: done
+    assert await real_redis.xlen(K.inbound("web:full")) == 1

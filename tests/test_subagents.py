@@ -213,3 +213,50 @@ async def test_a_channel_full_of_subagents_leaves_another_channel_served(redis, 
 
     await until(lambda: _some(result), timeout_s=10)
     model.release.set()
+
+
+async def test_a_failing_subagent_reports_it_and_frees_its_slot(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    model = Model()
+
+    async def broken(**kw: Any) -> LLMResponse:
+        if kw["messages"][-1]["content"].startswith("Task"):
+            raise RuntimeError("the subagent's model broke")
+        return await model(**kw)
+
+    make_loop(ScriptedProvider(handler=broken), followup_mode="queue")
+    client = FrontendClient(redis)
+    await client.send(_m("fl", "research doomed", "q1"))
+    await collect(client, "web", {"q1"}, timeout_s=10)
+
+    async def results() -> list[str]:
+        events = await channel_events(client, "web")
+        return [e.reply_to or "" for e in events if (e.reply_to or "").startswith("spawn:")]
+
+    await until(lambda: _some(results), timeout_s=10)
+    [rid] = await results()
+    await collect(client, "web", {rid}, timeout_s=10)
+    stored = await redis.hgetall(K.session("web:fl"))
+    rows = [json.loads(v) for f, v in stored.items() if f.startswith("m:")]
+    assert any("failed: RuntimeError" in str(r.get("content")) for r in rows)
+    assert not await redis.exists(K.spawned("web:fl"))
+
+
+async def test_a_worker_that_heard_the_stop_never_starts_an_older_subagent(redis) -> None:  # type: ignore[no-untyped-def]
+    """The job of a subagent queued before a stop starts on a worker that heard the stop
+    (not the spawner): it drops itself. A subagent spawned after the stop is not touched."""
+    from bus_redis import ControlMessage, RedisBus
+    from worker import AgentLoop
+
+    heard = AgentLoop(RedisBus(redis), ScriptedProvider(handler=Model()))
+    store = heard.subagents.store
+    await redis.set(K.lease("web:h"), "n|w", px=10_000)
+    for sid, after in (("old", "100-0"), ("new", "300-0")):
+        doc = {"id": sid, "session": "web:h", "channel": "web", "chat_id": "h", "scope": "web/u",
+               "label": sid, "task": "t", "after": after}  # fmt: skip
+        assert await store.add("web:h", "n|w", "web:h", sid, json.dumps(doc), limit=3,
+                               channel_limit=8) == 1  # fmt: skip
+    heard.subagents.on_control(ControlMessage(op="stop", session_key="web:h", marker="200-0"))
+    await heard.subagents.run_job(session="web:h", sid="old")
+    assert set(await store.of_session("web:h")) == {"new"}
+    assert not await redis.exists(K.inbound("web:h"))
+    await heard.jobs.aclose()

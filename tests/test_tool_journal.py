@@ -122,6 +122,39 @@ async def test_a_rerun_replays_the_journal_and_runs_no_effect_twice() -> None:
     assert_valid(session.messages, closed=True)
 
 
+async def test_only_the_call_running_at_the_crash_is_unknown_and_a_second_crash_keeps_it() -> None:
+    """Calls of one row run one after another: of those without a recorded result only
+    the first may have run (its effect is unknown); the later ones never started and run
+    now. The unknown result is journaled as such, so a re-run after a second crash still
+    says so."""
+    first, second = Effect("send"), Effect("charge")
+    tools = ToolRegistry([first, second])
+    runner = TurnRunner(Script(), tools, ContextBuilder(tools.names), "m")  # type: ignore[arg-type]
+    calls = [_call("c1", "send"), _call("c2", "charge")]
+    lost = [{"role": "assistant", "content": "", "tool_calls": calls, "timestamp": now_iso()}]
+    journal = Recorder()
+    state = TurnState(replayed=lost, journal=journal)
+    user = {"role": "user", "content": "go", "timestamp": now_iso(), "message_id": "m"}
+    session = Session("web:j2")
+    ctx = ToolContext(session, None, emit=None)  # type: ignore[arg-type]
+    await runner.run(session, user, None, ctx, state)
+    assert (first.runs, second.runs) == (0, 1)
+    assert state.unknown == ["send"]
+    # the second crash: the journal now holds the first attempt's row and the new results
+    again = TurnState(replayed=lost + journal.rows)
+    await runner.run(Session("web:j2"), user, None, ctx, again)
+    assert (first.runs, second.runs) == (0, 1)  # nothing ran again
+    assert again.unknown == ["send"]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    async def record(self, rows: list[dict[str, Any]]) -> None:
+        self.rows += rows
+
+
 # --- kill -9 between a tool's run and the commit (real processes) ---------------------------
 
 

@@ -58,10 +58,11 @@ class LoopConfig(BaseModel):
     cron_max_per_session: int = Field(default=10, ge=1, le=1000)  # schedules a session keeps
     cron_max_per_channel: int = Field(default=10_000, ge=1)  # and all sessions of a channel
     cron_min_every_s: int = Field(default=60, ge=1)  # the shortest repeat a schedule may have
-    subagents_per_session: int = Field(default=3, ge=1, le=100)  # running at once
-    subagent_sessions_per_channel: int = Field(default=64, ge=1)  # sessions running some
+    subagents_per_session: int = Field(default=2, ge=1, le=100)  # running at once
+    subagent_sessions_per_channel: int = Field(default=8, ge=1)  # sessions running some
     subagent_max_iterations: int = Field(default=8, ge=1)  # a subagent's tool rounds
-    subagent_timeout_s: float = Field(default=300.0, gt=0)  # a subagent's time, at most
+    # a subagent's time, at most (below the job queue's own limit of 600 s)
+    subagent_timeout_s: float = Field(default=300.0, gt=0, le=550)
 
     @model_validator(mode="before")
     @classmethod

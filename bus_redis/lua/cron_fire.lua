@@ -4,30 +4,48 @@
 -- queued index, ready queue), so order, leases and scope apply as to any message.
 -- KEYS[1] channel's schedule definitions  KEYS[2] channel's due index  KEYS[3] the
 -- session's schedules  KEYS[4] the session's inbound stream  KEYS[5] channel's queued
--- index  KEYS[6] channel's ready queue
+-- index  KEYS[6] channel's ready queue  KEYS[7] the session hash (of its effective key)
+-- KEYS[8] the lease of its effective key
 -- ARGV[1] schedule id  ARGV[2] the firing (ms: its score in the due index)
--- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms; '' when this is the last)
--- ARGV[5] session key  ARGV[6] MAXLEN of the ready queue
+-- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms, later than ARGV[2]; '' when
+-- this is the last)  ARGV[5] session key  ARGV[6] MAXLEN of the ready queue
 -- returns 1 fired, 0 not due then any more (fired already, moved or removed), -2 moved
--- on without a message (the stream has another type: a frontend's junk)
+-- on without a message (the stream has another type: a frontend's junk), -3 not now
+-- (the session's first turn, which added it, is still running)
+-- A session that was never stored (the turn that added the schedule was not committed)
+-- loses the schedule here: a firing must not create a session of its own.
 local due = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not due or tonumber(due) ~= tonumber(ARGV[2]) then return 0 end
+local function drop()
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('SREM', KEYS[3], ARGV[1])
+end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return 0
 end
+if redis.call('EXISTS', KEYS[7]) == 0 then
+  if redis.call('EXISTS', KEYS[8]) == 1 then return -3 end
+  drop()
+  return 0
+end
+if ARGV[4] ~= '' and tonumber(ARGV[4]) <= tonumber(ARGV[2]) then
+  return redis.error_reply('cron_fire: the next firing must be later than this one')
+end
 local added = redis.pcall('XADD', KEYS[4], '*', 'payload', ARGV[3])
 local fired = 1
 if type(added) == 'table' and added.err then
+  if not string.find(added.err, 'WRONGTYPE', 1, true) then
+    return redis.error_reply(added.err)  -- e.g. OOM: nothing moved, tried again later
+  end
   fired = -2
 else
   redis.call('ZADD', KEYS[5], 'NX', 0, ARGV[5])
   redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'session', ARGV[5])
 end
 if ARGV[4] == '' then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('HDEL', KEYS[1], ARGV[1])
-  redis.call('SREM', KEYS[3], ARGV[1])
+  drop()
 else
   redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
 end

@@ -4,6 +4,7 @@
 -- KEYS[4] scope index of the session ('' scope: KEYS[3] again)  KEYS[5] the session's events
 -- KEYS[6] its tool journal  KEYS[7] its schedules (set of ids)  KEYS[8] the channel's
 -- schedule definitions  KEYS[9] the channel's due index  KEYS[10] its running subagents
+-- KEYS[11] the channel's index of sessions with subagents
 -- ARGV[1] token  ARGV[2] the session key
 -- returns 1 deleted, 0 nothing stored, -1 lease lost
 -- Work is bounded: a session has at most AGENT_CRON_MAX_PER_SESSION schedules.
@@ -15,4 +16,5 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[7])) do
   redis.call('ZREM', KEYS[9], id)
 end
 redis.call('DEL', KEYS[5], KEYS[6], KEYS[7], KEYS[10])
+redis.call('ZREM', KEYS[11], ARGV[2])
 return redis.call('DEL', KEYS[2])

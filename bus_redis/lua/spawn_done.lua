@@ -11,12 +11,17 @@ if ARGV[2] == 'running' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
   return 1
 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('ZREM', KEYS[2], ARGV[4]) end
 if ARGV[2] == 'done' then
   local added = redis.pcall('XADD', KEYS[3], '*', 'payload', ARGV[3])
-  if type(added) == 'table' and added.err then return 1 end  -- a frontend's junk there
-  redis.call('ZADD', KEYS[4], 'NX', 0, ARGV[4])
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'session', ARGV[4])
+  if type(added) == 'table' and added.err then
+    if not string.find(added.err, 'WRONGTYPE', 1, true) then
+      return redis.error_reply(added.err)  -- e.g. OOM: still registered, tried again
+    end
+  else
+    redis.call('ZADD', KEYS[4], 'NX', 0, ARGV[4])
+    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'session', ARGV[4])
+  end
 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('ZREM', KEYS[2], ARGV[4]) end
 return 1

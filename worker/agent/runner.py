@@ -215,13 +215,14 @@ class TurnRunner:
         result: str,
         *,
         record: bool = True,
+        unknown: bool = False,
     ) -> None:
         row = {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}
         messages.append(row)
         row = {**row, "timestamp": now_iso()}
         state.rows.append(row)
-        if record:
-            await _record(state, [row])
+        if record:  # the journal remembers a synthetic result as one (a later re-run says so)
+            await _record(state, [{**row, "unknown": True} if unknown else row])
 
     async def _resume(
         self, state: TurnState, messages: list[dict[str, Any]], ctx: ToolContext
@@ -229,33 +230,35 @@ class TurnRunner:
         """A re-run after a crash: the lost attempt's tool exchanges come first, from its
         journal. A call of an idempotent tool runs again (its effect may have been lost
         with the attempt's uncommitted session); any other call is never run twice: its
-        journaled result is used, or, when the crash came before its result was recorded,
-        a result saying its effect is unknown (and the reply says so)."""
-        results = {
-            r.get("tool_call_id"): r.get("content")
-            for r in state.replayed
-            if r.get("role") == "tool"
-        }
+        journaled result is used. Calls run one after another, so of a row's calls only
+        the first without a recorded result can have been running when the worker died:
+        its effect is unknown (a result says so, recorded as such, and the reply says
+        so); the calls after it never started and run now."""
+        results = {r.get("tool_call_id"): r for r in state.replayed if r.get("role") == "tool"}
         for row in state.replayed:
             if row.get("role") != "assistant" or not row.get("tool_calls"):
                 continue
             messages.append({k: v for k, v in row.items() if k != "timestamp"})
             state.rows.append(row)
+            cut = False  # passed the call that was running when the worker died
             for call in row["tool_calls"]:
                 call_id, fn = call.get("id"), call.get("function") or {}
-                name = str(fn.get("name"))
-                journaled = results.get(call_id)
-                if self.tools.is_idempotent(name):
+                name, journaled = str(fn.get("name")), results.get(call_id)
+                running = journaled is None and not cut  # it may have run, or not
+                cut = cut or journaled is None
+                if self.tools.is_idempotent(name) or (journaled is None and not running):
                     result = await self._execute(state, name, _arguments(fn), ctx)
-                elif isinstance(journaled, str):
-                    state.calls += 1
-                    await self._answer(state, messages, call_id, name, journaled, record=False)
+                    await self._answer(state, messages, call_id, name, result)
                     continue
-                else:
-                    state.calls += 1
-                    result = UNKNOWN_EFFECT
-                    state.unknown.append(name)
-                await self._answer(state, messages, call_id, name, result)
+                state.calls += 1
+                if journaled is not None:
+                    if journaled.get("unknown"):
+                        state.unknown.append(name)
+                    content = str(journaled.get("content"))
+                    await self._answer(state, messages, call_id, name, content, record=False)
+                    continue
+                state.unknown.append(name)
+                await self._answer(state, messages, call_id, name, UNKNOWN_EFFECT, unknown=True)
 
     @staticmethod
     def _finish(state: TurnState, text: str) -> str:

@@ -47,15 +47,14 @@ async def cron(args: argparse.Namespace, settings: Settings) -> int:
             channels = [args.channel]
         else:
             channels = await _channels(redis, keys)
+        if args.action == "remove":
+            return await _remove(store, args.id, channels)
         rows = []
         for channel in channels:
             found = await (
                 store.of_session(args.session) if args.session else store.all_of(channel)
             )
-            for sid, doc, due in found:
-                rows.append((channel, sid, doc, due))
-        if args.action == "remove":
-            return await _remove(store, args.id, rows)
+            rows += [(channel, sid, doc, due) for sid, doc, due in found]
         return _list(rows, args)
     finally:
         await redis.aclose()
@@ -96,14 +95,13 @@ def _list(rows: list[tuple[str, str, str, int | None]], args: argparse.Namespace
     return 0
 
 
-async def _remove(
-    store: ScheduleStore, sid: str | None, rows: list[tuple[str, str, str, int | None]]
-) -> int:
+async def _remove(store: ScheduleStore, sid: str | None, channels: list[str]) -> int:
     if not sid:
         print("agent-worker: cron remove needs a schedule ID", file=sys.stderr)
         return 2
-    for channel, found, doc, _ in rows:
-        if found != sid:
+    for channel in channels:
+        doc = await store.definition(channel, sid)
+        if doc is None:
             continue
         try:
             session = Schedule.model_validate_json(doc).session

@@ -6,10 +6,14 @@ Kinds: one-shot ``at`` (an ISO 8601 time), ``every_seconds`` (at least
 ``AGENT_CRON_MIN_EVERY_S``) and ``cron_expr`` (five fields, read by ``cronsim``) in an
 IANA time zone (``tz``, default UTC; daylight-saving changes follow the zone).
 
-Delivery: each firing is an arq job deferred to its time, with the id
-``<prefix>:cron:<channel>:<schedule>:<firing ms>`` (any number of enqueues is one job);
-every worker's maintenance tick also fires what is overdue (a job lost with a Redis
-restart, a worker killed before enqueueing the next). ``lua/cron_fire.lua`` publishes the
+Delivery: a firing due within ``HORIZON_MS`` is an arq job deferred to its time, with the
+id ``<prefix>:cron:<channel>:<schedule>:<firing ms>`` (any number of enqueues is one job;
+a worker enqueues a firing once); every worker's maintenance tick fires what is overdue (a
+job lost with a Redis restart, a worker killed before enqueueing the next) and enqueues
+what comes due within the horizon. No job waits longer than the horizon, so a schedule
+removed (or a session deleted) leaves at most one short-lived job behind, whatever its
+rule: arq holds work in proportion to the firings of the next two minutes, not to what a
+channel ever scheduled. ``lua/cron_fire.lua`` publishes the
 firing and moves the schedule on in one step, only if the schedule is still due at that
 firing: a firing is delivered once. The message id ``cron:<schedule>:<firing ms>`` is
 deterministic, so the duplicate-id rule would collapse a second copy anyway.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from datetime import datetime
 from typing import Any, Literal
@@ -45,6 +50,9 @@ JOB_NAME = "cron_fire"
 SWEEP_BATCH = 32  # overdue schedules a worker fires per channel and maintenance tick
 MAX_MESSAGE_CHARS = 2000
 MAX_EVERY_S = 366 * 86_400
+MAX_AHEAD_MS = MAX_EVERY_S * 1000  # an `at` this far ahead at most
+HORIZON_MS = 120_000  # firings due within this are arq jobs; later ones wait in Redis only
+ENQUEUED_MEMO = 10_000  # firings this worker enqueued (not enqueued again)
 
 
 class ScheduleError(ValueError):
@@ -54,6 +62,7 @@ class ScheduleError(ValueError):
 class Schedule(BaseModel):
     id: str
     session: str  # the session key of the stream its firings go to
+    key: str = ""  # the session's effective key (unified mode folds it): its hash and lease
     channel: str
     chat_id: str
     message: str
@@ -89,8 +98,15 @@ class Schedule(BaseModel):
 
 
 def cron_after(expr: str, tz: str, after_ms: int) -> int:
-    start = datetime.fromtimestamp(after_ms / 1000, ZoneInfo(tz))
-    return int(next(CronSim(expr, start)).timestamp() * 1000)
+    """The first time of ``expr`` strictly after ``after_ms``: in the hour a zone repeats
+    (clocks going back) the iterator can name a wall time whose instant lies before its
+    start, so it is stepped on until it does not."""
+    it = CronSim(expr, datetime.fromtimestamp(after_ms / 1000, ZoneInfo(tz)))
+    for _ in range(64):
+        nxt = int(next(it).timestamp() * 1000)
+        if nxt > after_ms:
+            return nxt
+    raise ValueError(f"cron expression {expr!r} names no time after {after_ms}")
 
 
 def now_ms() -> int:
@@ -124,22 +140,9 @@ def parse_schedule(
     base["chat_id"] = chat_id
     base |= {"message": message.strip(), "tz": str(tz), "created_ms": now}
     if given[0] == "at":
-        try:
-            when = datetime.fromisoformat(str(args["at"]))
-        except ValueError:
-            raise ScheduleError("'at' must be an ISO 8601 time, e.g. 2026-12-24T18:00") from None
-        when = when if when.tzinfo else when.replace(tzinfo=zone)
-        at_ms = int(when.timestamp() * 1000)
-        if at_ms < now - 1000:
-            raise ScheduleError(f"'at' is in the past ({iso(at_ms, str(tz))})")
-        return Schedule(kind="at", at_ms=at_ms, **base)
+        return Schedule(kind="at", at_ms=_at(str(args["at"]), zone, str(tz), now), **base)
     if given[0] == "every_seconds":
-        every = args["every_seconds"]
-        if isinstance(every, bool) or not isinstance(every, int | float) or every != int(every):
-            raise ScheduleError("'every_seconds' must be a whole number of seconds")
-        if not min_every_s <= int(every) <= MAX_EVERY_S:
-            raise ScheduleError(f"'every_seconds' must be between {min_every_s} and {MAX_EVERY_S}")
-        return Schedule(kind="every", every_s=int(every), **base)
+        return Schedule(kind="every", every_s=_every(args["every_seconds"], min_every_s), **base)
     expr = str(args["cron_expr"])
     try:
         cron_after(expr, str(tz), now)
@@ -148,12 +151,40 @@ def parse_schedule(
     return Schedule(kind="cron", cron_expr=expr, **base)
 
 
+def _at(text: str, zone: ZoneInfo, tz: str, now: int) -> int:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ScheduleError("'at' must be an ISO 8601 time, e.g. 2026-12-24T18:00") from None
+    when = when if when.tzinfo else when.replace(tzinfo=zone)
+    at_ms = int(when.timestamp() * 1000)
+    if at_ms < now - 1000:
+        raise ScheduleError(f"'at' is in the past ({iso(at_ms, tz)})")
+    if at_ms > now + MAX_AHEAD_MS:
+        raise ScheduleError("'at' is more than 366 days ahead")
+    return at_ms
+
+
+def _every(every: Any, min_every_s: int) -> int:
+    if (
+        isinstance(every, bool)
+        or not isinstance(every, int | float)
+        or not math.isfinite(every)
+        or every != int(every)
+    ):
+        raise ScheduleError("'every_seconds' must be a whole number of seconds")
+    if not min_every_s <= int(every) <= MAX_EVERY_S:
+        raise ScheduleError(f"'every_seconds' must be between {min_every_s} and {MAX_EVERY_S}")
+    return int(every)
+
+
 class Schedules:
     """The ``cron`` tool's service, the firing job and the overdue sweep."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.store = ScheduleStore(rt.bus)
+        self._enqueued: dict[tuple[str, int], None] = {}  # (schedule, firing) sent to arq
 
     # --- the tool -----------------------------------------------------------------------
     async def handle(self, ctx: ToolContext, action: str, args: dict[str, Any]) -> str:
@@ -191,6 +222,7 @@ class Schedules:
             )  # fmt: skip
         except ScheduleError as exc:
             return f"Error: {exc}"
+        schedule.key = origin.lease_key or origin.member
         first = schedule.first_due(now)
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, schedule.model_dump_json(),
@@ -217,6 +249,13 @@ class Schedules:
 
     # --- firing ---------------------------------------------------------------------------
     async def enqueue(self, channel: str, sid: str, due_ms: int) -> None:
+        """An arq job for a firing due within the horizon (once per worker); a later one
+        is left to the sweep, which enqueues it when it comes within the horizon."""
+        if due_ms - now_ms() > HORIZON_MS or (sid, due_ms) in self._enqueued:
+            return
+        self._enqueued[(sid, due_ms)] = None
+        while len(self._enqueued) > ENQUEUED_MEMO:
+            self._enqueued.pop(next(iter(self._enqueued)))
         job_id = f"{self.rt.bus.keys.prefix}:cron:{channel}:{sid}:{due_ms}"
         await self.rt.jobs.enqueue(
             JOB_NAME, job_id=job_id, defer_until_ms=due_ms, channel=channel, sid=sid, due_ms=due_ms
@@ -236,13 +275,14 @@ class Schedules:
             return False
         now = now_ms()
         if due_ms > now:  # early (another worker's clock): at its time instead
+            self._enqueued.pop((sid, due_ms), None)
             await self.enqueue(channel, sid, due_ms)
             return False
         nxt = schedule.next_due(due_ms, now)
-        fired = await self.store.fire(
-            schedule.session, sid, due_ms, self._message(schedule, due_ms), nxt
-        )
-        if fired and nxt is not None:
+        message = self._message(schedule, due_ms)
+        key = schedule.key or schedule.session
+        fired = await self.store.fire(schedule.session, key, sid, due_ms, message, nxt)
+        if fired in (1, -2) and nxt is not None:
             await self.enqueue(channel, sid, nxt)
         if fired == -2:
             log.warning("a firing of %s was not delivered: its stream is not a stream", safe(sid))
@@ -264,9 +304,17 @@ class Schedules:
         return msg.model_dump_json(exclude_none=True)
 
     async def sweep(self, channels: set[str]) -> int:
-        """Fire what is overdue (at most ``SWEEP_BATCH`` per channel and call)."""
+        """Fire what is overdue and enqueue what comes due within the horizon (at most
+        ``SWEEP_BATCH`` per channel and call, the soonest first). A channel's failure
+        (its keys, a full Redis) is logged and skips only that channel."""
         fired, now = 0, now_ms()
         for channel in sorted(channels):
-            for sid, due in await self.store.due(channel, now, limit=SWEEP_BATCH):
-                fired += await self.fire(channel=channel, sid=sid, due_ms=due)
+            try:
+                for sid, due in await self.store.due(channel, now + HORIZON_MS, limit=SWEEP_BATCH):
+                    if due <= now:
+                        fired += await self.fire(channel=channel, sid=sid, due_ms=due)
+                    else:
+                        await self.enqueue(channel, sid, due)
+            except Exception as exc:  # one channel must not stop the others
+                log.warning("schedules of %s not swept: %s", safe(channel), type(exc).__name__)
         return fired

@@ -7,9 +7,14 @@ leases and scope apply, and it joins a running turn by the injection rules.
 Registration (``bus_redis.subagents``): the spawning turn registers the subagent under
 its lease (at most ``AGENT_SUBAGENTS_PER_SESSION`` running per session); the job runs
 only while registered and publishes its result only while still registered. A stop,
-discard, delete or ``new`` of the session aborts its subagents: every worker hears the
-control over pub/sub and cancels the ones it runs (which unregister themselves), and the
-worker that spawned them unregisters any not started yet, so none of their results come.
+discard, delete or ``new`` of the session published after the spawning message aborts
+its subagents: every worker hears the control over pub/sub (its marker id says where it
+stands in the session's stream), cancels the ones it runs (they unregister themselves)
+and remembers it, so a job of that session starting or finishing later on that worker
+drops itself; the worker that spawned them also unregisters those not started yet. Left
+out: a control no worker heard (pub/sub is at most once) aborts nothing, and a worker
+started after the control does not know it (the spawner's unregistration still holds).
+A subagent that fails (any error, its time limit) reports that as its result.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from typing import Any
 
 from bus_redis import ControlMessage, InboundMessage
-from bus_redis.codec import safe
+from bus_redis.codec import parse_stream_id, safe
 from bus_redis.subagents import SubagentStore
 from session_store import Session
 from session_store.models import SessionPolicy, now_iso
@@ -57,9 +62,11 @@ class Subagents:
         self.runner = TurnRunner(
             rt.provider, self.tools, context, rt.model, rt.config.subagent_max_iterations
         )
-        self.running: dict[str, dict[str, asyncio.Task[str]]] = {}  # session -> id -> task
+        # session -> id -> (task, what it does)
+        self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
         self.spawned_here: dict[str, None] = {}  # sessions with subagents spawned here (LRU)
+        self.stopped: dict[str, tuple[int, int]] = {}  # session -> its latest aborting control
         # the result message must fit the payload limit its session's worker applies
         self.max_chars = rt.config.max_payload_bytes // 8
 
@@ -82,6 +89,7 @@ class Subagents:
             "task": task[:MAX_TASK_CHARS],
             "state": "queued",
             "created_ms": int(time.time() * 1000),
+            "after": origin.entry_id,  # controls of the session after this entry abort it
         }
         cfg = self.rt.config
         limit = cfg.subagents_per_session
@@ -104,10 +112,13 @@ class Subagents:
         )
 
     def _remember(self, session: str) -> None:
-        self.spawned_here.pop(session, None)
-        self.spawned_here[session] = None
-        while len(self.spawned_here) > SPAWNED_HERE_MAX:
-            self.spawned_here.pop(next(iter(self.spawned_here)))
+        _lru(self.spawned_here, session, None)
+
+    def _stopped_after(self, spec: dict[str, Any]) -> bool:
+        """Whether this worker heard an aborting control of the session after the
+        message that spawned ``spec``."""
+        heard = self.stopped.get(str(spec["session"]))
+        return heard is not None and heard > parse_stream_id(str(spec.get("after") or "0-0"))
 
     # --- the job ------------------------------------------------------------------------
     async def run_job(self, *, session: str, sid: str) -> None:
@@ -115,18 +126,22 @@ class Subagents:
         if doc is None:
             return  # aborted before it started (or done already)
         spec = json.loads(doc)
+        if self._stopped_after(spec):
+            await self.store.drop(session, sid)
+            return
         spec |= {"state": "running", "worker": self.rt.worker_id}
         spec["started_ms"] = int(time.time() * 1000)
         if not await self.store.running(session, sid, json.dumps(spec)):
             return
         task = asyncio.create_task(self._work(spec), name=f"subagent:{sid}")
-        self.running.setdefault(session, {})[sid] = task
+        self.running.setdefault(session, {})[sid] = (task, spec)
+        name = f"subagent {sid} ({spec['label']})"
         try:
             result = await asyncio.wait_for(asyncio.shield(task), self.rt.config.subagent_timeout_s)
-            text = f"[subagent {sid} ({spec['label']}) finished]\n{result[: self.max_chars]}"
+            text = f"[{name} finished]\n{result[: self.max_chars]}"
         except TimeoutError:
             task.cancel()
-            text = f"[subagent {sid} ({spec['label']}) gave up: out of time]"
+            text = f"[{name} gave up: it ran out of time]"
         except asyncio.CancelledError:
             if sid in self.aborted:
                 self.aborted.discard(sid)
@@ -135,15 +150,20 @@ class Subagents:
                 return
             task.cancel()  # shutdown: arq runs the job again elsewhere
             raise
-        except ProviderError as exc:
-            text = f"[subagent {sid} ({spec['label']}) failed: {exc}]"
+        except Exception as exc:
+            text = (
+                f"[{name} failed: {exc if isinstance(exc, ProviderError) else type(exc).__name__}]"
+            )
         finally:
             tasks = self.running.get(session, {})
             tasks.pop(sid, None)
             if not tasks:
                 self.running.pop(session, None)
+        if self._stopped_after(spec):
+            await self.store.drop(session, sid)
+            return
         if await self.store.finish(session, sid, self._message(spec, text)):
-            log.info("subagent %s of %s finished", sid, safe(session))
+            log.info("subagent %s of %s ended", sid, safe(session))
 
     async def _work(self, spec: dict[str, Any]) -> str:
         policy = SessionPolicy(persist=False, log_content=True)
@@ -173,13 +193,18 @@ class Subagents:
 
     # --- aborting -----------------------------------------------------------------------
     def on_control(self, control: ControlMessage) -> None:
-        """A stop, discard, delete or new of a session: its subagents end, here at once."""
+        """A stop, discard, delete or new of a session: its subagents spawned before the
+        control end (here at once), and are remembered as ended for jobs to come."""
         if control.op not in ABORTING:
             return
         session = control.session_key
-        for sid, task in self.running.get(session, {}).items():
-            self.aborted.add(sid)
-            task.cancel()
+        # without a marker id, the control is taken as published now (this worker's clock)
+        at = parse_stream_id(control.marker or f"{int(time.time() * 1000)}-0")
+        _lru(self.stopped, session, max(at, self.stopped.get(session, (0, 0))))
+        for sid, (task, spec) in self.running.get(session, {}).items():
+            if self._stopped_after(spec):
+                self.aborted.add(sid)
+                task.cancel()
         if session in self.spawned_here:  # the ones not started yet
             self.spawned_here.pop(session, None)
             self.rt.spawn(self._abort(session))
@@ -191,3 +216,10 @@ class Subagents:
 
 async def _nowhere(_text: str) -> None:
     return None
+
+
+def _lru(table: dict[Any, Any], key: Any, value: Any) -> None:
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > SPAWNED_HERE_MAX:
+        table.pop(next(iter(table)))

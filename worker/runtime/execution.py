@@ -90,6 +90,11 @@ class TurnExecution:
         """A session belongs to one scope, fixed by its first message."""
         wanted = self.rt.scope_for(msg.channel, msg.scope, msg.sender_id)
         if not session.scope:
+            if msg.worker_made and not self.rt.config.owner_mode:
+                # a firing or a subagent's result for a conversation never stored (the
+                # turn that made it was not committed) or deleted since: it must not
+                # start one, under a scope of its own that other sessions would share
+                raise SessionNotActiveError("the conversation this message was for is gone")
             session.scope = wanted
         elif wanted != session.scope and msg.is_user_input and not self.rt.config.owner_mode:
             raise ScopeMismatchError(
@@ -154,7 +159,9 @@ class TurnExecution:
             self.rt.sessions,
             emit=lambda text: self._emit(msg, reply_to, text),
             metadata=dict(msg.metadata),
-            origin=Origin(self.member, msg.channel, msg.chat_id, self.key, self.holder.token),
+            origin=Origin(
+                self.member, msg.channel, msg.chat_id, self.key, self.holder.token, entry_id
+            ),
             services=self.rt.services,
         )
         if entry_id:

@@ -100,7 +100,10 @@ class Maintenance:
             log.info("lease of %s expired without release; re-notified", safe(key))
         await self.sweep()
         if self.periodic is not None:
-            await self.periodic(self.channels)
+            try:
+                await self.periodic(self.channels)
+            except Exception:  # the rest of the tick (claims, owners) must still run
+                log.exception("periodic maintenance work failed")
         streams = self.streams()
         stale = await rt.bus.claim_stale(rt.worker_id, streams, min_idle_ms=rt.bus.lock_ttl_ms)
         if stale:

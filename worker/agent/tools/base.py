@@ -25,6 +25,7 @@ class Origin:
     chat_id: str
     lease_key: str = ""  # the effective key whose lease this turn runs under
     token: str = ""
+    entry_id: str = ""  # the message's entry in the session's stream (a control after it applies)
 
 
 class Services(Protocol):
