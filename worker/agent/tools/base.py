@@ -82,11 +82,17 @@ def schema(properties: dict[str, Any], required: Iterable[str] = ()) -> dict[str
 class ToolRegistry:
     def __init__(self, tools: Iterable[Tool] = ()) -> None:
         self._tools: dict[str, Tool] = {}
+        self._definitions: dict[frozenset[str], list[dict[str, Any]]] = {}
+        self._durable: frozenset[str] = frozenset()
         for tool in tools:
             self.register(tool)
 
     def register(self, tool: Tool) -> None:
         self._tools[tool.name] = tool
+        self._definitions.clear()
+        self._durable = frozenset(
+            n for n, t in self._tools.items() if getattr(t, "durable_only", False)
+        )
 
     @property
     def names(self) -> list[str]:
@@ -113,17 +119,21 @@ class ToolRegistry:
         """The tools ``session`` may not use: its ``disabled_tools``, and the durable-only
         tools when it does not persist."""
         off = session.policy.disabled_tools
-        if session.policy.persist:
+        if session.policy.persist or not self._durable:
             return off
-        durable = self._durable_only
-        return off | durable if durable else off
-
-    @property
-    def _durable_only(self) -> frozenset[str]:
-        return frozenset(n for n, t in self._tools.items() if getattr(t, "durable_only", False))
+        return off | self._durable
 
     def definitions(self, disabled: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
-        """OpenAI ``tools`` entries of the tools this session may use."""
+        """OpenAI ``tools`` entries of the tools this session may use (built once per
+        set of disabled tools; a provider must not change them)."""
+        cached = self._definitions.get(disabled)
+        if cached is None:
+            if len(self._definitions) >= 64:  # sessions' disabled sets are few; stay bounded
+                self._definitions.clear()
+            cached = self._definitions[disabled] = self._build(disabled)
+        return cached
+
+    def _build(self, disabled: frozenset[str]) -> list[dict[str, Any]]:
         return [
             {
                 "type": "function",
