@@ -1,7 +1,8 @@
 """SessionManager: the worker's session cache in front of a SessionStore.
 
-Durable sessions sit in a bounded LRU and are valid only while their version equals the
-version in Redis (checked by the lease script). Transient sessions are pinned in a
+Durable sessions sit in an LRU bounded both in sessions and in rows (a few long sessions
+and many short ones cost alike), valid only while their version equals the version in
+Redis (checked by the lease script). Transient sessions are pinned in a
 separate table: never evicted while open, never written anywhere.
 """
 
@@ -14,15 +15,25 @@ from typing import Any
 from session_store.models import Session, SessionPolicy
 from session_store.protocol import SessionInfo, SessionStore
 
-SESSION_CACHE_MAX_SIZE = 128
+SESSION_CACHE_MAX_SIZE = 16_384  # durable sessions cached, at most
+SESSION_CACHE_MAX_ROWS = 100_000  # and their rows, at most
 
 
 class SessionManager:
-    def __init__(self, store: SessionStore, *, cache_size: int = SESSION_CACHE_MAX_SIZE) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        *,
+        cache_size: int = SESSION_CACHE_MAX_SIZE,
+        cache_rows: int = SESSION_CACHE_MAX_ROWS,
+    ) -> None:
         self.store = store
         self._cache: OrderedDict[str, Session] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # rows of each cached session when last counted
+        self._rows = 0  # their sum
         self._transient: dict[str, Session] = {}
         self._cache_size = cache_size
+        self._cache_rows = cache_rows
         self._scopes: OrderedDict[str, str] = OrderedDict()  # key -> scope, outlives the cache
 
     # --- cache (plain methods: no I/O) -------------------------------------------------
@@ -51,7 +62,7 @@ class SessionManager:
         if current is not None and current.policy == policy:
             return current
         session = Session(key=key, policy=policy)
-        self._cache.pop(key, None)
+        self._drop(key)
         self._transient[key] = session
         return session
 
@@ -73,8 +84,17 @@ class SessionManager:
         )
 
     def invalidate(self, key: str) -> None:
-        self._cache.pop(key, None)
+        self._drop(key)
         self._transient.pop(key, None)
+
+    def _drop(self, key: str) -> None:
+        self._cache.pop(key, None)
+        self._rows -= self._sizes.pop(key, 0)
+
+    def _count(self, session: Session) -> None:
+        rows = len(session.messages)
+        self._rows += rows - self._sizes.get(session.key, 0)
+        self._sizes[session.key] = rows
 
     def scope_hint(self, key: str) -> str:
         """The scope of a durable session seen before (even if evicted since), or ''."""
@@ -89,11 +109,20 @@ class SessionManager:
             self._scopes.move_to_end(session.key)
             while len(self._scopes) > 64 * self._cache_size:
                 self._scopes.popitem(last=False)
+        if self._cache.get(session.key) is not session:
+            self._drop(session.key)
         self._cache[session.key] = session
         self._cache.move_to_end(session.key)
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        self._count(session)
+        self._evict()
         return session
+
+    def _evict(self) -> None:
+        """The least recently used go while over either bound (the newest stays)."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > self._cache_size or self._rows > self._cache_rows
+        ):
+            self._drop(next(iter(self._cache)))
 
     # --- storage -------------------------------------------------------------------------
     async def get_or_create(self, key: str) -> Session:
@@ -114,6 +143,8 @@ class SessionManager:
             and not cached.unpersisted()
         ):
             self._cache.move_to_end(key)
+            self._count(cached)  # it grew by the turns committed since
+            self._evict()
             return cached
         if (  # behind by a few turns (they ran on other workers): read only what it lacks
             cached is not None
@@ -145,7 +176,7 @@ class SessionManager:
     async def update_metadata(self, key: str, updates: dict[str, Any]) -> bool:
         ok = await self.store.update_metadata(key, updates)
         cached = self._cache.get(key)
-        if ok and cached is not None:
+        if ok and cached is not None:  # (a row count is unchanged by metadata)
             cached.metadata.update(updates)
             cached.version = await self.store.version(key)
         return ok

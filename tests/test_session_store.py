@@ -137,6 +137,28 @@ async def test_transient_sessions_are_pinned_and_never_saved(redis: aioredis.Red
     assert manager.get_or_create_transient("web:p").messages == []  # another policy: fresh
 
 
+async def test_the_cache_is_bounded_in_rows_as_well_as_sessions(redis: aioredis.Redis) -> None:
+    """A few long sessions cost the cache what many short ones do: the least recently
+    used go while the cached rows are over the budget, counting rows a cached session
+    gained since it was loaded."""
+    manager = SessionManager(_store(redis), cache_size=100, cache_rows=10)
+    for i in range(3):
+        session = await manager.get_or_create(f"web:r{i}")
+        for n in range(4):
+            session.add_message("user", f"m{n}")
+        await manager.save(session)  # 4 rows each
+    assert manager.get_cached("web:r0") is None  # 12 rows > 10: the oldest went
+    assert manager.get_cached("web:r2") is not None
+    assert manager.get_cached("web:r1") is not None
+    big = await manager.get_or_create("web:big")
+    for n in range(20):
+        big.add_message("user", f"b{n}")
+    await manager.save(big)  # over the budget alone: kept (the newest), the rest went
+    assert manager.get_cached("web:big") is big
+    assert manager.get_cached("web:r1") is None
+    assert manager.get_cached("web:r2") is None
+
+
 async def _append_as_commit(redis: aioredis.Redis, key: str, rows: list[str], meta: str) -> int:
     """What commit.lua does to a hash: rows appended, count, meta, version + 1."""
     h = Keys().session(key)

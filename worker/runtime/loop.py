@@ -98,7 +98,11 @@ class AgentLoop:
             bus=bus,
             registry=Registry(bus),
             sessions=sessions
-            or SessionManager(RedisSessionStore(bus.redis, bus.keys, lock_ttl_ms=bus.lock_ttl_ms)),
+            or SessionManager(
+                RedisSessionStore(bus.redis, bus.keys, lock_ttl_ms=bus.lock_ttl_ms),
+                cache_size=config.session_cache_sessions,
+                cache_rows=config.session_cache_rows,
+            ),
             memory=memory or MemoryStore(bus.redis, bus.keys),
             provider=provider,
             runner=TurnRunner(provider, self.tools, context, model, config.max_iterations),
