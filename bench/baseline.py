@@ -120,9 +120,8 @@ async def run(url: str, system: str, sessions: int, turns: int, history: int = 0
         await _preload(redis, sessions, history)
     await redis.config_resetstat()
     frontend = FrontendClient(redis)
-    keys = Keys()
     serving = _Serving(url, system)
-    position = {keys.out(f"{CHANNEL}:c{s}"): "0" for s in range(sessions)}
+    chats = [f"{CHANNEL}:c{s}" for s in range(sessions)]
     done = 0
     mark: tuple[float, float, float, float, int, int] | None = None
     try:
@@ -130,27 +129,25 @@ async def run(url: str, system: str, sessions: int, turns: int, history: int = 0
             await frontend.send(
                 InboundMessage(channel=CHANNEL, sender_id="u", chat_id=f"c{s}", content="q")
             )
-        while done < turns + sessions:
-            reply = await redis.xread(position, count=100, block=2000)
-            if not reply:
-                raise RuntimeError(f"{system}: no answer for 2 s")
-            for stream, batch in reply:
-                position[stream] = batch[-1][0]
-                for _eid, fields in batch:
-                    if json.loads(fields["payload"])["type"] not in ("message", "error"):
-                        continue
-                    done += 1
-                    if done == sessions:  # warm: every session answered once
-                        mark = (
-                            time.perf_counter(),
-                            time.process_time(),
-                            serving.cpu_s(),
-                            *await _redis_counts(redis),
-                        )
-                    chat = stream.rsplit(":", 1)[1]
-                    await frontend.send(
-                        InboundMessage(channel=CHANNEL, sender_id="u", chat_id=chat, content="q")
-                    )
+        # as a frontend following many sessions reads: blocked on the channel's pulse,
+        # reading the streams it names (bus_redis.pulse)
+        async for ev in frontend.events(chats, after="0", block_ms=2000):
+            if ev.type not in ("message", "error"):
+                continue
+            done += 1
+            if done == sessions:  # warm: every session answered once
+                mark = (
+                    time.perf_counter(),
+                    time.process_time(),
+                    serving.cpu_s(),
+                    *await _redis_counts(redis),
+                )
+            if done >= turns + sessions:
+                break
+            chat = ev.session_key.partition(":")[2]
+            await frontend.send(
+                InboundMessage(channel=CHANNEL, sender_id="u", chat_id=chat, content="q")
+            )
         assert mark is not None
         wall = time.perf_counter() - mark[0]
         front = time.process_time() - mark[1]

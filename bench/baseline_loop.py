@@ -21,6 +21,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from bus_redis import Keys
+from bus_redis.keys import channel_of
 
 LUA = Path(__file__).resolve().parent / "lua"
 CONCURRENCY = 64
@@ -61,7 +62,7 @@ async def main(url: str, channel: str) -> None:
             assistant = json.dumps({"role": "assistant", "content": f"echo: {text}"})
             out = keys.out(session)
             await done(
-                keys=[lease, inbound, history, out, ready],
+                keys=[lease, inbound, history, out, ready, keys.pulse(channel_of(session))],
                 args=[token, entry_id, user, assistant, event, note_id, 1000],
             )
 

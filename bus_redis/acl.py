@@ -31,6 +31,7 @@ def frontend_acl(
     setuser += [f"(+watch +xlen ~{tag}:in:*)"]  # followup=reject: is the session busy?
     setuser += [f"(+zadd ~{k.queued(channel)})"]  # the sweep's index of sessions with work
     setuser += [f"(+xread +xrevrange +xdel +type ~{tag}:out:*)"]  # events; delete a private one's
+    setuser += [f"(+xread +xrevrange +xrange ~{k.pulse(channel)})"]  # which streams got events
     setuser += [f"(+publish &{k.control(channel)})"]
     return [" ".join(setuser), f"SADD {k.channels} {channel}"]
 
@@ -45,8 +46,8 @@ def gateway_acl(channel: str, password: str, *, prefix: str = "agent", user: str
         f"(+xlen ~{tag}:in:*)",  # messages queued
         f"(+exists ~{tag}:lease:*)",  # a turn is running
         f"(+hget +hmget ~{tag}:session:*)",  # stored history, read only
-        # one selector for the shared blocking read: the events and the replica's wake stream
-        f"(+xread +xrevrange +type ~{tag}:out:* ~{tag}:gw:wake:*)",
+        # one selector for the shared blocking read: the pulse and the replica's wake stream
+        f"(+xread +xrevrange +xrange +type ~{tag}:out:* ~{tag}:gw:wake:* ~{tag}:pulse)",
         f"(+xadd +pexpire ~{tag}:gw:wake:*)",
         f"(+zadd +zrem +zscore +zcard +zrevrange +zrangebyscore +zpopmin +hset +hsetnx +hget +hmget +hdel ~{tag}:gw:user:*)",
         f"(+set +get ~{tag}:gw:ticket:*)",

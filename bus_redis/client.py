@@ -20,6 +20,7 @@ from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
 from bus_redis.errors import SessionBusyError
 from bus_redis.keys import Keys, channel_of
+from bus_redis.pulse import PulseWatch
 from bus_redis.schema import (
     ControlMessage,
     FollowUp,
@@ -190,34 +191,61 @@ class FrontendClient:
         still kept), a stream id, or a per-session dict. Each event's ``entry_id`` is
         the point to resume from on any replica after a reconnect: nothing is lost or
         doubled. Events are kept for a bounded time and length (``AGENT_REPLY_TTL_MS``,
-        ``AGENT_REPLY_MAXLEN``); reading does not consume them.
+        ``AGENT_REPLY_MAXLEN``); reading does not consume them. Following several
+        sessions, it blocks on their channels' pulses (``bus_redis.pulse``) and reads only
+        the streams they name: a wake-up costs what happened, not how many are followed.
         """
         keys = list(dict.fromkeys(session_keys))
         position = {
             self.keys.out(k): (after.get(k, "$") if isinstance(after, dict) else after)
             for k in keys
         }
+        watch = None
+        if len(keys) > 1:  # many sessions: block on their channels' pulses, not on them all
+            watch = PulseWatch(self.redis, self.keys)
+            await watch.add_channels({channel_of(k) for k in keys})
         for stream, pos in position.items():  # "$" once, as an id: nothing slips between reads
             if pos == "$":
                 position[stream] = await self._last_id(stream)
-        while True:
-            try:
-                reply = await self.redis.xread(position, count=count, block=block_ms)  # type: ignore[arg-type]
-            except ResponseError as exc:  # a key that is no stream (junk): the next commit
-                if "WRONGTYPE" not in str(exc):  # of its session replaces it
-                    raise
-                reply = await self._read_streams_only(position, count=count)
-            still_wanted()
-            for stream, batch in reply or []:
-                for eid, raw in batch:
-                    position[text(stream)] = text(eid)
-                    try:
-                        event = OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
-                    except ValidationError:
-                        log.warning("skipped a malformed event %s on %s", text(eid), text(stream))
-                        continue
-                    event.entry_id = text(eid)
+        if watch is None:
+            while True:
+                reply = await self._read(position, count=count, block_ms=block_ms)
+                for event in self._decode(position, reply):
                     yield event
+        pending = set(position)  # first, whatever is kept after the positions
+        while True:
+            while pending:
+                wanted = {s: position[s] for s in pending}
+                reply = await self._read(wanted, count=count, block_ms=None)
+                for event in self._decode(position, reply):
+                    yield event
+                pending = {text(s) for s, batch in reply or [] if len(batch) >= count}
+            named, _ = await watch.wait(block_ms)
+            still_wanted()
+            pending = set(position) if named is None else named & position.keys()
+
+    async def _read(self, position: dict[str, str], *, count: int, block_ms: int | None) -> Any:
+        try:
+            reply = await self.redis.xread(position, count=count, block=block_ms)  # type: ignore[arg-type]
+        except ResponseError as exc:  # a key that is no stream (junk): the next commit
+            if "WRONGTYPE" not in str(exc):  # of its session replaces it
+                raise
+            reply = await self._read_streams_only(position, count=count)
+        still_wanted()
+        return reply
+
+    @staticmethod
+    def _decode(position: dict[str, str], reply: Any) -> Iterable[OutboundMessage]:
+        for stream, batch in reply or []:
+            for eid, raw in batch:
+                position[text(stream)] = text(eid)
+                try:
+                    event = OutboundMessage.model_validate_json(fields(raw).get("payload", ""))
+                except ValidationError:
+                    log.warning("skipped a malformed event %s on %s", text(eid), text(stream))
+                    continue
+                event.entry_id = text(eid)
+                yield event
 
     async def _last_id(self, stream: str) -> str:
         try:

@@ -198,6 +198,11 @@ class Keys:
         """Stream a gateway replica adds to, to wake its own blocked event read."""
         return f"{self.prefix}:{{{channel}}}:gw:wake:{encode_session(replica)}"
 
+    def pulse(self, channel: str) -> str:
+        """Stream: the name of an event stream of the channel each time an event is added
+        to it (field ``o``): a frontend following many sessions blocks on this one key."""
+        return f"{self.prefix}:{{{channel}}}:pulse"
+
     def cron_defs(self, channel: str) -> str:
         """Hash: schedule id -> its definition (JSON; ``worker.jobs.schedules``)."""
         return f"{self.prefix}:{{{channel}}}:cron:defs"

@@ -89,6 +89,7 @@ class Registry:
         key = json.loads(member)[0]
         k = self.keys
         keys = [k.owner(key), k.owners(channel_of(key)), k.out(key), k.ready(channel_of(key))]
+        keys.append(k.pulse(channel_of(key)))
         retention = self.bus.retention
         args = [member, event_json, key, retention.maxlen, retention.transient_ttl_ms]
         return bool(await self.bus.scripts.call("owner_lost", keys, args))

@@ -39,6 +39,7 @@ from bus_redis.scripts import Scripts
 
 WORKER_GROUP = "workers"
 HISTORY_MAXLEN = 10_000  # dated consolidation entries kept per scope
+PULSE_MAXLEN = 10_000  # pulses a channel keeps (the scripts say it too)
 JOURNAL_TTL_MS = 86_400_000  # a tool journal outlives any redelivery of its entry
 READY_MAXLEN = 1_000_000
 log = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ class RedisBus:
         index = k.sessions_index(channel_of(key))
         keys += [index, k.scope_sessions(spec.scope) if spec.scope else index]
         keys += [k.owner(m), k.owners(channel_of(m)), k.pending(key), k.dead(channel_of(m))]
-        keys += [k.leases(channel_of(key)), k.journal(key)]
+        keys += [k.leases(channel_of(key)), k.journal(key), k.pulse(channel_of(m))]
         ttl = r.transient_ttl_ms if spec.transient else r.ttl_ms
         args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, r.maxlen, ttl, spec.meta]
         args += [key, spec.owner_op, worker_id, spec.owner_member, self.owner_ttl_ms, spec.dead]
@@ -337,7 +338,7 @@ class RedisBus:
         self, key: str, token: str, member: str, payload: str, *, transient: bool
     ) -> bool:
         r = self.retention
-        keys = [self.keys.lease(key), self.keys.out(member)]
+        keys = [self.keys.lease(key), self.keys.out(member), self.keys.pulse(channel_of(member))]
         ttl = r.transient_ttl_ms if transient else r.ttl_ms
         return bool(await self.scripts.call("emit", keys, [token, payload, r.maxlen, ttl]))
 

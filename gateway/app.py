@@ -67,6 +67,7 @@ class Gateway:
             self.readers,
             self.redis,
             self.keys,
+            channel=s.channel,
             wake_key=self.keys.gw_wake(s.channel, self.replica),
             max_streams=s.max_streams,
         )

@@ -1,10 +1,14 @@
 """EventHub: every open event stream of a gateway process over one blocking Redis read.
 
-A few tasks (``AGENT_GATEWAY_READERS``, one blocking connection each) run ``XREAD BLOCK``
-over the event streams (``P:{C}:out:S``) that any client of this process follows, each
-over its share of them plus its own wake stream, and hand each entry to the subscribers of
-its session. So Redis connections stay bounded (the readers plus the shared pool) however
-many SSE or WebSocket clients are open, and a wake-up re-sends only one reader's share.
+A few tasks (``AGENT_GATEWAY_READERS``, one blocking connection each) each follow a share
+of the event streams (``P:{C}:out:S``) that any client of this process follows: each
+blocks on the channel's pulse (``bus_redis.pulse``: workers name a stream there whenever
+they add an event to it) and its own wake stream, then reads, without blocking, only the
+streams of its share the pulses named, and hands each entry to the subscribers of its
+session. So Redis connections stay bounded (the readers plus the shared pool) however
+many SSE or WebSocket clients are open, and a wake-up costs the events that happened, not
+the number of streams followed. A stream newly followed is read once from its cursor
+before the next blocking read; a reader whose pulses were trimmed reads its whole share.
 
 Resume rule: a subscriber starts *after* a cursor (an event's entry id). It is registered
 before it reads what is already kept after the cursor (catch-up), and every entry id it
@@ -32,6 +36,7 @@ from bus_redis import OutboundMessage
 from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
 from bus_redis.keys import Keys
+from bus_redis.pulse import PulseWatch
 
 log = logging.getLogger(__name__)
 BUFFER_MAX = 256  # entries buffered per subscriber before it re-reads from Redis instead
@@ -116,21 +121,23 @@ class Subscription:
 
 
 class _Reader:
-    """One blocking connection reading its share of the followed streams (a stream always
-    goes to the same reader) plus its own wake stream."""
+    """One blocking connection: the channel's pulse and its own wake stream; then its share
+    of the followed streams (a stream always goes to the same reader) that were named."""
 
     def __init__(self, hub: EventHub, redis: Redis, wake_key: str) -> None:
         self.hub = hub
         self.redis = redis
         self.wake_key = wake_key
         self.streams: dict[str, tuple[str, set[Subscription]]] = {}  # stream -> (cursor, subs)
+        self.fresh: set[str] = set()  # streams followed since the last read: read them once
         self.changed = asyncio.Event()
         self.wake_cursor = "0-0"
         self.junk: dict[str, float] = {}  # key that is no stream -> retry after (loop time)
+        self.pulses = PulseWatch(redis, hub.keys)
         self.task: asyncio.Task[None] | None = None
 
     async def wake(self) -> None:
-        """End this reader's blocked read, so it follows a stream just added."""
+        """End this reader's blocked read, so it reads a stream just added."""
         try:
             async with self.hub.redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
@@ -144,6 +151,7 @@ class _Reader:
 
     async def run(self) -> None:
         delay_s = 0.1
+        await self.pulses.add_channels([self.hub.channel])  # before any stream is read
         while not self.hub.stopping:
             if not self.streams:
                 self.changed.clear()
@@ -160,33 +168,47 @@ class _Reader:
                 delay_s = min(delay_s * 2, 5.0)
 
     async def read_once(self) -> None:
+        if self.fresh:  # followed since the last read: from their cursors, once
+            fresh, self.fresh = self.fresh, set()
+            await self.read_streams(fresh)
+            return
+        hub = self.hub
+        hub.reads += 1
+        named, others = await self.pulses.wait(hub.block_ms, {self.wake_key: self.wake_cursor})
+        if others.get(self.wake_key):
+            self.wake_cursor = text(others[self.wake_key][-1][0])
+        await self.read_streams(set(self.streams) if named is None else named)
+
+    async def read_streams(self, names: set[str]) -> None:
+        """Read (without blocking) the followed streams among ``names`` until they have
+        nothing more, and hand their entries to their subscribers."""
         hub = self.hub
         now = asyncio.get_running_loop().time()
-        position: dict[Any, Any] = {
-            s: c for s, (c, _subs) in self.streams.items() if self.junk.get(s, 0.0) <= now
-        }
-        position[self.wake_key] = self.wake_cursor
-        hub.reads += 1
-        try:
-            reply = await self.redis.xread(position, count=hub.count, block=hub.block_ms)
-        except ResponseError as exc:
-            if "WRONGTYPE" not in str(exc):
-                raise
-            await self.drop_junk(position)
-            return
-        for raw_stream, batch in reply or []:
-            stream = text(raw_stream)
-            if stream == self.wake_key:
-                self.wake_cursor = text(batch[-1][0])
-                continue
-            entry = self.streams.get(stream)
-            if entry is None or not batch:
-                continue
-            events = _decode(batch)
-            self.streams[stream] = (text(batch[-1][0]), entry[1])
-            for sub in list(entry[1]):
-                for ev in events:
-                    sub.push(ev)
+        wanted = {s for s in names if s in self.streams and self.junk.get(s, 0.0) <= now}
+        while wanted:
+            position: dict[Any, Any] = {s: self.streams[s][0] for s in wanted if s in self.streams}
+            if not position:
+                return
+            try:
+                reply = await self.redis.xread(position, count=hub.count)
+            except ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                await self.drop_junk(position)
+                return
+            wanted = set()
+            for raw_stream, batch in reply or []:
+                stream = text(raw_stream)
+                entry = self.streams.get(stream)
+                if entry is None or not batch:
+                    continue
+                events = _decode(batch)
+                self.streams[stream] = (text(batch[-1][0]), entry[1])
+                for sub in list(entry[1]):
+                    for ev in events:
+                        sub.push(ev)
+                if len(batch) >= hub.count:
+                    wanted.add(stream)
 
     async def drop_junk(self, position: dict[Any, Any]) -> None:
         """A followed key that is no stream (junk a worker's next commit replaces): left
@@ -215,6 +237,7 @@ class EventHub:
         redis: Redis,
         keys: Keys,
         *,
+        channel: str,
         wake_key: str,
         max_streams: int,
         block_ms: int = 5000,
@@ -222,6 +245,7 @@ class EventHub:
     ) -> None:
         self.redis = redis  # the shared pool: catch-up reads, wake-ups
         self.keys = keys
+        self.channel = channel  # whose pulse the readers block on
         self.max_streams = max_streams
         self.block_ms = block_ms
         self.count = count
@@ -282,6 +306,7 @@ class EventHub:
         new = stream not in reader.streams
         if new:
             reader.streams[stream] = (last, set())
+            reader.fresh.add(stream)
         reader.streams[stream][1].add(sub)  # registered before any await: always undone
         try:
             if new:

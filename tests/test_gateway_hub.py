@@ -32,12 +32,22 @@ def _event(session: str, n: int) -> dict[str, str]:
     return {"payload": doc.model_dump_json()}
 
 
+async def _add(r: aioredis.Redis, session: str, n: int) -> str:
+    """An event as a worker adds it: to the session's stream, and its name to the pulse."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.xadd(K.out(session), _event(session, n))
+        pipe.xadd(K.pulse("web"), {"o": K.out(session)})
+        eid, _ = await pipe.execute()
+    return str(eid)
+
+
 @contextlib.asynccontextmanager
 async def _hub(make: Callable[[], aioredis.Redis]) -> AsyncIterator[EventHub]:
     hub = EventHub(
         [make(), make(), make()],
         make(),
         K,
+        channel="web",
         wake_key=K.gw_wake("web", "test"),
         max_streams=1000,
         block_ms=200,
@@ -65,11 +75,11 @@ async def _take(sub: Subscription, n: int, timeout_s: float = 10) -> list[HubEve
 
 async def test_kept_events_after_the_cursor_then_live_ones(redis_factory) -> None:  # type: ignore[no-untyped-def]
     r = redis_factory()
-    ids = [await r.xadd(K.out("web:a"), _event("web:a", n)) for n in range(3)]
+    ids = [await _add(r, "web:a", n) for n in range(3)]
     async with _hub(redis_factory) as hub, hub.subscribe("web:a", ids[0]) as sub:
         first = await _take(sub, 2)
         assert [e.entry_id for e in first] == ids[1:]
-        live = await r.xadd(K.out("web:a"), _event("web:a", 3))
+        live = await _add(r, "web:a", 3)
         nxt = await _take(sub, 1)
         assert [e.entry_id for e in nxt] == [live]
         assert nxt[0].event is not None
@@ -78,7 +88,7 @@ async def test_kept_events_after_the_cursor_then_live_ones(redis_factory) -> Non
 
 async def test_a_cursor_older_than_what_is_kept_yields_a_gap_first(redis_factory) -> None:  # type: ignore[no-untyped-def]
     r = redis_factory()
-    ids = [await r.xadd(K.out("web:g"), _event("web:g", n)) for n in range(5)]
+    ids = [await _add(r, "web:g", n) for n in range(5)]
     await r.xtrim(K.out("web:g"), maxlen=2, approximate=False)
     async with _hub(redis_factory) as hub:
         async with hub.subscribe("web:g", ids[0]) as sub:
@@ -93,9 +103,7 @@ async def test_a_cursor_older_than_what_is_kept_yields_a_gap_first(redis_factory
 async def test_a_subscriber_that_falls_behind_reads_the_rest_from_redis(redis_factory) -> None:  # type: ignore[no-untyped-def]
     r = redis_factory()
     async with _hub(redis_factory) as hub, hub.subscribe("web:slow", "$") as sub:
-        ids = [
-            await r.xadd(K.out("web:slow"), _event("web:slow", n)) for n in range(BUFFER_MAX + 50)
-        ]
+        ids = [await _add(r, "web:slow", n) for n in range(BUFFER_MAX + 50)]
         got = await _take(sub, len(ids), timeout_s=30)  # nothing read until all were added
         assert [e.entry_id for e in got] == ids
 
@@ -114,7 +122,7 @@ async def test_any_interleaving_of_subscribing_and_adding_loses_and_doubles_noth
             subs: list[tuple[int, list[str], asyncio.Event, asyncio.Task[None]]] = []
             for step in range(60):
                 if rng.random() < 0.7:
-                    ids.append(await r.xadd(K.out(key), _event(key, step)))
+                    ids.append(await _add(r, key, step))
                 if rng.random() < 0.15:
                     choice = rng.choice(["0", "$", *ids[-5:]])
                     start = (
@@ -166,6 +174,7 @@ async def test_subscriptions_of_many_sessions_share_a_few_blocking_reads(redis_f
         async with r.pipeline(transaction=True) as pipe:  # 50 sessions' events at once
             for i in range(50):
                 pipe.xadd(K.out(f"web:s{i}"), _event(f"web:s{i}", i))
+                pipe.xadd(K.pulse("web"), {"o": K.out(f"web:s{i}")})
             await pipe.execute()
         for i, sub in enumerate(subs):
             got = await _take(sub, 1)
@@ -180,7 +189,7 @@ async def test_a_subscriber_behind_what_redis_keeps_is_told_of_the_gap(redis_fac
     events still kept, in order."""
     r = redis_factory()
     async with _hub(redis_factory) as hub, hub.subscribe("web:far", "$") as sub:
-        ids = [await r.xadd(K.out("web:far"), _event("web:far", n)) for n in range(BUFFER_MAX + 10)]
+        ids = [await _add(r, "web:far", n) for n in range(BUFFER_MAX + 10)]
         await r.xtrim(K.out("web:far"), maxlen=5, approximate=False)
         got = await _take(sub, 6, timeout_s=30)
         assert got[0].kind == "gap"

@@ -7,7 +7,8 @@
 -- KEYS[9] owners registry (of S)
 -- KEYS[10] pending K      KEYS[11] dead letters (of S's channel)
 -- KEYS[12] lease registry of K's channel  KEYS[13] tool journal K
--- KEYS[14..] stream keys for the next selection, seven per stream (see _common.lua)
+-- KEYS[14] the pulse of S's channel (gets KEYS[5]'s name when the event is written)
+-- KEYS[15..] stream keys for the next selection, seven per stream (see _common.lua)
 -- ARGV[1] token  ARGV[2] entry ids to delete, space separated  ARGV[3] event JSON ('' none)
 -- ARGV[4] MAXLEN of streams  ARGV[5] out stream ttl ms  ARGV[6] session meta JSON ('' = nothing
 -- to persist)  ARGV[7] K  ARGV[8] owner op ('', 'set', 'del')  ARGV[9] worker id
@@ -57,6 +58,7 @@ if not applied then
       redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3])  -- junk gone
     end
     redis.call('PEXPIRE', KEYS[5], ARGV[5])
+    redis.pcall('XADD', KEYS[14], 'MAXLEN', '~', 10000, '*', 'o', KEYS[5])  -- PULSE_MAXLEN
   end
   if ARGV[12] ~= '' then
     redis.call('XADD', KEYS[11], 'MAXLEN', '~', ARGV[4], '*', 'entry', ARGV[12])
@@ -75,6 +77,6 @@ if string.sub(ARGV[13], 2, 2) == 'j' then redis.call('DEL', KEYS[13]) end
 
 local head = {'ok', version, gen}
 if string.sub(ARGV[13], 1, 1) ~= '1' then return head end
-local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(14, 16 + n), ARGV[7], ARGV[4])
+local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(15, 16 + n), ARGV[7], ARGV[4])
 for _, v in ipairs(nxt) do head[#head + 1] = v end
 return head

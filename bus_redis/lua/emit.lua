@@ -1,5 +1,5 @@
 -- emit: a fenced non-terminal event (progress, delta) on the session's event stream.
--- KEYS[1] lease  KEYS[2] out stream P:{C}:out:S
+-- KEYS[1] lease  KEYS[2] out stream P:{C}:out:S  KEYS[3] the pulse of C
 -- ARGV[1] token  ARGV[2] payload JSON (carries a per-turn sequence number)  ARGV[3] MAXLEN
 -- ARGV[4] stream ttl ms
 -- returns the entry id, or false when the lease is lost. Idempotent: a client retry of a
@@ -12,4 +12,5 @@ local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
 if last and last[2][2] == ARGV[2] then return last[1] end
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'o', KEYS[2])  -- PULSE_MAXLEN
 return id

@@ -2,6 +2,7 @@
 -- re-notify the session so that queued messages are answered session_not_active.
 -- Its earlier events are deleted: none of a private session's text outlives it.
 -- KEYS[1] owner  KEYS[2] owners registry  KEYS[3] out stream of S  KEYS[4] ready stream of S's channel
+-- KEYS[5] the pulse of S's channel
 -- ARGV[1] registry member  ARGV[2] session_lost event JSON  ARGV[3] S  ARGV[4] MAXLEN
 -- ARGV[5] out stream ttl ms
 -- returns 1 when this call reported the loss, 0 otherwise
@@ -20,5 +21,6 @@ if floor then
 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
+redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'o', KEYS[3])  -- PULSE_MAXLEN
 redis.pcall('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'session', ARGV[3])  -- junk queue: swept
 return 1
