@@ -160,6 +160,7 @@ async def main(args: argparse.Namespace) -> None:
                 for i in range(args.burst):
                     chat = chats[i % len(chats)]
                     pipe.xadd(K.out(f"web:{chat}"), payload(chat, 0))
+                    pipe.xadd(K.pulse("web"), {"o": K.out(f"web:{chat}")})  # as workers do
                 await pipe.execute()
             await until(lambda: len(received) >= args.burst, 120)
             burst_s = time.perf_counter() - t0
@@ -182,7 +183,10 @@ async def main(args: argparse.Namespace) -> None:
             for i in range(args.paced):
                 chat = chats[(i * 7919) % len(chats)]
                 now = time.perf_counter_ns()
-                await admin.xadd(K.out(f"web:{chat}"), payload(chat, now))
+                async with admin.pipeline(transaction=True) as pipe:  # as workers do
+                    pipe.xadd(K.out(f"web:{chat}"), payload(chat, now))
+                    pipe.xadd(K.pulse("web"), {"o": K.out(f"web:{chat}")})
+                    await pipe.execute()
                 sent.setdefault(chat, []).append(now)
                 await asyncio.sleep(0.004)
             await until(lambda: len(received) >= args.paced and len(direct) >= args.paced, 10)
