@@ -196,11 +196,12 @@ local function select_next(streams, key, pending, maxlen)
   return {'entry', s[6], best_entry[1], payload, attempts, op}
 end
 
--- Nothing left in the known streams: forget them; release the lease only when the
+-- Nothing left in the known streams (select_next found every stream it did not leave
+-- alone empty: its head read met the end): forget them; release the lease only when the
 -- pending set is empty (a stream notified meanwhile keeps the lease: 'more').
 local function try_release(lease, pending, registry, key, streams)
   for _, s in ipairs(streams) do
-    if not s.skip and redis.call('XLEN', s[1]) == 0 then
+    if not s.skip then
       redis.call('SREM', pending, s[6])
       redis.call('DEL', s[1], s[2], s[3])
       redis.call('ZREM', s[8], s[6])
