@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import NoPermissionError, ResponseError, WatchError
 
 from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
@@ -191,9 +191,10 @@ class FrontendClient:
         still kept), a stream id, or a per-session dict. Each event's ``entry_id`` is
         the point to resume from on any replica after a reconnect: nothing is lost or
         doubled. Events are kept for a bounded time and length (``AGENT_REPLY_TTL_MS``,
-        ``AGENT_REPLY_MAXLEN``); reading does not consume them. Following several
-        sessions, it blocks on their channels' pulses (``bus_redis.pulse``) and reads only
-        the streams they name: a wake-up costs what happened, not how many are followed.
+        ``AGENT_REPLY_MAXLEN``); reading does not consume them. Following more than
+        ``PULSE_ABOVE`` sessions, it blocks on their channels' pulses (``bus_redis.pulse``)
+        and reads only the streams they name: a wake-up costs what happened, not how many
+        are followed.
         """
         keys = list(dict.fromkeys(session_keys))
         position = {
@@ -201,28 +202,31 @@ class FrontendClient:
             for k in keys
         }
         watch = None
-        if len(keys) > 1:  # many sessions: block on their channels' pulses, not on them all
+        if len(keys) > PULSE_ABOVE:  # many sessions: block on their channels' pulses
             watch = PulseWatch(self.redis, self.keys)
-            await watch.add_channels({channel_of(k) for k in keys})
+            watch = await _watching(watch, {channel_of(k) for k in keys})
         for stream, pos in position.items():  # "$" once, as an id: nothing slips between reads
             if pos == "$":
                 position[stream] = await self._last_id(stream)
-        if watch is None:
-            while True:
-                reply = await self._read(position, count=count, block_ms=block_ms)
-                for event in self._decode(position, reply):
-                    yield event
         pending = set(position)  # first, whatever is kept after the positions
-        while True:
+        while watch is not None:
             while pending:
                 wanted = {s: position[s] for s in pending}
                 reply = await self._read(wanted, count=count, block_ms=None)
                 for event in self._decode(position, reply):
                     yield event
                 pending = {text(s) for s, batch in reply or [] if len(batch) >= count}
-            named, _ = await watch.wait(block_ms)
+            try:
+                named, _ = await watch.wait(block_ms)
+            except NoPermissionError:
+                log.warning(_NO_PULSE)
+                break  # read as before pulses: blocked on every followed stream
             still_wanted()
             pending = set(position) if named is None else named & position.keys()
+        while True:
+            reply = await self._read(position, count=count, block_ms=block_ms)
+            for event in self._decode(position, reply):
+                yield event
 
     async def _read(self, position: dict[str, str], *, count: int, block_ms: int | None) -> Any:
         try:
@@ -327,6 +331,22 @@ class FrontendClient:
         is reached, the stored history not consolidated yet is summarised into the
         scope's long-term memory, then deleted (a private session is discarded)."""
         return await self.control("new", session_key)
+
+
+PULSE_ABOVE = 8  # following more sessions than this, events() blocks on the pulses
+_NO_PULSE = (
+    "this Redis user may not read the channel's pulse (ACL lines from before pulses): "
+    "blocking on every followed stream instead; re-apply `agent-worker acl frontend`"
+)
+
+
+async def _watching(watch: PulseWatch, channels: set[str]) -> PulseWatch | None:
+    try:
+        await watch.add_channels(channels)
+    except NoPermissionError:
+        log.warning(_NO_PULSE)
+        return None
+    return watch
 
 
 def _dump(doc: Any) -> str:

@@ -15,6 +15,7 @@ streams, so an event added after that read has a pulse after those positions.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,9 +52,10 @@ class PulseWatch:
         position: dict[Any, Any] = {**self.cursors, **(extra or {})}
         try:
             reply = await self.redis.xread(position, count=self.batch, block=block_ms)
-        except ResponseError as exc:  # a pulse that is no stream: read everything, once
-            if "WRONGTYPE" not in str(exc):
+        except ResponseError as exc:  # a pulse that is no stream (the next event's script
+            if "WRONGTYPE" not in str(exc):  # replaces it): read everything, at this pace
                 raise
+            await asyncio.sleep(block_ms / 1000)
             return None, {}
         named: set[str] | None = set()
         others: dict[str, list[Any]] = {}
@@ -78,6 +80,8 @@ class PulseWatch:
     async def _last_id(self, key: str) -> str:
         try:
             last = await self.redis.xrevrange(key, "+", "-", count=1)
-        except ResponseError:
+        except ResponseError as exc:  # junk where the pulse belongs (NOPERM is raised)
+            if "WRONGTYPE" not in str(exc):
+                raise
             return "0-0"
         return text(last[0][0]) if last else "0-0"

@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from bus_redis import OutboundMessage
 from bus_redis.aio import still_wanted
@@ -133,6 +133,7 @@ class _Reader:
         self.changed = asyncio.Event()
         self.wake_cursor = "0-0"
         self.junk: dict[str, float] = {}  # key that is no stream -> retry after (loop time)
+        self.deferred: set[str] = set()  # named while junk: read again when their time is up
         self.pulses = PulseWatch(redis, hub.keys)
         self.task: asyncio.Task[None] | None = None
 
@@ -151,7 +152,6 @@ class _Reader:
 
     async def run(self) -> None:
         delay_s = 0.1
-        await self.pulses.add_channels([self.hub.channel])  # before any stream is read
         while not self.hub.stopping:
             if not self.streams:
                 self.changed.clear()
@@ -160,6 +160,12 @@ class _Reader:
             try:
                 await self.read_once()
                 delay_s = 0.1
+            except NoPermissionError:
+                log.error(
+                    "the gateway's Redis user may not read the channel's pulse: re-apply "
+                    "`agent-worker acl gateway --apply` (its lines changed); retrying"
+                )
+                await asyncio.sleep(5.0)
             except (RedisError, OSError) as exc:
                 log.warning(
                     "event read failed (%s); retrying in %.1fs", type(exc).__name__, delay_s
@@ -168,23 +174,42 @@ class _Reader:
                 delay_s = min(delay_s * 2, 5.0)
 
     async def read_once(self) -> None:
+        if not self.pulses.cursors:  # before any stream is read (see bus_redis.pulse)
+            await self.pulses.add_channels([self.hub.channel])
         if self.fresh:  # followed since the last read: from their cursors, once
             fresh, self.fresh = self.fresh, set()
             await self.read_streams(fresh)
             return
+        loop_now = asyncio.get_running_loop().time()
+        due = {s for s in self.deferred if self.junk.get(s, 0.0) <= loop_now}
+        if due:  # named while they were junk: read them again now
+            self.deferred -= due
+            await self.read_streams(due)
+            return
         hub = self.hub
         hub.reads += 1
-        named, others = await self.pulses.wait(hub.block_ms, {self.wake_key: self.wake_cursor})
+        block_ms = hub.block_ms
+        if self.deferred:  # wake up in time for the first of them
+            first = min(self.junk.get(s, loop_now) for s in self.deferred)
+            block_ms = max(1, min(block_ms, int((first - loop_now) * 1000) + 1))
+        named, others = await self.pulses.wait(block_ms, {self.wake_key: self.wake_cursor})
         if others.get(self.wake_key):
             self.wake_cursor = text(others[self.wake_key][-1][0])
         await self.read_streams(set(self.streams) if named is None else named)
 
     async def read_streams(self, names: set[str]) -> None:
         """Read (without blocking) the followed streams among ``names`` until they have
-        nothing more, and hand their entries to their subscribers."""
+        nothing more, and hand their entries to their subscribers. A stream that is junk
+        for now (a key of another type, which its session's next commit replaces) is
+        read again once its second is up, so an event named meanwhile is not lost."""
         hub = self.hub
         now = asyncio.get_running_loop().time()
-        wanted = {s for s in names if s in self.streams and self.junk.get(s, 0.0) <= now}
+        wanted = set()
+        for stream in names & self.streams.keys():
+            if self.junk.get(stream, 0.0) > now:
+                self.deferred.add(stream)
+            else:
+                wanted.add(stream)
         while wanted:
             position: dict[Any, Any] = {s: self.streams[s][0] for s in wanted if s in self.streams}
             if not position:
@@ -194,8 +219,8 @@ class _Reader:
             except ResponseError as exc:
                 if "WRONGTYPE" not in str(exc):
                     raise
-                await self.drop_junk(position)
-                return
+                wanted = await self.drop_junk(position)  # the others, read again now
+                continue
             wanted = set()
             for raw_stream, batch in reply or []:
                 stream = text(raw_stream)
@@ -210,21 +235,26 @@ class _Reader:
                 if len(batch) >= hub.count:
                     wanted.add(stream)
 
-    async def drop_junk(self, position: dict[Any, Any]) -> None:
-        """A followed key that is no stream (junk a worker's next commit replaces): left
-        out of the shared read for a second at a time."""
+    async def drop_junk(self, position: dict[Any, Any]) -> set[str]:
+        """Keys of ``position`` that are no stream (junk a worker's next commit replaces)
+        are left out for a second (and read again then); returns the others."""
         async with self.hub.redis.pipeline(transaction=False) as pipe:
             for stream in position:
                 pipe.type(stream)
             kinds = await pipe.execute()
         retry_at = asyncio.get_running_loop().time() + 1.0
+        fine = set()
         for stream, kind in zip(position, kinds, strict=True):
-            if text(kind) not in ("stream", "none"):
-                self.junk[stream] = retry_at
-                if stream in self.streams:
-                    self.streams[stream] = ("0-0", self.streams[stream][1])
+            if text(kind) in ("stream", "none"):
+                fine.add(stream)
+                continue
+            self.junk[stream] = retry_at
+            self.deferred.add(stream)
+            if stream in self.streams:
+                self.streams[stream] = ("0-0", self.streams[stream][1])
         for stream in [s for s, t in self.junk.items() if t < retry_at - 1.0]:
             del self.junk[stream]
+        return fine
 
 
 class EventHub:

@@ -17,6 +17,7 @@ from session_store.protocol import SessionInfo, SessionStore
 
 SESSION_CACHE_MAX_SIZE = 16_384  # durable sessions cached, at most
 SESSION_CACHE_MAX_ROWS = 100_000  # and their rows, at most
+SCOPE_HINTS_MAX = 65_536  # scopes of sessions seen, kept after their eviction
 
 
 class SessionManager:
@@ -107,7 +108,7 @@ class SessionManager:
         if session.scope:
             self._scopes[session.key] = session.scope
             self._scopes.move_to_end(session.key)
-            while len(self._scopes) > 64 * self._cache_size:
+            while len(self._scopes) > SCOPE_HINTS_MAX:
                 self._scopes.popitem(last=False)
         if self._cache.get(session.key) is not session:
             self._drop(session.key)

@@ -219,3 +219,69 @@ async def test_a_subscriber_that_leaves_at_any_point_leaves_nothing_behind(redis
                 await asyncio.gather(task, return_exceptions=True)
             assert hub.open_streams == 0, round_
             assert hub.subscribers == 0
+
+
+@pytest.mark.real_redis
+async def test_a_junk_stream_named_with_others_costs_them_nothing_and_is_read_again(
+    real_redis, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """(A real server only: fakeredis answers XREAD of a key of another type with a
+    Python error, not WRONGTYPE.) One pulse batch names a followed stream and a followed key that is junk (another
+    type, which its session's next commit replaces): the stream's event is delivered at
+    once; the junk key, replaced within its second, is read again then (its pulse was
+    already used up)."""
+    r = real_redis
+
+    def redis_factory() -> aioredis.Redis:
+        return aioredis.from_url(redis_server.url, decode_responses=True)
+
+    await r.set(K.out("web:junk"), "not a stream")
+    async with (
+        _hub(redis_factory) as hub,
+        hub.subscribe("web:fine", "$") as fine,
+        hub.subscribe("web:junk", "$") as junk,
+    ):
+        reader = hub._reader(K.out("web:junk"))
+        while reader.fresh or hub._reader(K.out("web:fine")).fresh:
+            await asyncio.sleep(0.01)  # both read once from their cursors
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.xadd(K.pulse("web"), {"o": K.out("web:junk")})
+            pipe.xadd(K.out("web:fine"), _event("web:fine", 1))
+            pipe.xadd(K.pulse("web"), {"o": K.out("web:fine")})
+            await pipe.execute()
+        [got] = await _take(fine, 1)
+        assert got.event is not None
+        assert got.event.content == "1"
+        await r.delete(K.out("web:junk"))  # its session's commit replaces the junk
+        replaced = await _add(r, "web:junk", 2)
+        [late] = await _take(junk, 1, timeout_s=10)
+        assert late.entry_id == replaced
+
+
+async def test_a_reader_survives_a_redis_error_before_its_first_read(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """The pulse position is taken inside the reader's retry loop: a failed first read
+    is retried, not the end of the reader (every stream it serves would go silent)."""
+    r = redis_factory()
+    async with _hub(redis_factory) as hub:
+        broken = hub._readers[0].pulses
+        real = broken.add_channels
+        calls = 0
+
+        async def flaky(channels: object) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise ConnectionError("blip")
+            await real(channels)  # type: ignore[arg-type]
+
+        for reader in hub._readers:
+            reader.pulses.add_channels = flaky  # type: ignore[method-assign]
+            reader.pulses.cursors.clear()
+        key = next(
+            f"web:e{i}" for i in range(100) if hub._reader(K.out(f"web:e{i}")) is hub._readers[0]
+        )
+        async with hub.subscribe(key, "$") as sub:
+            eid = await _add(r, key, 1)
+            [got] = await _take(sub, 1, timeout_s=10)
+            assert got.entry_id == eid
+        assert all(not rd.task.done() for rd in hub._readers if rd.task is not None)

@@ -82,3 +82,51 @@ async def test_following_many_sessions_blocks_on_one_key(redis, make_loop) -> No
     assert {ev.content for ev in got.values()} == {f"re: p{i}" for i in range(200)}
     assert blocking
     assert set(blocking) == {1}  # the pulse, never the 200 streams
+
+
+@pytest.mark.real_redis
+@pytest.mark.frontend
+async def test_a_frontend_user_without_the_pulse_grant_still_gets_its_events(
+    real_redis, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """ACL lines from before pulses (no read of P:{C}:pulse): events() over many sessions
+    falls back to blocking on every followed stream, with a warning, and loses nothing."""
+    from bus_redis.acl import frontend_acl
+
+    setuser, *_ = frontend_acl("web", "old-acl-pw1")
+    old = setuser.replace(f"(+xread +xrevrange +xrange ~{K.pulse('web')}) ", "")
+    assert old != setuser
+    await real_redis.execute_command(*old.split())
+    url = redis_server.url.replace("redis://", "redis://frontend-web:old-acl-pw1@")
+    user = aioredis.from_url(url, decode_responses=True)
+    client = FrontendClient(user)
+    chats = [f"web:o{i}" for i in range(20)]
+    got: list[str] = []
+
+    async def follow() -> None:
+        async for ev in client.events(chats, after="0", block_ms=100):
+            got.append(ev.session_key)
+            if len(got) == 3:
+                return
+
+    reader = asyncio.create_task(follow())
+    for key in chats[:3]:
+        doc = OutboundMessage(type="message", channel="web", chat_id=key[4:], session_key=key)
+        await real_redis.xadd(K.out(key), {"payload": doc.model_dump_json()})
+    await asyncio.wait_for(reader, 10)
+    assert sorted(got) == chats[:3]
+    await user.aclose()
+
+
+async def test_a_pulse_key_of_another_type_is_replaced_by_the_next_event(
+    redis: aioredis.Redis,
+) -> None:
+    from bus_redis import RedisBus
+
+    bus = RedisBus(redis)
+    await redis.set(K.pulse("web"), "junk")
+    await redis.set(K.lease("web:x"), "n|w", px=10_000)
+    assert await bus.emit("web:x", "n|w", "web:x", '{"v":2}', transient=False)
+    assert await redis.type(K.pulse("web")) == "stream"
+    [(_, fields)] = await redis.xrange(K.pulse("web"))
+    assert fields == {"o": K.out("web:x")}

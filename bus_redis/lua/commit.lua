@@ -58,7 +58,11 @@ if not applied then
       redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3])  -- junk gone
     end
     redis.call('PEXPIRE', KEYS[5], ARGV[5])
-    redis.pcall('XADD', KEYS[14], 'MAXLEN', '~', 10000, '*', 'o', KEYS[5])  -- PULSE_MAXLEN
+    local pulsed = redis.pcall('XADD', KEYS[14], 'MAXLEN', '~', 10000, '*', 'o', KEYS[5])  -- PULSE_MAXLEN
+    if type(pulsed) == 'table' and pulsed.err and string.find(tostring(pulsed.err), 'WRONGTYPE', 1, true) then
+      redis.call('DEL', KEYS[14])  -- junk where the pulse belongs: replaced
+      redis.call('XADD', KEYS[14], 'MAXLEN', '~', 10000, '*', 'o', KEYS[5])
+    end
   end
   if ARGV[12] ~= '' then
     redis.call('XADD', KEYS[11], 'MAXLEN', '~', ARGV[4], '*', 'entry', ARGV[12])

@@ -36,7 +36,7 @@ end
 local added = redis.pcall('XADD', KEYS[4], '*', 'payload', ARGV[3])
 local fired = 1
 if type(added) == 'table' and added.err then
-  if not string.find(added.err, 'WRONGTYPE', 1, true) then
+  if not string.find(tostring(added.err), 'WRONGTYPE', 1, true) then
     return redis.error_reply(added.err)  -- e.g. OOM: nothing moved, tried again later
   end
   fired = -2

@@ -12,5 +12,9 @@ local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
 if last and last[2][2] == ARGV[2] then return last[1] end
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'o', KEYS[2])  -- PULSE_MAXLEN
+local pulsed = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'o', KEYS[2])  -- PULSE_MAXLEN
+if type(pulsed) == 'table' and pulsed.err and string.find(tostring(pulsed.err), 'WRONGTYPE', 1, true) then
+  redis.call('DEL', KEYS[3])  -- junk where the pulse belongs: replaced
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'o', KEYS[2])
+end
 return id

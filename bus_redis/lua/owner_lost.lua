@@ -21,6 +21,10 @@ if floor then
 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
-redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'o', KEYS[3])  -- PULSE_MAXLEN
+local pulsed = redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'o', KEYS[3])  -- PULSE_MAXLEN
+if type(pulsed) == 'table' and pulsed.err and string.find(tostring(pulsed.err), 'WRONGTYPE', 1, true) then
+  redis.call('DEL', KEYS[5])  -- junk where the pulse belongs: replaced
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'o', KEYS[3])
+end
 redis.pcall('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'session', ARGV[3])  -- junk queue: swept
 return 1

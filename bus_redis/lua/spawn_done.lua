@@ -14,7 +14,7 @@ end
 if ARGV[2] == 'done' then
   local added = redis.pcall('XADD', KEYS[3], '*', 'payload', ARGV[3])
   if type(added) == 'table' and added.err then
-    if not string.find(added.err, 'WRONGTYPE', 1, true) then
+    if not string.find(tostring(added.err), 'WRONGTYPE', 1, true) then
       return redis.error_reply(added.err)  -- e.g. OOM: still registered, tried again
     end
   else
