@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from helpers import ScriptedProvider
 
 from bus_redis import FrontendClient, InboundMessage, Keys, OutboundMessage
 from bus_redis.pulse import PulseWatch
@@ -47,6 +46,8 @@ async def test_a_pulse_trimmed_past_the_reader_means_read_everything(redis: aior
 async def test_following_many_sessions_blocks_on_one_key(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
     """200 sessions followed by one iterator: every blocking read names the pulse alone,
     and each session's answer arrives once."""
+
+    from helpers import ScriptedProvider  # the worker's side: not in the frontend venv
 
     async def echo(**kw: Any) -> Any:
         from worker.agent.providers import LLMResponse
@@ -121,7 +122,7 @@ async def test_a_frontend_user_without_the_pulse_grant_still_gets_its_events(
 async def test_a_pulse_key_of_another_type_is_replaced_by_the_next_event(
     redis: aioredis.Redis,
 ) -> None:
-    from bus_redis import RedisBus
+    from bus_redis import RedisBus  # a worker's bus (redis-py 5): not a frontend test
 
     bus = RedisBus(redis)
     await redis.set(K.pulse("web"), "junk")
