@@ -20,6 +20,7 @@ from worker.agent.prompt import ContextBuilder
 from worker.agent.providers import LLMResponse, ProviderError, ToolCallRequest
 from worker.agent.runner import TurnRunner, TurnState
 from worker.agent.tools import ToolContext, ToolRegistry
+from worker.runtime.execution import KEEPS_WORK
 from worker.runtime.outcomes import legal_prefix
 
 
@@ -98,7 +99,7 @@ class Journal:
 
 TURN = st.tuples(
     st.lists(st.integers(1, 3), max_size=3),  # calls per tool round
-    st.sampled_from(["none", "stop", "lease_lost", "crash", "provider_error"]),
+    st.sampled_from(["none", "stop", "interrupt", "lease_lost", "crash", "provider_error"]),
     st.integers(1, 12),  # the step the cut lands on (past the turn's end: no cut)
 )
 
@@ -125,7 +126,7 @@ async def _run(turns: list[tuple[list[int], str, int]]) -> None:
         try:
             await runner.run(session, first, None, ctx, state)
         except asyncio.CancelledError:
-            if kind == "stop":  # what a stopped turn keeps (TurnExecution._outcome)
+            if kind in KEEPS_WORK:  # what a stopped or interrupted turn keeps (_outcome)
                 session.append_rows(legal_prefix(state.rows))
             if kind == "crash":  # redelivered: the new attempt replays the journal
                 script.cut_at = -1
