@@ -16,7 +16,7 @@ from session_store.models import Session, SessionPolicy
 from session_store.protocol import SessionInfo, SessionStore
 
 SESSION_CACHE_MAX_SIZE = 16_384  # durable sessions cached, at most
-SESSION_CACHE_MAX_ROWS = 100_000  # and their rows, at most
+SESSION_CACHE_MAX_ROWS = 250_000  # and their rows, at most (~600 B each: ~150 MB)
 SCOPE_HINTS_MAX = 65_536  # scopes of sessions seen, kept after their eviction
 
 

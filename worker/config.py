@@ -45,7 +45,7 @@ class LoopConfig(BaseModel):
     history_tokens: int = Field(default=16_000, ge=1)
     consolidate_above_tokens: int = Field(default=24_000, ge=1)
     session_cache_sessions: int = Field(default=16_384, ge=1)  # durable sessions cached
-    session_cache_rows: int = Field(default=100_000, ge=1)  # their rows, at most
+    session_cache_rows: int = Field(default=250_000, ge=1)  # their rows, at most (~150 MB)
     memory_max_chars: int = Field(default=4_000, ge=200)  # a scope's long-term memory, at most
     max_private_sessions: int = Field(default=1000, ge=1)  # open at once, per worker and channel
     private_idle_s: float = Field(default=3600.0, ge=1)  # a private session idle this long closes
