@@ -87,6 +87,16 @@ class ScheduleStore:
         )
         return [(text(sid), int(score)) for sid, score in rows]
 
+    async def due_between(
+        self, channel: str, after_ms: int, until_ms: int, *, limit: int
+    ) -> list[tuple[str, int]]:
+        """At most ``limit`` schedules of ``channel`` due in ``(after_ms, until_ms]``."""
+        rows = await self.redis.zrangebyscore(
+            self.keys.cron_due(channel), f"({after_ms}", until_ms, start=0, num=limit,
+            withscores=True,
+        )  # fmt: skip
+        return [(text(sid), int(score)) for sid, score in rows]
+
     async def definition(self, channel: str, sid: str) -> str | None:
         doc = await self.redis.hget(self.keys.cron_defs(channel), sid)  # type: ignore[misc]
         return None if doc is None else text(doc)

@@ -48,15 +48,6 @@ class SubagentStore:
     async def drop(self, session: str, sid: str) -> None:
         await self._done(session, sid, "drop")
 
-    async def abort_all(self, session: str) -> int:
-        """Unregister every subagent of ``session`` (none of their results will come)."""
-        k = self.keys
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(k.spawned(session))
-            pipe.zrem(k.subagents(channel_of(session)), session)
-            deleted, _ = await pipe.execute()
-        return int(deleted)
-
     async def of_session(self, session: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.spawned(session))  # type: ignore[misc]
         return {text(a): text(b) for a, b in raw.items()}

@@ -329,3 +329,100 @@ async def test_a_full_redis_loses_no_firing(real_redis) -> None:  # type: ignore
     assert await loop.schedules.fire(channel="web", sid="s1", due_ms=due)
     assert await real_redis.hget(K.cron_defs("web"), "s1") is None  # a one-shot: done
     assert await real_redis.xlen(K.inbound("web:full")) == 1
+
+
+async def test_a_provider_error_keeps_the_schedule_in_the_history_and_retry_goes_on(
+    redis, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """The model adds a schedule, then the provider fails: the tool exchange is kept (the
+    schedule is in the history, once); the Retry (same id) goes on from it, adding none."""
+    calls: list[list[dict[str, Any]]] = []
+
+    async def model(**kw: Any) -> LLMResponse:
+        messages = kw["messages"]
+        calls.append(messages)
+        if not any(m["role"] == "tool" for m in messages):
+            args = {"action": "add", "every_seconds": 3600, "message": "water the plants"}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        if len(calls) == 2:
+            from worker.agent.providers import ProviderError
+
+            raise ProviderError("InternalServerError: scripted")
+        return LLMResponse(content="scheduled")
+
+    make_loop(ScriptedProvider(handler=model))
+    client = FrontendClient(redis)
+    msg = InboundMessage(id="w1", channel="web", chat_id="pe", sender_id="u", content="remind")
+    first = await client.ask(msg, timeout_s=10)
+    assert first.code == "provider_error"
+    assert await redis.scard(K.crons("web:pe")) == 1
+    again = await client.ask(msg, timeout_s=10)
+    assert again.content == "scheduled"
+    assert await redis.scard(K.crons("web:pe")) == 1
+    stored = await loop_rows(redis, "web:pe")
+    assert [r["role"] for r in stored] == ["user", "assistant", "tool", "assistant"]
+
+
+async def loop_rows(redis: aioredis.Redis, key: str) -> list[dict[str, Any]]:
+    from session_store import RedisSessionStore
+
+    session = await RedisSessionStore(redis, K).load(key)
+    assert session is not None
+    return session.messages
+
+
+async def test_a_discarded_turn_takes_its_schedule_with_it(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    release = asyncio.Event()
+    holding = asyncio.Event()
+
+    async def model(**kw: Any) -> LLMResponse:
+        if not any(m["role"] == "tool" for m in kw["messages"]):
+            args = {"action": "add", "every_seconds": 3600, "message": "x"}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        holding.set()
+        await release.wait()
+        return LLMResponse(content="done")
+
+    make_loop(ScriptedProvider(handler=model))
+    client = FrontendClient(redis)
+    await client.send(
+        InboundMessage(id="d1", channel="web", chat_id="dc", sender_id="u", content="go")
+    )
+    await asyncio.wait_for(holding.wait(), 10)
+    assert await redis.scard(K.crons("web:dc")) == 1
+    await client.discard("web:dc")
+    got = await collect(client, "web", {"d1"}, timeout_s=10)
+    assert [e.code for e in got["d1"] if e.is_terminal] == ["cancelled"]
+    await until(lambda: _no_schedules(redis, "web:dc"), timeout_s=10)
+    assert await redis.hlen(K.cron_defs("web")) == 0
+    release.set()
+
+
+async def _no_schedules(redis: aioredis.Redis, session: str) -> bool:
+    return await redis.scard(K.crons(session)) == 0
+
+
+async def test_many_firings_due_together_are_all_queued_as_jobs(redis) -> None:  # type: ignore[no-untyped-def]
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
+    jobs = loop.jobs
+    assert isinstance(jobs, LocalJobQueue)
+    due = int(time.time() * 1000) + 60_000
+    await redis.zadd(K.cron_due("web"), {f"s{i}": due for i in range(100)})
+    await loop.schedules.sweep({"web"})
+    assert len(jobs._running) == 100
+    await loop.schedules.sweep({"web"})
+    assert len(jobs._running) == 100  # once per worker
+    await jobs.aclose()
+
+
+async def test_idle_retention_keeps_a_session_with_schedules(redis) -> None:  # type: ignore[no-untyped-def]
+    from session_store import RedisSessionStore, Session
+
+    store = RedisSessionStore(redis, K)
+    for chat in ("plain", "sched"):
+        session = Session(key=f"web:{chat}", scope="web/u")
+        session.add_message("user", "hi")
+        await store.save(session)
+    await redis.sadd(K.crons("web:sched"), "s1")
+    assert await store.prune_idle("web", older_than_ms=-1) == ["web:plain"]
+    assert await store.load("web:sched") is not None

@@ -255,8 +255,10 @@ async def test_a_worker_that_heard_the_stop_never_starts_an_older_subagent(redis
                "label": sid, "task": "t", "after": after}  # fmt: skip
         assert await store.add("web:h", "n|w", "web:h", sid, json.dumps(doc), limit=3,
                                channel_limit=8) == 1  # fmt: skip
+    heard.subagents._remember("web:h")  # it spawned them: it unregisters those the stop covers
     heard.subagents.on_control(ControlMessage(op="stop", session_key="web:h", marker="200-0"))
-    await heard.subagents.run_job(session="web:h", sid="old")
-    assert set(await store.of_session("web:h")) == {"new"}
+    await asyncio.gather(*heard.rt.background)
+    assert set(await store.of_session("web:h")) == {"new"}  # spawned after the stop: kept
+    await heard.subagents.run_job(session="web:h", sid="old")  # (unregistered: nothing)
     assert not await redis.exists(K.inbound("web:h"))
     await heard.jobs.aclose()

@@ -218,3 +218,22 @@ async def _stored(redis: aioredis.Redis, key: str) -> list[dict[str, Any]]:
     session = await RedisSessionStore(redis, Keys()).load(key)
     assert session is not None
     return session.messages
+
+
+async def test_a_provider_reusing_call_ids_gets_each_rounds_own_results() -> None:
+    """Round 1 called `send` as call_0 (its result recorded); round 2 called `charge` as
+    call_0 again and the worker died during it: charge's effect is unknown, not "sent"."""
+    send, charge = Effect("send"), Effect("charge")
+    tools = ToolRegistry([send, charge])
+    runner = TurnRunner(Script(), tools, ContextBuilder(tools.names), "m")  # type: ignore[arg-type]
+    lost = [
+        {"role": "assistant", "content": "", "tool_calls": [_call("call_0", "send")]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "send", "content": "sent #1"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("call_0", "charge")]},
+    ]
+    state = TurnState(replayed=lost)
+    user = {"role": "user", "content": "go", "timestamp": now_iso(), "message_id": "m"}
+    session = Session("web:j3")
+    await runner.run(session, user, None, ToolContext(session, None, emit=None), state)  # type: ignore[arg-type]
+    assert (send.runs, charge.runs) == (0, 0)
+    assert state.unknown == ["charge"]

@@ -136,7 +136,7 @@ async def _run(turns: list[tuple[list[int], str, int]]) -> None:
                 session.append_rows(again.rows)
             # lease lost: nothing of the attempt is committed (its entry runs again later)
         except ProviderError:
-            session.append_rows(state.rows[:1])  # the user row, answered provider_error
+            session.append_rows(legal_prefix(state.rows))  # answered provider_error
         else:
             session.append_rows(state.rows)
         assert_valid(session.messages, closed=True)

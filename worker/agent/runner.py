@@ -60,13 +60,21 @@ def is_duplicate(msg: InboundMessage, session: Session, key: str) -> bool:
     return bool(msg.id) and session.has_seen(key)
 
 
+RETRY_LOOKBACK = 256  # rows looked at for a re-sent id's unanswered user row
+
+
 def is_unanswered_retry(msg: InboundMessage, session: Session, key: str) -> bool:
-    """A re-sent client ``id`` whose turn ended at a provider error: its user row is the
-    session's last row, with nothing after it. It is answered now (the row is kept once)."""
+    """A re-sent client ``id`` whose turn ended at a provider error: its user row is
+    followed by nothing but the complete tool exchanges that turn made (kept, so that their
+    effects are in the history). It is answered now, from there (the row is kept once)."""
     if not msg.id or not session.messages or not session.has_seen(key):
         return False
-    last = session.messages[-1]
-    return last.get("role") == "user" and last.get("message_id") == key
+    for row in reversed(session.messages[-RETRY_LOOKBACK:]):
+        if row.get("role") == "user":
+            return row.get("message_id") == key
+        if row.get("role") != "tool" and not row.get("tool_calls"):
+            return False  # an answer came after it
+    return False
 
 
 def user_row(msg: InboundMessage, message_id: str) -> dict[str, Any]:
@@ -100,6 +108,21 @@ def _call_row(content: str | None, calls: list[ToolCallRequest]) -> dict[str, An
             for c in calls
         ],
     }
+
+
+def _exchanges(
+    journal: list[dict[str, Any]],
+) -> list[tuple[dict[str, Any], dict[Any, dict[str, Any]]]]:
+    """Each journaled assistant row with tool calls, and the results recorded after it
+    (before the next such row) by call id: a provider that reuses call ids across rounds
+    gets each round's own results (the last recorded wins within a round)."""
+    out: list[tuple[dict[str, Any], dict[Any, dict[str, Any]]]] = []
+    for row in journal:
+        if row.get("role") == "assistant" and row.get("tool_calls"):
+            out.append((row, {}))
+        elif row.get("role") == "tool" and out:
+            out[-1][1][row.get("tool_call_id")] = row
+    return out
 
 
 async def _record(state: TurnState, rows: list[dict[str, Any]]) -> None:
@@ -234,10 +257,7 @@ class TurnRunner:
         the first without a recorded result can have been running when the worker died:
         its effect is unknown (a result says so, recorded as such, and the reply says
         so); the calls after it never started and run now."""
-        results = {r.get("tool_call_id"): r for r in state.replayed if r.get("role") == "tool"}
-        for row in state.replayed:
-            if row.get("role") != "assistant" or not row.get("tool_calls"):
-                continue
+        for row, results in _exchanges(state.replayed):
             messages.append({k: v for k, v in row.items() if k != "timestamp"})
             state.rows.append(row)
             cut = False  # passed the call that was running when the worker died

@@ -48,6 +48,7 @@ from worker.runtime.outcomes import TurnAbortedError
 log = logging.getLogger(__name__)
 JOB_NAME = "cron_fire"
 SWEEP_BATCH = 32  # overdue schedules a worker fires per channel and maintenance tick
+ENQUEUE_BATCH = 1000  # upcoming firings a worker queues as jobs per channel and tick
 MAX_MESSAGE_CHARS = 2000
 MAX_EVERY_S = 366 * 86_400
 MAX_AHEAD_MS = MAX_EVERY_S * 1000  # an `at` this far ahead at most
@@ -234,6 +235,8 @@ class Schedules:
             return "Error: this service holds as many schedules as it may; try again later"
         if added == 0:
             return f"Error: this conversation has {cfg.cron_max_per_session} schedules already; remove one first"
+        if added == 1:
+            ctx.undo.append(lambda: self.store.remove(origin.member, sid))
         await self.enqueue(schedule.channel, sid, first)
         return f"Scheduled {sid}: {schedule.describe()}, next at {iso(first, schedule.tz)}"
 
@@ -304,17 +307,20 @@ class Schedules:
         return msg.model_dump_json(exclude_none=True)
 
     async def sweep(self, channels: set[str]) -> int:
-        """Fire what is overdue and enqueue what comes due within the horizon (at most
-        ``SWEEP_BATCH`` per channel and call, the soonest first). A channel's failure
-        (its keys, a full Redis) is logged and skips only that channel."""
+        """Fire what is overdue (at most ``SWEEP_BATCH`` per channel and call, the most
+        overdue first) and enqueue what comes due within the horizon (at most
+        ``ENQUEUE_BATCH``, each once per worker). A channel's failure (its keys, a full
+        Redis) is logged and skips only that channel."""
         fired, now = 0, now_ms()
         for channel in sorted(channels):
             try:
-                for sid, due in await self.store.due(channel, now + HORIZON_MS, limit=SWEEP_BATCH):
-                    if due <= now:
-                        fired += await self.fire(channel=channel, sid=sid, due_ms=due)
-                    else:
-                        await self.enqueue(channel, sid, due)
+                for sid, due in await self.store.due(channel, now, limit=SWEEP_BATCH):
+                    fired += await self.fire(channel=channel, sid=sid, due_ms=due)
+                upcoming = await self.store.due_between(
+                    channel, now, now + HORIZON_MS, limit=ENQUEUE_BATCH
+                )
+                for sid, due in upcoming:
+                    await self.enqueue(channel, sid, due)
             except Exception as exc:  # one channel must not stop the others
                 log.warning("schedules of %s not swept: %s", safe(channel), type(exc).__name__)
         return fired

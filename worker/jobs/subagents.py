@@ -27,6 +27,8 @@ import logging
 import time
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from bus_redis import ControlMessage, InboundMessage
 from bus_redis.codec import parse_stream_id, safe
 from bus_redis.subagents import SubagentStore
@@ -44,6 +46,7 @@ JOB_NAME = "subagent"
 SUBAGENT_TOOLS = ("read_session", "search_sessions")  # reads within the session's scope
 ABORTING = ("stop", "discard", "delete", "new")
 MAX_TASK_CHARS = 8000
+FINISH_ATTEMPTS = 7  # publishing a result: tried for about a minute
 SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
 IDENTITY = (
     "You are a subagent of redis-agent-worker: you work on one task for a conversation "
@@ -162,8 +165,23 @@ class Subagents:
         if self._stopped_after(spec):
             await self.store.drop(session, sid)
             return
-        if await self.store.finish(session, sid, self._message(spec, text)):
-            log.info("subagent %s of %s ended", sid, safe(session))
+        await self._publish(session, sid, self._message(spec, text))
+
+    async def _publish(self, session: str, sid: str, payload: str) -> None:
+        """The result into the session's stream; Redis refusing it (full) is tried again
+        for about a minute, then the registration is dropped (its slots freed)."""
+        for attempt in range(FINISH_ATTEMPTS):
+            try:
+                if await self.store.finish(session, sid, payload):
+                    log.info("subagent %s of %s ended", sid, safe(session))
+                return
+            except RedisError as exc:
+                log.warning("result of subagent %s not published (%s); trying again", sid,
+                            type(exc).__name__)  # fmt: skip
+                await asyncio.sleep(min(2**attempt, 16))
+        log.error("result of subagent %s of %s lost: Redis kept refusing it", sid, safe(session))
+        with contextlib.suppress(RedisError):
+            await self.store.drop(session, sid)
 
     async def _work(self, spec: dict[str, Any]) -> str:
         policy = SessionPolicy(persist=False, log_content=True)
@@ -206,12 +224,20 @@ class Subagents:
                 self.aborted.add(sid)
                 task.cancel()
         if session in self.spawned_here:  # the ones not started yet
-            self.spawned_here.pop(session, None)
-            self.rt.spawn(self._abort(session))
+            self.rt.spawn(self._abort(session, at))
 
-    async def _abort(self, session: str) -> None:
-        with contextlib.suppress(Exception):
-            await self.store.abort_all(session)
+    async def _abort(self, session: str, at: tuple[int, int]) -> None:
+        """Unregister the session's subagents spawned before the control at ``at``."""
+        try:
+            for sid, raw in (await self.store.of_session(session)).items():
+                try:
+                    after = parse_stream_id(str(json.loads(raw).get("after") or "0-0"))
+                except (ValueError, AttributeError):
+                    after = (0, 0)
+                if after < at:
+                    await self.store.drop(session, sid)
+        except RedisError as exc:
+            log.warning("subagents of %s not unregistered: %s", safe(session), type(exc).__name__)
 
 
 async def _nowhere(_text: str) -> None:

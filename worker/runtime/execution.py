@@ -174,7 +174,7 @@ class TurnExecution:
         turn = self.rt.runner.run(session, row, memory, ctx, state, puller, on_delta, retry=retry)
         task = asyncio.create_task(turn)
         reason = await self._await_turn(task)
-        outcome = await self._outcome(task, reason, msg, session, state, reply_to)
+        outcome = await self._outcome(task, reason, msg, session, state, reply_to, ctx)
         outcome.tokens = (state.tokens_in, state.tokens_out)
         outcome.journal = journal
         if puller is not None and puller.injected:
@@ -223,6 +223,7 @@ class TurnExecution:
         session: Session,
         state: TurnState,
         reply_to: str,
+        ctx: ToolContext,
     ) -> Outcome:
         key, member = self.key, self.member
         if task.cancelled() or reason in ("lease_lost", "shutdown"):
@@ -231,12 +232,16 @@ class TurnExecution:
             keeps = reason in KEEPS_WORK
             if keeps:  # its work up to the last complete tool exchange
                 session.append_rows(legal_prefix(state.rows))
+            elif reason == "discard":  # its rows are dropped: so are its schedules
+                await _undo(ctx)
             detail = f"turn cancelled by {reason}"
             out = error(msg.channel, msg.chat_id, member, reply_to, "cancelled", detail)
             return Outcome(out, session if keeps else None)
         exc = task.exception()
         if isinstance(exc, ProviderError):
-            session.append_rows(state.rows[:1])
+            # the user row and the complete tool exchanges: their effects (a schedule, a
+            # subagent, a message sent) are in the history, and a Retry goes on from them
+            session.append_rows(legal_prefix(state.rows))
             detail = str(exc) if session.policy.log_content else type(exc.__cause__ or exc).__name__
             log.warning("provider error in %s: %s", safe(key), safe(detail))
             out = error(msg.channel, msg.chat_id, member, reply_to, "provider_error", str(exc))
@@ -278,3 +283,11 @@ class TurnExecution:
         if not await bus.emit(self.key, token, self.member, payload, transient=transient):
             self.rt.turns.metrics["fenced_writes_rejected"] += 1
             self.rt.metrics.fenced_writes_rejected.inc()
+
+
+async def _undo(ctx: ToolContext) -> None:
+    for undo in ctx.undo:
+        try:
+            await undo()
+        except Exception as exc:  # one failed undo must not keep the others from running
+            log.warning("undoing an effect of a discarded turn failed: %s", type(exc).__name__)

@@ -50,6 +50,9 @@ class ToolContext:
     # being executed ("<turn>#<ordinal>"): ids derived from it are stable and unique
     turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     call_id: str = ""
+    # what undoes this turn's outside effects when the turn is discarded (its rows are
+    # dropped, so a schedule it added would be live but in no history)
+    undo: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
 
     @property
     def scope(self) -> str:
