@@ -65,8 +65,7 @@ async def test_a_subagents_result_comes_back_into_its_session(redis, make_loop) 
     assert [e.type for e in got["q1"] if e.is_terminal] == ["message"]
 
     async def results() -> list[str]:
-        events = await channel_events(client, "web")
-        return [e.reply_to or "" for e in events if (e.reply_to or "").startswith("spawn:")]
+        return await _spawn_replies(client, "web")
 
     await until(lambda: _some(results), timeout_s=10)
     [rid] = await results()
@@ -85,6 +84,25 @@ async def _some(results: Any) -> bool:
     return bool(await results())
 
 
+async def _spawn_replies(client: FrontendClient, channel: str, session: str = "") -> list[str]:
+    """The ids of the subagent results answered in ``channel`` (or in one session)."""
+    events = await channel_events(client, channel)
+    return [
+        e.reply_to or ""
+        for e in events
+        if (e.reply_to or "").startswith("spawn:") and session in ("", e.session_key)
+    ]
+
+
+async def _rows(redis: Any, key: str) -> list[dict[str, Any]]:
+    """A stored session's rows, in order."""
+    stored = await redis.hgetall(K.session(key))
+    return [
+        json.loads(v)
+        for _, v in sorted((int(f[2:]), v) for f, v in stored.items() if f.startswith("m:"))
+    ]
+
+
 async def test_stop_aborts_a_running_subagent_and_nothing_comes_back(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
     model = Model()
     loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
@@ -101,8 +119,7 @@ async def test_stop_aborts_a_running_subagent_and_nothing_comes_back(redis, make
     got = await collect(client, "web", {"q2"}, timeout_s=10)
     assert [e.type for e in got["q2"] if e.is_terminal] == ["message"]
     assert not loop.subagents.running
-    events = await channel_events(client, "web")
-    assert not [e for e in events if (e.reply_to or "").startswith("spawn:")]
+    assert await _spawn_replies(client, "web") == []
 
 
 async def _unregistered(redis: Any, session: str) -> bool:
@@ -118,10 +135,7 @@ async def test_a_session_runs_a_bounded_number_of_subagents(redis, make_loop) ->
     await asyncio.wait_for(model.subagent_started.wait(), 10)
     await client.send(_m("bd", "research slow two", "q2"))
     await collect(client, "web", {"q2"}, timeout_s=10)
-    stored = await redis.hgetall(K.session("web:bd"))
-    rows = sorted((int(f[2:]), v) for f, v in stored.items() if f.startswith("m:"))
-    tool_rows = [json.loads(v) for _, v in rows]
-    results = [r["content"] for r in tool_rows if r.get("role") == "tool"]
+    results = [r["content"] for r in await _rows(redis, "web:bd") if r.get("role") == "tool"]
     assert results[0].startswith("Subagent ")
     assert results[1] == "Error: 1 subagents of this conversation are running; wait for one"
     assert await redis.hlen(K.spawned("web:bd")) == 1
@@ -162,12 +176,7 @@ async def test_spawn_across_two_workers_listed_by_status_and_aborted_by_stop(
     fake_llm.release()
 
     async def result_of(chat: str) -> list[str]:
-        events = await channel_events(client, "web")
-        return [
-            e.reply_to or ""
-            for e in events
-            if e.session_key == f"web:{chat}" and (e.reply_to or "").startswith("spawn:")
-        ]
+        return await _spawn_replies(client, "web", f"web:{chat}")
 
     await until(lambda: _n(result_of, 1, "keep"), timeout_s=30)
     [rid] = await result_of("keep")
@@ -198,9 +207,7 @@ async def test_a_channel_full_of_subagents_leaves_another_channel_served(redis, 
     await asyncio.wait_for(model.subagent_started.wait(), 10)
     await client.send(_m("a2", "research slow two", "q2"))
     await collect(client, "web", {"q2"}, timeout_s=10)
-    stored = await redis.hgetall(K.session("web:a2"))
-    results = [json.loads(v) for f, v in stored.items() if f.startswith("m:")]
-    [refusal] = [r["content"] for r in results if r.get("role") == "tool"]
+    [refusal] = [r["content"] for r in await _rows(redis, "web:a2") if r.get("role") == "tool"]
     assert refusal.startswith("Error: too many subagents are running")
     other = InboundMessage(
         id="o1", channel="cli", chat_id="b", sender_id="u", content="research quick"
@@ -208,8 +215,7 @@ async def test_a_channel_full_of_subagents_leaves_another_channel_served(redis, 
     await client.send(other)
 
     async def result() -> list[str]:
-        events = await channel_events(client, "cli")
-        return [e.reply_to or "" for e in events if (e.reply_to or "").startswith("spawn:")]
+        return await _spawn_replies(client, "cli")
 
     await until(lambda: _some(result), timeout_s=10)
     model.release.set()
@@ -229,14 +235,12 @@ async def test_a_failing_subagent_reports_it_and_frees_its_slot(redis, make_loop
     await collect(client, "web", {"q1"}, timeout_s=10)
 
     async def results() -> list[str]:
-        events = await channel_events(client, "web")
-        return [e.reply_to or "" for e in events if (e.reply_to or "").startswith("spawn:")]
+        return await _spawn_replies(client, "web")
 
     await until(lambda: _some(results), timeout_s=10)
     [rid] = await results()
     await collect(client, "web", {rid}, timeout_s=10)
-    stored = await redis.hgetall(K.session("web:fl"))
-    rows = [json.loads(v) for f, v in stored.items() if f.startswith("m:")]
+    rows = await _rows(redis, "web:fl")
     assert any("failed: RuntimeError" in str(r.get("content")) for r in rows)
     assert not await redis.exists(K.spawned("web:fl"))
 
