@@ -40,7 +40,6 @@ from bus_redis.scripts import Scripts
 WORKER_GROUP = "workers"
 HISTORY_MAXLEN = 10_000  # dated consolidation entries kept per scope
 PULSE_MAXLEN = 10_000  # pulses a channel keeps (the scripts say it too)
-JOURNAL_TTL_MS = 86_400_000  # a tool journal outlives any redelivery of its entry
 READY_MAXLEN = 1_000_000
 log = logging.getLogger(__name__)
 
@@ -367,22 +366,6 @@ class RedisBus:
         keys = [k.lease(key), k.session(key), k.memory(scope), k.memory_history(scope)]
         args = [token, meta, version, memory, memory_version, history, HISTORY_MAXLEN]
         return texts(await self.scripts.call("consolidate", keys, args))[0]
-
-    async def journal(self, key: str, token: str, entry: str, rows: Sequence[str]) -> int:
-        """Append ``rows`` to the tool journal of ``entry`` running under the lease of
-        ``key`` (none: drop it); -1 when the lease is lost (see ``lua/journal.lua``)."""
-        keys = [self.keys.lease(key), self.keys.journal(key)]
-        args = [token, entry, JOURNAL_TTL_MS, *rows]
-        return int(text(await self.scripts.call("journal", keys, args)))
-
-    async def read_journal(self, key: str, entry: str) -> list[str]:
-        """The journaled rows of ``entry`` (a lost attempt's), in order; [] when none."""
-        raw = await self.redis.hgetall(self.keys.journal(key))  # type: ignore[misc]
-        doc = {text(k): text(v) for k, v in raw.items()}
-        if doc.get("entry") != entry:
-            return []
-        n = int(doc.get("n") or 0)
-        return [doc[str(i)] for i in range(1, n + 1) if str(i) in doc]
 
     async def delete_session(self, key: str, token: str, scope: str) -> int:
         keys = self.keys.deletion(key, self.keys.lease(key), scope)

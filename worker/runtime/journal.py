@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from bus_redis import RedisBus
+from bus_redis.journal import JournalStore
 from worker.runtime.outcomes import TurnAbortedError
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class TurnJournal:
     def __init__(self, bus: RedisBus, key: str, token: str, member: str, entry_id: str) -> None:
-        self.bus = bus
+        self.store = JournalStore(bus)
         self.key = key  # the effective key: one turn runs under its lease at a time
         self.token = token
         self.entry = f"{member}|{entry_id}"
@@ -35,14 +36,14 @@ class TurnJournal:
     async def record(self, rows: list[dict[str, Any]]) -> None:
         """Append rows; a lost lease ends the turn before another tool can run."""
         encoded = [json.dumps(r, ensure_ascii=False, default=str) for r in rows]
-        if await self.bus.journal(self.key, self.token, self.entry, encoded) < 0:
+        if await self.store.append(self.key, self.token, self.entry, encoded) < 0:
             raise TurnAbortedError("lease_lost")
         self.written = True
 
     async def replay(self) -> list[dict[str, Any]]:
         """The rows a lost attempt of this entry recorded (a redelivery)."""
         rows: list[dict[str, Any]] = []
-        for raw in await self.bus.read_journal(self.key, self.entry):
+        for raw in await self.store.read(self.key, self.entry):
             try:
                 row = json.loads(raw)
             except ValueError:
@@ -54,4 +55,4 @@ class TurnJournal:
 
     async def drop(self) -> None:
         """Drop the journal of this entry (the commit does it for a committed turn)."""
-        await self.bus.journal(self.key, self.token, self.entry, [])
+        await self.store.append(self.key, self.token, self.entry, [])
