@@ -4,6 +4,7 @@ the rows to append; the caller commits them under the session lease."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -226,6 +227,8 @@ class TurnRunner:
         self, state: TurnState, name: str, arguments: dict[str, Any], ctx: ToolContext
     ) -> str:
         state.calls += 1
+        if not ctx.turn_id:
+            ctx.turn_id = uuid.uuid4().hex
         ctx.call_id = f"{ctx.turn_id}#{state.calls}"  # the same call in a re-run: same id
         return await self.tools.execute(name, arguments, ctx)
 

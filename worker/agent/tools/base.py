@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,7 +47,7 @@ class ToolContext:
     services: Services | None = None
     # the turn ("<session>|<entry id>": the same in a re-run after a crash) and the call
     # being executed ("<turn>#<ordinal>"): ids derived from it are stable and unique
-    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    turn_id: str = ""  # set from the entry; a turn without one gets a random id at its first call
     call_id: str = ""
     # what undoes this turn's outside effects when the turn is discarded (its rows are
     # dropped, so a schedule it added would be live but in no history)
