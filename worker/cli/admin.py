@@ -26,8 +26,8 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
         help="list | show KEY | delete KEY | prune --older-than AGE (delete waits for the lease)",
         description="Stored (durable) sessions. prune deletes those not updated for AGE "
         "(e.g. 30d, 12h, 90m, 600s) with their indexes and events, as workers do by "
-        "themselves after AGENT_SESSION_TTL_S; a session with a running turn or queued "
-        "messages is left alone.",
+        "themselves after AGENT_SESSION_TTL_S; a session with a running turn, queued "
+        "messages or schedules is left alone.",
     )
     common(p)
     p.add_argument("action", choices=["list", "show", "delete", "prune"])
