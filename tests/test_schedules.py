@@ -20,7 +20,7 @@ from replies import channel_events, collect, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.schedules import ScheduleStore
-from worker import AgentLoop
+from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse, ToolCallRequest
 from worker.jobs import LocalJobQueue
 from worker.jobs.schedules import Schedule, ScheduleError, parse_schedule
@@ -426,3 +426,47 @@ async def test_idle_retention_keeps_a_session_with_schedules(redis) -> None:  # 
     await redis.sadd(K.crons("web:sched"), "s1")
     assert await store.prune_idle("web", older_than_ms=-1) == ["web:plain"]
     assert await store.load("web:sched") is not None
+
+
+async def test_a_stop_that_drops_the_exchange_drops_its_schedule(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """One model answer calls cron add and a slow tool; a stop lands during the slow one:
+    the exchange is not kept (incomplete), so neither is the schedule it added."""
+    slow_started = asyncio.Event()
+
+    class Slow:
+        name = "slow"
+        description = "takes its time"
+        parameters: dict[str, Any] = {"type": "object", "properties": {}}
+
+        async def execute(self, ctx: Any) -> str:
+            slow_started.set()
+            await asyncio.Event().wait()
+            return "never"
+
+    async def model(**kw: Any) -> LLMResponse:
+        args = {"action": "add", "every_seconds": 3600, "message": "x"}
+        return LLMResponse(
+            tool_calls=[ToolCallRequest("c1", "cron", args), ToolCallRequest("c2", "slow", {})]
+        )
+
+    from worker.agent.tools import default_registry
+
+    tools = default_registry()
+    tools.register(Slow())  # type: ignore[arg-type]
+    loop = AgentLoop(
+        RedisBus(redis), ScriptedProvider(handler=model), tools=tools,
+        config=LoopConfig(read_block_ms=50),
+    )  # fmt: skip
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis)
+    await client.send(
+        InboundMessage(id="s1", channel="web", chat_id="sc", sender_id="u", content="go")
+    )
+    await asyncio.wait_for(slow_started.wait(), 10)
+    assert await redis.scard(K.crons("web:sc")) == 1
+    await client.stop("web:sc")
+    got = await collect(client, "web", {"s1"}, timeout_s=10)
+    assert [e.code for e in got["s1"] if e.is_terminal] == ["cancelled"]
+    await until(lambda: _no_schedules(redis, "web:sc"), timeout_s=10)
+    loop.stop()
+    await asyncio.wait_for(task, 10)

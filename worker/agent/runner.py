@@ -212,7 +212,7 @@ class TurnRunner:
             state.rows.append(call_row)
             await _record(state, [call_row])  # before any call runs
             for call in response.tool_calls:
-                result = await self._execute(state, call.name, call.arguments, ctx)
+                result = await self._execute(state, call.name, call.arguments, ctx, call.id)
                 crash_point("tool_ran")
                 await self._answer(state, messages, call.id, call.name, result)
                 crash_point("tool_recorded")
@@ -224,9 +224,15 @@ class TurnRunner:
         return self._finish(state, MAX_ITERATIONS_TEXT)
 
     async def _execute(
-        self, state: TurnState, name: str, arguments: dict[str, Any], ctx: ToolContext
+        self,
+        state: TurnState,
+        name: str,
+        arguments: dict[str, Any],
+        ctx: ToolContext,
+        tool_call_id: str = "",
     ) -> str:
         state.calls += 1
+        ctx.tool_call_id = tool_call_id
         if not ctx.turn_id:
             ctx.turn_id = uuid.uuid4().hex
         ctx.call_id = f"{ctx.turn_id}#{state.calls}"  # the same call in a re-run: same id
@@ -270,7 +276,7 @@ class TurnRunner:
                 running = journaled is None and not cut  # it may have run, or not
                 cut = cut or journaled is None
                 if self.tools.is_idempotent(name) or (journaled is None and not running):
-                    result = await self._execute(state, name, _arguments(fn), ctx)
+                    result = await self._execute(state, name, _arguments(fn), ctx, str(call_id))
                     await self._answer(state, messages, call_id, name, result)
                     continue
                 state.calls += 1

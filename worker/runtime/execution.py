@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
 from bus_redis.codec import safe
@@ -230,10 +230,11 @@ class TurnExecution:
             if reason in (None, "lease_lost", "shutdown"):
                 raise TurnAbortedError(reason or "cancelled")
             keeps = reason in KEEPS_WORK
+            kept = legal_prefix(state.rows) if keeps else []
             if keeps:  # its work up to the last complete tool exchange
-                session.append_rows(legal_prefix(state.rows))
-            elif reason == "discard":  # its rows are dropped: so are its schedules
-                await _undo(ctx)
+                session.append_rows(kept)
+            if reason in (*KEEPS_WORK, "discard"):  # rows dropped: so are their schedules
+                await _undo(ctx, {r.get("tool_call_id") for r in kept if r.get("role") == "tool"})
             detail = f"turn cancelled by {reason}"
             out = error(msg.channel, msg.chat_id, member, reply_to, "cancelled", detail)
             return Outcome(out, session if keeps else None)
@@ -285,9 +286,12 @@ class TurnExecution:
             self.rt.metrics.fenced_writes_rejected.inc()
 
 
-async def _undo(ctx: ToolContext) -> None:
-    for undo in ctx.undo:
+async def _undo(ctx: ToolContext, kept: set[Any]) -> None:
+    """Undo the outside effects of the calls whose results are not in ``kept``."""
+    for call_id, undo in ctx.undo:
+        if call_id in kept:
+            continue
         try:
             await undo()
         except Exception as exc:  # one failed undo must not keep the others from running
-            log.warning("undoing an effect of a discarded turn failed: %s", type(exc).__name__)
+            log.warning("undoing an effect of a cut turn failed: %s", type(exc).__name__)

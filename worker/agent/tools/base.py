@@ -49,9 +49,11 @@ class ToolContext:
     # being executed ("<turn>#<ordinal>"): ids derived from it are stable and unique
     turn_id: str = ""  # set from the entry; a turn without one gets a random id at its first call
     call_id: str = ""
-    # what undoes this turn's outside effects when the turn is discarded (its rows are
+    tool_call_id: str = ""  # the model's id of the call being executed
+    # (the model's call id, what undoes it): outside effects of calls whose rows a cut
+    # turn does not keep (a discard keeps none; a stop keeps complete tool exchanges)
     # dropped, so a schedule it added would be live but in no history)
-    undo: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
+    undo: list[tuple[str, Callable[[], Awaitable[Any]]]] = field(default_factory=list)
 
     @property
     def scope(self) -> str:
