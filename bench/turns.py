@@ -26,6 +26,15 @@ from worker import AgentLoop, LoopConfig
 from worker.agent.providers import EchoProvider
 
 
+def _round_trips(loops: list[AgentLoop]) -> int:
+    """Commands through redis-py (counted by CountingRedis) and through the workers'
+    multiplexed connections (bus_redis.mux: each command one round trip, as before, though
+    concurrent ones share a write)."""
+    return CountingRedis.round_trips + sum(
+        loop.bus.fast.commands for loop in loops if loop.bus.fast is not None
+    )
+
+
 async def throughput(url: str, sessions: int, messages: int, workers: int) -> None:
     frontend = FrontendClient(aioredis.from_url(url, decode_responses=True))
     loops = [
@@ -51,13 +60,13 @@ async def throughput(url: str, sessions: int, messages: int, workers: int) -> No
                 id=f"s{s}-{n}", channel="bench", sender_id="u", chat_id=f"c{s}", content=f"m{n}"
             )
             await frontend.send(msg)
-    rt0, cpu0, t0 = CountingRedis.round_trips, time.process_time(), time.perf_counter()
+    rt0, cpu0, t0 = _round_trips(loops), time.process_time(), time.perf_counter()
     runs = [asyncio.create_task(loop.run()) for loop in loops]
     answered: set[str] = set()
     await _read_all(frontend, "bench", sessions, messages, answered)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
-    rts = CountingRedis.round_trips - rt0
+    rts = _round_trips(loops) - rt0
     for loop in loops:
         loop.stop()
     await asyncio.gather(*runs)
@@ -179,14 +188,14 @@ async def history_cost(url: str, sizes: list[int], turns: int) -> None:
         await loop.sessions.save(seed)
         msg = InboundMessage(channel="bench", sender_id="u", chat_id="h", content="warm")
         await loop.process_message(msg)  # loads the session into the cache once
-        rt0, cpu0, t0 = CountingRedis.round_trips, time.process_time(), time.perf_counter()
+        rt0, cpu0, t0 = _round_trips([loop]), time.process_time(), time.perf_counter()
         for i in range(turns):
             await loop.process_message(
                 msg.model_copy(update={"content": f"turn {i}", "id": f"t{i}"})
             )
         cpu_ms = (time.process_time() - cpu0) / turns * 1000
         wall_ms = (time.perf_counter() - t0) / turns * 1000
-        rts = (CountingRedis.round_trips - rt0) / turns
+        rts = (_round_trips([loop]) - rt0) / turns
         hash_len = await redis.hlen(Keys().session("bench:h"))
         print(
             f"  history {size:>6}: {cpu_ms:.3f} ms CPU/turn  {wall_ms:.3f} ms wall/turn  {rts:.1f} RT/turn  "

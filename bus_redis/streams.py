@@ -22,6 +22,7 @@ from redis.exceptions import ResponseError
 
 from bus_redis.codec import binary_twin, payload_text, safe, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, Keys, channel_of, in_channel
+from bus_redis.mux import Multiplexed
 from bus_redis.results import (
     Acquired,
     AcquireResult,
@@ -70,7 +71,9 @@ class RedisBus:
         self.lock_ttl_ms = lock_ttl_ms
         self.owner_ttl_ms = owner_ttl_ms
         self.retention = retention or Retention()
-        self.scripts = Scripts(redis)
+        # the turn path's commands share one pipelined connection (bus_redis.mux)
+        self.fast = Multiplexed.for_client(redis)
+        self.scripts = Scripts(redis, self.fast)
         self._raw: Redis | None = None
 
     @property
@@ -82,7 +85,10 @@ class RedisBus:
         return self._raw
 
     async def aclose(self) -> None:
-        """Close what the bus opened itself (the twin client), not the client it was given."""
+        """Close what the bus opened itself (the twin client, the multiplexed connection),
+        not the client it was given."""
+        if self.fast is not None:
+            await self.fast.aclose()
         if self._raw is not None:
             raw, self._raw = self._raw, None
             await raw.aclose()
@@ -281,9 +287,11 @@ class RedisBus:
         """Entries of one inbound stream after ``after`` (exclusive): ``(id, payload)``;
         the payload is None for a control marker."""
         stream = self.keys.inbound(member)
-        entries = await self.redis.execute_command(
-            "XRANGE", stream, f"({after}", "+", "COUNT", count, **{NEVER_DECODE: True}
-        )
+        command = ("XRANGE", stream, f"({after}", "+", "COUNT", count)
+        if self.fast is not None:
+            entries = await self.fast.execute(*command)
+        else:
+            entries = await self.redis.execute_command(*command, **{NEVER_DECODE: True})
         out: list[tuple[str, str | None]] = []
         for eid, raw in entries or []:
             pairs = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))

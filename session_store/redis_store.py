@@ -12,6 +12,7 @@ from redis.exceptions import WatchError
 
 from bus_redis.codec import text
 from bus_redis.keys import Keys, channel_of, glob_escape
+from bus_redis.mux import Multiplexed
 from bus_redis.scripts import Scripts
 from session_store.codec import (
     apply_meta,
@@ -33,11 +34,24 @@ class RedisSessionStore:
     ``commit`` script instead of :meth:`save`; :meth:`save` is the whole-session write
     for administration and tests (all-or-nothing, in one MULTI)."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, lock_ttl_ms: int = 10_000) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        lock_ttl_ms: int = 10_000,
+        fast: Multiplexed | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.lock_ttl_ms = lock_ttl_ms
-        self._scripts = Scripts(redis)
+        self.fast = fast  # the turn path's pipelined connection (bus_redis.mux), if any
+        self._scripts = Scripts(redis, fast)
+
+    async def _hmget(self, hkey: str, fields: list[str]) -> list[Any]:
+        if self.fast is not None:
+            return list(await self.fast.execute("HMGET", hkey, *fields))
+        return list(await self.redis.hmget(hkey, fields))  # type: ignore[misc]
 
     async def load(self, key: str) -> Session | None:
         raw = await self.redis.hgetall(self.keys.session(key))  # type: ignore[misc]
@@ -51,7 +65,7 @@ class RedisSessionStore:
         hkey = self.keys.session(cached.key)
         have = cached.persisted_count + cached.skipped_rows  # the hash's rows it has seen
         ahead = [f"m:{i}" for i in range(have, have + ROWS_AHEAD)]  # usually all it lacks
-        raw = await self.redis.hmget(hkey, ["meta", "count", "version", "gen", *ahead])  # type: ignore[misc]
+        raw = await self._hmget(hkey, ["meta", "count", "version", "gen", *ahead])
         meta_raw, count_raw, version_raw, gen_raw = (
             text(v) if v is not None else "" for v in raw[:4]
         )
@@ -61,7 +75,7 @@ class RedisSessionStore:
         fresh: list[Any] = list(raw[4 : 4 + count - have])
         if count > have + ROWS_AHEAD:  # more turns than that ran elsewhere
             fields = [f"m:{i}" for i in range(have + ROWS_AHEAD, count)]
-            fresh += await self.redis.hmget(hkey, fields)  # type: ignore[misc]
+            fresh += await self._hmget(hkey, fields)
         rows = decode_rows(text(r) if r is not None else None for r in fresh)
         if rows is None:
             return False  # a row is missing or unreadable: the whole hash decides

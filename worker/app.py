@@ -6,10 +6,6 @@ import os
 
 import redis.asyncio as aioredis
 from redis import Redis as SyncRedis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from bus_redis import RedisBus
 from worker.agent.providers import EchoProvider, GenerationSettings, LLMProvider, OpenAIProvider
@@ -22,13 +18,14 @@ DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 
 
 def make_redis(url: str) -> aioredis.Redis:
-    """A client that retries commands across short outages (reconnect with backoff)."""
-    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8)
+    """The worker's client. A command that fails on a lost connection is not retried by the
+    client (its caller decides: the worker's loops back off and try again, the scripts are
+    idempotent under a retry); the next command connects again. (A redis-py ``Retry`` used
+    to be set here, but the sync one, which asyncio clients do not await: it never retried.)
+    """
     client = aioredis.from_url(
         url,
         decode_responses=True,
-        retry=retry,
-        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         health_check_interval=10,
         socket_connect_timeout=2,
     )

@@ -99,7 +99,7 @@ class AgentLoop:
             registry=Registry(bus),
             sessions=sessions
             or SessionManager(
-                RedisSessionStore(bus.redis, bus.keys, lock_ttl_ms=bus.lock_ttl_ms),
+                RedisSessionStore(bus.redis, bus.keys, lock_ttl_ms=bus.lock_ttl_ms, fast=bus.fast),
                 cache_size=config.session_cache_sessions,
                 cache_rows=config.session_cache_rows,
             ),

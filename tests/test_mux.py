@@ -1,0 +1,184 @@
+"""The turn path's multiplexed connection (bus_redis.mux) against a real redis-server:
+replies reach their callers, in order, through cancellations, errors, restarts and AUTH."""
+
+from __future__ import annotations
+
+import asyncio
+
+import fakeredis
+import pytest
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError,
+    NoScriptError,
+    ResponseError,
+)
+from redis.retry import Retry
+from servers import RedisServer
+
+from bus_redis import RedisBus
+from bus_redis.mux import Multiplexed
+
+pytestmark = pytest.mark.real_redis
+
+ECHO = "return ARGV[1]"
+SLOW_ECHO = """
+local t0 = redis.call('TIME')
+repeat
+  local t = redis.call('TIME')
+until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > 20000
+return ARGV[1]
+"""
+
+
+async def test_concurrent_callers_each_get_their_own_reply(real_redis: aioredis.Redis) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        replies = await asyncio.gather(
+            *(mux.execute("EVAL", ECHO, 0, f"caller-{i}") for i in range(300))
+        )
+        assert replies == [f"caller-{i}".encode() for i in range(300)]
+        assert mux.commands == 300
+    finally:
+        await mux.aclose()
+
+
+async def test_a_cancelled_caller_leaves_the_others_in_step(real_redis: aioredis.Redis) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        await mux.execute("PING")  # connected: the calls below only queue their bytes
+        slow = asyncio.create_task(mux.execute("EVAL", SLOW_ECHO, 0, "slow"))
+        b = asyncio.create_task(mux.execute("EVAL", ECHO, 0, "b"))
+        c = asyncio.create_task(mux.execute("EVAL", ECHO, 0, "c"))
+        await asyncio.sleep(0)  # each task has queued its command and waits for the reply
+        slow.cancel()
+        assert await b == b"b"  # the slow reply came first and was dropped, not given to b
+        assert await c == b"c"
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        assert await mux.execute("EVAL", ECHO, 0, "d") == b"d"
+    finally:
+        await mux.aclose()
+
+
+async def test_error_replies_are_redis_py_errors_and_keep_step(
+    real_redis: aioredis.Redis,
+) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        await real_redis.set("a-string", "x")
+        calls = [
+            mux.execute("EVALSHA", "0" * 40, 0),
+            mux.execute("EVAL", "return redis.error_reply('MINE broke')", 0),
+            mux.execute("LPUSH", "a-string", "y"),
+            mux.execute("EVAL", ECHO, 0, "after"),
+            mux.execute("EVAL", "return {1, redis.error_reply('INNER no')}", 0),
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(results[0], NoScriptError)
+        assert isinstance(results[1], ResponseError)
+        assert "broke" in str(results[1])
+        assert isinstance(results[2], ResponseError)
+        assert "WRONGTYPE" in str(results[2])
+        assert results[3] == b"after"
+        nested = results[4]
+        assert isinstance(nested, list)
+        assert nested[0] == 1
+        assert isinstance(nested[1], ResponseError)  # inside a reply: a value, as redis-py
+    finally:
+        await mux.aclose()
+
+
+async def test_it_reconnects_after_a_server_restart_with_the_clients_retry() -> None:
+    server = RedisServer().start()
+    try:
+        retrying = Retry(ExponentialBackoff(cap=0.2, base=0.01), retries=8)
+        client = aioredis.from_url(server.url, retry=retrying, retry_on_error=[ConnectionError])
+        once = aioredis.from_url(server.url)  # redis-py's default: no retry
+        mux, bare = Multiplexed.for_client(client), Multiplexed.for_client(once)
+        assert mux is not None
+        assert bare is not None
+        assert await mux.execute("SET", "k", "before") == b"OK"
+        assert await bare.execute("PING") == b"PONG"
+        server.stop(kill=True)
+        with pytest.raises(ConnectionError):  # no retry: the caller gets redis-py's error
+            await bare.execute("PING")
+        server.start()  # same port, empty database
+        assert await mux.execute("SET", "k", "after") == b"OK"  # a lost link, then a new one
+        assert await client.get("k") == b"after"
+        assert await bare.execute("PING") == b"PONG"  # the next call connects again
+        await mux.aclose()
+        await bare.aclose()
+        await client.aclose()
+        await once.aclose()
+    finally:
+        server.cleanup()
+
+
+async def test_auth_user_and_database_come_from_the_url() -> None:
+    server = RedisServer(extra=["--requirepass", "s3cret"]).start()
+    try:
+        admin = aioredis.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/3")
+        await admin.execute_command("ACL", "SETUSER", "bot", "on", ">pw", "~*", "+@all")
+        as_user = aioredis.from_url(f"redis://bot:pw@127.0.0.1:{server.port}/3")
+        wrong = aioredis.from_url(f"redis://bot:nope@127.0.0.1:{server.port}/3")
+        for client, value in ((admin, "by-default-user"), (as_user, "by-bot")):
+            mux = Multiplexed.for_client(client)
+            assert mux is not None
+            assert await mux.execute("SET", value, "1") == b"OK"
+            assert await mux.execute("ACL", "WHOAMI") == (
+                b"bot" if client is as_user else b"default"
+            )
+            await mux.aclose()
+        assert sorted(await admin.keys("*")) == [b"by-bot", b"by-default-user"]  # db 3
+        bad = Multiplexed.for_client(wrong)
+        assert bad is not None
+        with pytest.raises(AuthenticationError):
+            await bad.execute("PING")
+        for c in (admin, as_user, wrong):
+            await c.aclose()
+    finally:
+        server.cleanup()
+
+
+def test_one_multiplexer_serves_successive_event_loops(redis_server: RedisServer) -> None:
+    client = aioredis.from_url(redis_server.url)
+    mux = Multiplexed.for_client(client)
+    assert mux is not None
+    assert asyncio.run(mux.execute("EVAL", ECHO, 0, "first loop")) == b"first loop"
+
+    async def second() -> bytes:
+        try:
+            return await mux.execute("EVAL", ECHO, 0, "second loop")  # type: ignore[no-any-return]
+        finally:
+            await mux.aclose()
+
+    assert asyncio.run(second()) == b"second loop"
+
+
+def test_clients_it_cannot_reproduce_keep_redis_py() -> None:
+    assert Multiplexed.for_client(fakeredis.FakeAsyncRedis()) is None
+    assert Multiplexed.for_client(aioredis.from_url("rediss://127.0.0.1:1/0")) is None
+    assert Multiplexed.for_client(aioredis.from_url("redis://127.0.0.1:1/0", protocol=3)) is None
+    unix = Multiplexed.for_client(aioredis.from_url("unix:///tmp/redis.sock?db=2"))
+    assert unix is not None
+    assert unix.path == "/tmp/redis.sock"
+    assert unix.db == 2
+    assert RedisBus(fakeredis.FakeAsyncRedis()).fast is None  # fakeredis: redis-py's path
+
+
+async def test_the_bus_sends_its_scripts_over_it(real_redis: aioredis.Redis) -> None:
+    bus = RedisBus(real_redis)
+    assert bus.fast is not None
+    await bus.scripts.load_all()
+    acquired = await bus.acquire("t:one", "w1")
+    assert bus.fast.commands == 1
+    await bus.release("t:one", acquired.token)  # type: ignore[union-attr]
+    assert await bus.peek("t:one", after="0", count=5) == []
+    assert bus.fast.commands == 3
+    await bus.aclose()
