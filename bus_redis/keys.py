@@ -324,19 +324,22 @@ class Keys:
 
 
 def _session_key(prefix: str, kind: str, session_key: str) -> str:
-    """``P:{C}:kind:S``; cached for short keys, since a turn names the same few keys many
-    times."""
+    """``P:{C}:kind:S``. The parts around ``kind`` are cached per short session key (one
+    entry per session, whatever the number of kinds a turn names: 10,000 sessions in
+    flight name ~150,000 keys, which a cache per key name would thrash)."""
     if len(session_key) <= CACHED_KEY_CHARS:
-        return _session_key_cached(prefix, kind, session_key)
-    return _build_session_key(prefix, kind, session_key)
+        head, tail = _session_parts_cached(prefix, session_key)
+    else:
+        head, tail = _session_parts(prefix, session_key)
+    return head + kind + tail
 
 
-def _build_session_key(prefix: str, kind: str, session_key: str) -> str:
+def _session_parts(prefix: str, session_key: str) -> tuple[str, str]:
     channel = encode_session(channel_of(session_key))  # validated upstream; encoded anyway
-    return f"{prefix}:{{{channel}}}:{kind}:{encode_session(session_key)}"
+    return f"{prefix}:{{{channel}}}:", f":{encode_session(session_key)}"
 
 
-_session_key_cached = lru_cache(maxsize=65_536)(_build_session_key)
+_session_parts_cached = lru_cache(maxsize=32_768)(_session_parts)
 
 
 def _scoped(prefix: str, scope: str, kind: str) -> str:
