@@ -10,14 +10,18 @@ command under the same load (``bench/baseline.py``).
 
 What it keeps from redis-py: the error classes (replies are parsed into redis-py's
 exceptions: ``NoScriptError``, ``OutOfMemoryError``, ...), ``ConnectionError`` on a lost
-connection, the client's retry policy (the same ``Retry`` and errors), AUTH / SELECT /
-CLIENT SETNAME from the client's URL. What it does better: a caller cancelled while waiting
-does not cost the connection (its reply is read and dropped, the others stay in step).
+connection (every command waiting on it fails; the next call connects again), the retry
+policy redis-py's asyncio connection would apply (none unless ``retry_on_error`` names
+errors: the worker sets none, so no command is sent twice by the client), AUTH / SELECT /
+CLIENT SETNAME from the client's URL, and a command whose caller is cancelled before it
+left is not sent. What it does better: a caller cancelled while waiting does not cost the
+connection (its reply is read and dropped, the others stay in step).
 
-Only non-blocking commands whose replies are read undecoded (bytes) go through it: the
-Lua scripts and the follow-up peek (``RedisBus``). A blocking read would stall every caller
-behind it. Clients it cannot reproduce (TLS, RESP3, a credential provider, fakeredis) get
-``None`` from :meth:`Multiplexed.for_client`, and their callers use redis-py as before.
+Only non-blocking commands whose replies are read undecoded (bytes) go through it: every
+Lua script of ``RedisBus`` (``Scripts.call``), the follow-up peek and the session catch-up
+``HMGET``. A blocking read would stall every caller behind it. Clients it cannot reproduce
+(TLS, RESP3, Sentinel, a credential provider, fakeredis) get ``None`` from
+:meth:`Multiplexed.for_client`, and their callers use redis-py as before.
 """
 
 from __future__ import annotations
@@ -35,12 +39,17 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, DataError, InvalidResponse
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 _MORE = object()  # hiredis: no complete reply buffered yet
 
 
 class _Link(asyncio.Protocol):
-    """One TCP (or Unix) connection: writes batched per loop iteration, replies in order."""
+    """One TCP (or Unix) connection: writes batched per loop iteration, replies in order.
+
+    A command waits in ``unsent`` until the iteration's flush; one whose caller was
+    cancelled by then is never sent (as with redis-py, which sends nothing for it). Sent
+    commands wait in ``waiting``, in the order Redis will answer them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -48,9 +57,9 @@ class _Link(asyncio.Protocol):
         self.reader = hiredis.Reader(
             protocolError=InvalidResponse, replyError=BaseParser.parse_error, notEnoughData=_MORE
         )
+        self.unsent: list[tuple[asyncio.Future[Any], bytes]] = []
         self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
-        self.out: list[bytes] = []
-        self.lost: Exception | None = None
+        self.lost: ConnectionError | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -87,39 +96,48 @@ class _Link(asyncio.Protocol):
 
     def call(self, packed: bytes) -> asyncio.Future[Any]:
         if self.lost is not None:
-            raise self.lost
+            raise ConnectionError(*self.lost.args)
         fut = self.loop.create_future()
-        if not self.out:
+        if not self.unsent:
             self.loop.call_soon(self._flush)
-        self.out.append(packed)
-        self.waiting.append(fut)
+        self.unsent.append((fut, packed))
         return fut
 
     def _flush(self) -> None:
-        if self.out and self.lost is None and self.transport is not None:
-            data = b"".join(self.out) if len(self.out) > 1 else self.out[0]
-            self.out.clear()
-            self.transport.write(data)
+        batch, self.unsent = self.unsent, []
+        if self.lost is not None or self.transport is None:
+            return
+        chunks = []
+        for fut, packed in batch:
+            if not fut.done():  # cancelled before it left: not sent at all
+                self.waiting.append(fut)
+                chunks.append(packed)
+        if chunks:
+            self.transport.write(b"".join(chunks) if len(chunks) > 1 else chunks[0])
 
-    def close(self, exc: Exception | None = None) -> None:
+    def close(self, exc: ConnectionError | None = None) -> None:
         self._fail(exc or ConnectionError("connection closed"))
         if self.transport is not None:
             self.transport.abort()
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: ConnectionError) -> None:
         if self.lost is None:
             self.lost = exc
-        self.out.clear()
-        while self.waiting:
-            fut = self.waiting.popleft()
+        failed = [fut for fut, _ in self.unsent] + list(self.waiting)
+        self.unsent.clear()
+        self.waiting.clear()
+        for fut in failed:
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(ConnectionError(*exc.args))  # one instance per caller
 
 
 def _pack(args: tuple[Any, ...]) -> bytes:
+    """The command's bytes; a value hiredis cannot take is redis-py's ``DataError``, and
+    text that cannot be encoded (a lone surrogate) the ``UnicodeEncodeError`` redis-py
+    raises too (tests/test_packing.py)."""
     try:
         return hiredis.pack_command(args)
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:
         raise DataError(f"cannot send {[type(a).__name__ for a in args]}: {exc}") from None
 
 
@@ -145,7 +163,8 @@ class Multiplexed:
         self.retry = retry or Retry(NoBackoff(), 0)
         self.commands = 0  # sent (the benches count round trips with it)
         self._link: _Link | None = None
-        self._connecting: asyncio.Future[_Link] | None = None
+        self._connecting: asyncio.Task[_Link] | None = None
+        self._epoch = 0  # aclose() moves it on: a connect begun before is not kept
 
     @classmethod
     def for_client(cls, redis: Redis) -> Multiplexed | None:
@@ -158,6 +177,8 @@ class Multiplexed:
         mro = conn_class.__mro__
         if any(c.__module__.split(".")[0] == "fakeredis" for c in mro):
             return None
+        if any("sentinel" in c.__module__ for c in mro):  # the master is found per connection
+            return None
         if issubclass(conn_class, SSLConnection) or not issubclass(
             conn_class, (Connection, UnixDomainSocketConnection)
         ):
@@ -165,12 +186,6 @@ class Multiplexed:
         kw = pool.connection_kwargs
         if kw.get("credential_provider") is not None or str(kw.get("protocol", 2)) == "3":
             return None
-        given = kw.get("retry")  # redis-py's own (sync or asyncio): its policy, awaited here
-        retry = None
-        if given is not None:
-            errors = tuple(given._supported_errors)
-            retry = Retry(copy.deepcopy(given._backoff), given._retries, errors)
-            retry.update_supported_errors(kw.get("retry_on_error") or [])
         return cls(
             host=kw.get("host", "localhost"),
             port=int(kw.get("port", 6379)),
@@ -180,7 +195,7 @@ class Multiplexed:
             password=kw.get("password"),
             client_name=kw.get("client_name"),
             connect_timeout_s=kw.get("socket_connect_timeout"),
-            retry=retry,
+            retry=_retry_of(kw),
         )
 
     async def execute(self, *args: Any) -> Any:
@@ -198,6 +213,8 @@ class Multiplexed:
         return await self.retry.call_with_retry(once, failed)
 
     async def aclose(self) -> None:
+        """Close the connection (and one being opened); a later call connects again."""
+        self._epoch += 1
         link, self._link = self._link, None
         if link is not None:
             link.close()
@@ -209,24 +226,29 @@ class Multiplexed:
         if link is not None and link.usable and link.loop is loop:
             return link
         if link is not None and link.loop is not loop:  # a former event loop's (tests)
+            self._link = None
             with contextlib.suppress(Exception):
                 link.close()
-        connecting = self._connecting
-        if connecting is None or connecting.get_loop() is not loop:
-            connecting = self._connecting = loop.create_future()
-            try:
-                self._link = await self._open(loop)
-                connecting.set_result(self._link)
-            except BaseException as exc:
-                connecting.set_exception(exc)
-                connecting.exception()  # retrieved: other waiters may be none
-                raise
-            finally:
-                self._connecting = None
-            return self._link
-        return await asyncio.shield(connecting)
+        task = self._connecting
+        if task is None or task.get_loop() is not loop or task.done():
+            # its own task: a caller cancelled while it connects cancels only itself
+            task = self._connecting = loop.create_task(self._open(loop, self._epoch))
+            task.add_done_callback(_retrieved)  # when every caller was cancelled
+        return await asyncio.shield(task)
 
-    async def _open(self, loop: asyncio.AbstractEventLoop) -> _Link:
+    async def _open(self, loop: asyncio.AbstractEventLoop, epoch: int) -> _Link:
+        try:
+            link = await self._handshake(loop)
+            if epoch != self._epoch:  # closed while it connected
+                link.close()
+                raise ConnectionError("the connection was closed while it was opened")
+            self._link = link
+            return link
+        finally:
+            if self._connecting is asyncio.current_task():
+                self._connecting = None
+
+    async def _handshake(self, loop: asyncio.AbstractEventLoop) -> _Link:
         where = self.path or f"{self.host}:{self.port}"
         try:
             if self.path:
@@ -234,10 +256,10 @@ class Multiplexed:
             else:
                 opening = loop.create_connection(lambda: _Link(loop), self.host, self.port)
             _, link = await asyncio.wait_for(opening, self.connect_timeout_s)
-        except (TimeoutError, OSError) as exc:
+        except (OSError, TimeoutError) as exc:
             raise ConnectionError(f"Error connecting to {where}. {exc}") from None
         try:
-            if self.password is not None:
+            if self.username or self.password:  # as redis-py: no AUTH for an empty password
                 auth = (self.username, self.password) if self.username else (self.password,)
                 await link.call(_pack(("AUTH", *auth)))
             if self.client_name:
@@ -248,3 +270,23 @@ class Multiplexed:
             link.close()
             raise
         return link
+
+
+def _retrieved(task: asyncio.Task[_Link]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _retry_of(kw: dict[str, Any]) -> Retry:
+    """What redis-py's asyncio connection makes of these settings: no retry unless
+    ``retry_on_error`` (or ``retry_on_timeout``) names errors; then the given ``Retry``'s
+    backoff and count (else one retry), for those errors only."""
+    errors = list(kw.get("retry_on_error") or [])
+    if kw.get("retry_on_timeout"):
+        errors.append(RedisTimeoutError)
+    if not errors:
+        return Retry(NoBackoff(), 0)
+    given = kw.get("retry")
+    if given is None:
+        return Retry(NoBackoff(), 1, tuple(errors))
+    return Retry(copy.deepcopy(given._backoff), given._retries, tuple(errors))

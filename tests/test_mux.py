@@ -8,10 +8,12 @@ import asyncio
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
+    DataError,
     NoScriptError,
     ResponseError,
 )
@@ -182,3 +184,68 @@ async def test_the_bus_sends_its_scripts_over_it(real_redis: aioredis.Redis) -> 
     assert await bus.peek("t:one", after="0", count=5) == []
     assert bus.fast.commands == 3
     await bus.aclose()
+
+
+async def test_a_caller_cancelled_while_connecting_cancels_only_itself(
+    real_redis: aioredis.Redis,
+) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        calls = [asyncio.create_task(mux.execute("EVAL", ECHO, 0, f"c{i}")) for i in range(4)]
+        await asyncio.sleep(0)  # the first has started the connection; the others wait on it
+        calls[0].cancel()
+        replies = await asyncio.gather(*calls[1:])
+        assert replies == [b"c1", b"c2", b"c3"]
+        assert calls[0].cancelled()
+    finally:
+        await mux.aclose()
+
+
+async def test_aclose_while_connecting_keeps_no_connection(real_redis: aioredis.Redis) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    call = asyncio.create_task(mux.execute("PING"))
+    await asyncio.sleep(0)  # connecting
+    await mux.aclose()
+    with pytest.raises(ConnectionError):
+        await call
+    assert mux._link is None
+    assert await mux.execute("PING") == b"PONG"  # a later call connects again
+    await mux.aclose()
+
+
+async def test_a_command_cancelled_before_it_left_is_not_sent(real_redis: aioredis.Redis) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        await mux.execute("PING")
+        incr = asyncio.create_task(mux.execute("INCR", "sent-or-not"))
+        await asyncio.sleep(0)  # queued for this iteration's write
+        incr.cancel()
+        assert await mux.execute("GET", "sent-or-not") is None
+    finally:
+        await mux.aclose()
+
+
+async def test_values_it_cannot_send_fail_as_with_redis_py(real_redis: aioredis.Redis) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    with pytest.raises(DataError):
+        await mux.execute("SET", "k", None)
+    with pytest.raises(UnicodeEncodeError):  # redis-py's own error here (test_packing.py)
+        await mux.execute("SET", "k", "\udcff")
+    assert mux.commands == 0
+
+
+def test_the_retry_policy_is_what_redis_py_would_apply() -> None:
+    given = Retry(ExponentialBackoff(), retries=5)
+    plain = Multiplexed.for_client(aioredis.from_url("redis://127.0.0.1:1/0", retry=given))
+    assert plain is not None
+    assert plain.retry._retries == 0  # redis-py retries nothing without retry_on_error
+    on_error = Multiplexed.for_client(
+        aioredis.from_url("redis://127.0.0.1:1/0", retry=given, retry_on_error=[ConnectionError])
+    )
+    assert on_error is not None
+    assert on_error.retry._retries == 5
+    assert Multiplexed.for_client(Sentinel([("127.0.0.1", 1)]).master_for("main")) is None

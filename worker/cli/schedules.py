@@ -39,7 +39,8 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
 async def cron(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     keys = Keys(settings.key_prefix)
-    store = ScheduleStore(RedisBus(redis, keys.prefix))
+    bus = RedisBus(redis, keys.prefix)
+    store = ScheduleStore(bus)
     try:
         if args.session:
             channels = [channel_of(args.session)]
@@ -57,6 +58,7 @@ async def cron(args: argparse.Namespace, settings: Settings) -> int:
             rows += [(channel, sid, doc, due) for sid, doc, due in found]
         return _list(rows, args)
     finally:
+        await bus.aclose()
         await redis.aclose()
 
 

@@ -101,7 +101,8 @@ async def _subagents(
     redis: aioredis.Redis, keys: Keys, channels: list[str], now_ms: int, *, limit: int = 100
 ) -> list[dict[str, Any]]:
     """Running (and queued) subagents, at most ``limit`` sessions per channel."""
-    store = SubagentStore(RedisBus(redis, keys.prefix))
+    bus = RedisBus(redis, keys.prefix)  # reads only: no script, no connection of its own
+    store = SubagentStore(bus)
     found = []
     for channel in channels:
         for session in await store.sessions(channel, limit=limit):
