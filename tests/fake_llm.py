@@ -35,6 +35,7 @@ _TOOLCALL = re.compile(r"toolcall:(\w+)(\{[^}]*\})?")
 
 class _Server(ThreadingHTTPServer):
     fake: FakeLLM
+    request_queue_size = 128  # 64 clients connecting at once (socketserver's default: 5)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):  # a kept-alive client left
