@@ -20,7 +20,7 @@ connection (its reply is read and dropped, the others stay in step).
 Only non-blocking commands whose replies are read undecoded (bytes) go through it: every
 Lua script of ``RedisBus`` (``Scripts.call``), the follow-up peek and the session catch-up
 ``HMGET``. A blocking read would stall every caller behind it. Clients it cannot reproduce
-(TLS, RESP3, Sentinel, a credential provider, fakeredis) get ``None`` from
+(TLS, RESP3, Sentinel, a credential provider, a ``socket_timeout``, fakeredis) get ``None`` from
 :meth:`Multiplexed.for_client`, and their callers use redis-py as before.
 """
 
@@ -30,6 +30,7 @@ import asyncio
 import collections
 import contextlib
 import copy
+import socket
 from typing import Any
 
 import hiredis
@@ -117,8 +118,15 @@ class _Link(asyncio.Protocol):
 
     def close(self, exc: ConnectionError | None = None) -> None:
         self._fail(exc or ConnectionError("connection closed"))
-        if self.transport is not None:
-            self.transport.abort()
+        if self.transport is None:
+            return
+        if self.loop.is_closed():  # a former event loop's link (tests): close the socket itself
+            sock = self.transport.get_extra_info("socket")
+            with contextlib.suppress(OSError):
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+            return
+        self.transport.abort()
 
     def _fail(self, exc: ConnectionError) -> None:
         if self.lost is None:
@@ -186,6 +194,8 @@ class Multiplexed:
         kw = pool.connection_kwargs
         if kw.get("credential_provider") is not None or str(kw.get("protocol", 2)) == "3":
             return None
+        if kw.get("socket_timeout"):  # a read timeout per command: not reproduced here
+            return None
         return cls(
             host=kw.get("host", "localhost"),
             port=int(kw.get("port", 6379)),
@@ -215,6 +225,7 @@ class Multiplexed:
     async def aclose(self) -> None:
         """Close the connection (and one being opened); a later call connects again."""
         self._epoch += 1
+        self._connecting = None  # a connect begun before fails its own callers only
         link, self._link = self._link, None
         if link is not None:
             link.close()

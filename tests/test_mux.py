@@ -18,6 +18,7 @@ from redis.exceptions import (
     ResponseError,
 )
 from redis.retry import Retry
+from replies import wait_until_async
 from servers import RedisServer
 
 from bus_redis import RedisBus
@@ -154,19 +155,30 @@ def test_one_multiplexer_serves_successive_event_loops(redis_server: RedisServer
     assert mux is not None
     assert asyncio.run(mux.execute("EVAL", ECHO, 0, "first loop")) == b"first loop"
 
-    async def second() -> bytes:
-        try:
-            return await mux.execute("EVAL", ECHO, 0, "second loop")  # type: ignore[no-any-return]
-        finally:
-            await mux.aclose()
+    assert asyncio.run(mux.execute("EVAL", ECHO, 0, "second loop")) == b"second loop"
 
-    assert asyncio.run(second()) == b"second loop"
+    async def clients() -> int:
+        async with aioredis.from_url(redis_server.url) as admin:
+            return len(await admin.client_list())
+
+    async def back_to(count: int) -> bool:  # the server sees the old socket's close
+        async def equal() -> bool:
+            return await clients() == count
+
+        return await wait_until_async(equal, timeout_s=5)
+
+    before = asyncio.run(clients())
+    asyncio.run(mux.execute("PING"))  # a third loop: the second loop's link is closed
+    assert asyncio.run(back_to(before))
+    asyncio.run(mux.aclose())  # from yet another loop: no "event loop is closed"
 
 
 def test_clients_it_cannot_reproduce_keep_redis_py() -> None:
     assert Multiplexed.for_client(fakeredis.FakeAsyncRedis()) is None
     assert Multiplexed.for_client(aioredis.from_url("rediss://127.0.0.1:1/0")) is None
     assert Multiplexed.for_client(aioredis.from_url("redis://127.0.0.1:1/0", protocol=3)) is None
+    timed = aioredis.from_url("redis://127.0.0.1:1/0", socket_timeout=5)
+    assert Multiplexed.for_client(timed) is None
     unix = Multiplexed.for_client(aioredis.from_url("unix:///tmp/redis.sock?db=2"))
     assert unix is not None
     assert unix.path == "/tmp/redis.sock"
@@ -208,11 +220,12 @@ async def test_aclose_while_connecting_keeps_no_connection(real_redis: aioredis.
     call = asyncio.create_task(mux.execute("PING"))
     await asyncio.sleep(0)  # connecting
     await mux.aclose()
+    later = asyncio.create_task(mux.execute("PING"))  # while the first connect still runs
     with pytest.raises(ConnectionError):
         await call
-    assert mux._link is None
-    assert await mux.execute("PING") == b"PONG"  # a later call connects again
+    assert await later == b"PONG"  # a later call connects again
     await mux.aclose()
+    assert mux._link is None
 
 
 async def test_a_command_cancelled_before_it_left_is_not_sent(real_redis: aioredis.Redis) -> None:
