@@ -269,6 +269,8 @@ class Multiplexed:
             _, link = await asyncio.wait_for(opening, self.connect_timeout_s)
         except (OSError, TimeoutError) as exc:
             raise ConnectionError(f"Error connecting to {where}. {exc}") from None
+        if not self.path:
+            _detect_dead_peers(link)
         try:
             if self.username or self.password:  # as redis-py: no AUTH for an empty password
                 auth = (self.username, self.password) if self.username else (self.password,)
@@ -281,6 +283,30 @@ class Multiplexed:
             link.close()
             raise
         return link
+
+
+DEAD_PEER_S = 30  # a vanished Redis (or network) fails the waiting commands after this
+
+
+def _detect_dead_peers(link: _Link) -> None:
+    """Every turn's commands share this connection: a peer that vanished without a FIN
+    (a partitioned network, a powered-off host) must not hold them until TCP's ~15-minute
+    retransmission gives up. Keepalive probes find it while the link idles; a user timeout
+    drops it when sent bytes stay unacknowledged (a busy Redis still acknowledges them: its
+    kernel does). Then every waiting command fails with ``ConnectionError``."""
+    sock = link.transport.get_extra_info("socket") if link.transport else None
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", DEAD_PEER_S // 3),
+            ("TCP_KEEPINTVL", DEAD_PEER_S // 6),
+            ("TCP_KEEPCNT", 3),
+            ("TCP_USER_TIMEOUT", DEAD_PEER_S * 1000),
+        ):
+            if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _retrieved(task: asyncio.Task[_Link]) -> None:

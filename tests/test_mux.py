@@ -4,6 +4,7 @@ replies reach their callers, in order, through cancellations, errors, restarts a
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import fakeredis
 import pytest
@@ -262,3 +263,21 @@ def test_the_retry_policy_is_what_redis_py_would_apply() -> None:
     assert on_error is not None
     assert on_error.retry._retries == 5
     assert Multiplexed.for_client(Sentinel([("127.0.0.1", 1)]).master_for("main")) is None
+
+
+async def test_a_vanished_peer_is_detected_by_the_socket(real_redis: aioredis.Redis) -> None:
+    """No FIN from a partitioned Redis: keepalive and a user timeout end the link (and fail
+    its waiting commands) instead of TCP's ~15-minute retransmission."""
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        await mux.execute("PING")
+        assert mux._link is not None
+        assert mux._link.transport is not None
+        sock = mux._link.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 30_000
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+    finally:
+        await mux.aclose()
