@@ -6,7 +6,9 @@ Reads the channel's ready queue (``XREADGROUP``, group ``workers``), and for eac
 notification: ``take.lua`` (lease NX PX, first queued entry, last 40 history rows), an echo
 answer, ``done.lua`` (fenced: append two rows, the reply event, delete the entry,
 acknowledge the notification, release). No policy, no sessions model, no recovery: what a
-turn costs at the least on Redis, with the same frontends and the same event format.
+turn costs at the least on Redis, with the same frontends and the same event format. Its
+scripts go over the same multiplexed connection as the worker's (``bus_redis.mux``), so
+the yardstick pays what the worker pays per command, not redis-py's pool.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import redis.asyncio as aioredis
 
 from bus_redis import Keys
 from bus_redis.keys import channel_of
+from bus_redis.mux import Multiplexed
 
 LUA = Path(__file__).resolve().parent / "lua"
 CONCURRENCY = 64
@@ -31,8 +34,17 @@ async def main(url: str, channel: str) -> None:
     redis = aioredis.from_url(url, decode_responses=True)
     keys = Keys()
     ready = keys.ready(channel)
-    take = redis.register_script((LUA / "take.lua").read_text())
-    done = redis.register_script((LUA / "done.lua").read_text())
+    fast = Multiplexed.for_client(redis)
+    assert fast is not None
+    take_sha = await redis.script_load((LUA / "take.lua").read_text())
+    done_sha = await redis.script_load((LUA / "done.lua").read_text())
+
+    async def take(keys: list[str], args: list[object]) -> list[bytes] | None:
+        return await fast.execute("EVALSHA", take_sha, len(keys), *keys, *args)  # type: ignore[no-any-return]
+
+    async def done(keys: list[str], args: list[object]) -> None:
+        await fast.execute("EVALSHA", done_sha, len(keys), *keys, *args)
+
     with contextlib.suppress(aioredis.ResponseError):  # the group exists
         await redis.xgroup_create(ready, "workers", id="0", mkstream=True)
     slots = asyncio.Semaphore(CONCURRENCY)
@@ -46,7 +58,7 @@ async def main(url: str, channel: str) -> None:
             if not got:
                 await redis.xack(ready, "workers", note_id)
                 return
-            entry_id, payload = got[0], json.loads(got[1])
+            entry_id, payload = got[0].decode(), json.loads(got[1])
             text = payload.get("content", "")
             event = json.dumps(
                 {
