@@ -1,11 +1,12 @@
 """The turn path against its floor: ``agent-worker run`` processes next to a minimal fenced
 Lua turn loop (``bench/baseline_loop.py``), under the same closed-loop load, in one run.
 
-    python bench/baseline.py [--repeat 5] [--procs 1,2,4] [--sessions 100] [--turns 4000]
-                             [--history 0] [--warm 5]
+    python bench/baseline.py [--repeat 5] [--procs 1,2,4] [--loop-procs 1] [--sessions 100]
+                             [--turns 4000] [--history 0] [--warm 5]
 
-Each repetition runs, on a fresh redis-server database, in turn: the baseline loop, then
-1, 2, 4 worker processes (echo provider); the load is ``--sessions`` sessions with one
+Each repetition runs, on a fresh redis-server database, in turn: the baseline loop (with
+``--loop-procs``, also 2, 4 copies of it sharing the queue), then 1, 2, 4 worker processes
+(echo provider); the load is ``--sessions`` sessions with one
 message in flight each (a session sends its next message when its answer arrives), through
 the real frontend client, after a warm-up of ``--warm`` turns per session and worker process (so
 that every process's session cache holds every session: a steady state, not the first
@@ -70,12 +71,14 @@ class _Serving:
 
     def __init__(self, url: str, system: str) -> None:
         self.system = system
-        if system == "loop":
+        if system.endswith("loop"):  # "loop", or "N loop": N copies sharing the queue
+            n = 1 if system == "loop" else int(system.split()[0])
             self.procs = [
                 subprocess.Popen(
-                    [sys.executable, str(BENCH / "baseline_loop.py"), url, CHANNEL],
+                    [sys.executable, str(BENCH / "baseline_loop.py"), url, CHANNEL, f"base{i}"],
                     cwd=BENCH.parent,
                 )
+                for i in range(n)
             ]
             self.workers: list[WorkerProcess] = []
         else:
@@ -185,6 +188,9 @@ async def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--procs", default="1,2,4", help="worker process counts")
+    parser.add_argument(
+        "--loop-procs", default="1", help="loop process counts (e.g. 1,2,4: the loop scaled too)"
+    )
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--turns", type=int, default=4000, help="measured turns per run")
     parser.add_argument("--history", type=int, default=0, help="rows each session starts with")
@@ -192,7 +198,10 @@ async def main() -> None:
         "--warm", type=int, default=5, help="warm-up turns per session and worker process"
     )
     args = parser.parse_args()
-    systems = ["loop", *(f"{n} proc" for n in args.procs.split(","))]
+    loops = ["loop" if n == "1" else f"{n} loop" for n in args.loop_procs.split(",")]
+    if "loop" not in loops:
+        loops.insert(0, "loop")
+    systems = [*loops, *(f"{n} proc" for n in args.procs.split(","))]
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     ratios: dict[str, list[float]] = {s: [] for s in systems}
     server = RedisServer().start()
@@ -217,6 +226,12 @@ async def main() -> None:
         print(f"{system}:")
         print(f"  turns/s            {_spread([r.rate for r in rs], '.0f')}")
         print(f"  ratio to the loop  {_spread(ratios[system], '.2f')}")
+        twin = f"{system.split()[0]} loop"  # the loop with as many processes, if it ran
+        if system.endswith("proc") and twin in runs:
+            same = [r.rate / t.rate for r, t in zip(rs, runs[twin], strict=True)]
+            print(f"  ratio to {twin:6}    {_spread(same, '.2f')}")
+        cpu = [loop.serve_ms / r.serve_ms for r, loop in zip(rs, runs["loop"], strict=True)]
+        print(f"  loop's CPU / this  {_spread(cpu, '.2f')} (serving CPU per turn)")
         print(f"  serving CPU/turn   {_spread([r.serve_ms * 1000 for r in rs], '.0f')} µs")
         print(f"  Redis CPU/turn     {_spread([r.redis_us for r in rs], '.0f')} µs")
         print(f"  frontend CPU/turn  {_spread([r.front_ms * 1000 for r in rs], '.0f')} µs")

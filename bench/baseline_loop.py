@@ -1,6 +1,6 @@
 """The yardstick of bench/baseline.py: a minimal fenced Lua turn loop on the same wire.
 
-    python bench/baseline_loop.py REDIS_URL CHANNEL
+    python bench/baseline_loop.py REDIS_URL CHANNEL [CONSUMER]
 
 Reads the channel's ready queue (``XREADGROUP``, group ``workers``), and for each
 notification: ``take.lua`` (lease NX PX, first queued entry, last 40 history rows), an echo
@@ -30,7 +30,7 @@ LUA = Path(__file__).resolve().parent / "lua"
 CONCURRENCY = 64
 
 
-async def main(url: str, channel: str) -> None:
+async def main(url: str, channel: str, consumer: str = "base") -> None:
     redis = aioredis.from_url(url, decode_responses=True)
     keys = Keys()
     ready = keys.ready(channel)
@@ -80,7 +80,7 @@ async def main(url: str, channel: str) -> None:
 
     tasks: set[asyncio.Task[None]] = set()
     while True:
-        reply = await redis.xreadgroup("workers", "base", {ready: ">"}, count=64, block=100)
+        reply = await redis.xreadgroup("workers", consumer, {ready: ">"}, count=64, block=100)
         for _stream, entries in reply or []:
             for note_id, fields in entries:
                 task = asyncio.create_task(turn(note_id, fields["session"]))
@@ -89,4 +89,4 @@ async def main(url: str, channel: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(*sys.argv[1:4]))
