@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 
 import pytest
@@ -147,3 +148,37 @@ async def _first_event(client: FrontendClient, *, code: str):  # type: ignore[no
             await asyncio.sleep(0.05)  # poll: the event comes from another process
 
     return await asyncio.wait_for(read(), 20)
+
+
+async def test_killing_the_turn_connection_loses_and_doubles_nothing(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """A careless operator's ``CLIENT KILL`` of the worker's turn-path connection (the one
+    every script shares, bus_redis.mux) while messages flow: commands waiting on it fail,
+    the worker connects again; every message is answered once and stored once."""
+    spawn_workers(1, env=FAST)
+    client = FrontendClient(real_redis)
+    await collect(client, "web", {await client.send(_m("warm", "up"))}, timeout_s=30)
+    sent: set[str] = set()
+    killed = 0
+    for i in range(40):
+        sent.add(await client.send(_m(f"k{i % 8}", f"m{i}")))
+        for c in await real_redis.client_list():
+            if c["cmd"] in ("evalsha", "eval", "xrange", "hmget"):  # the worker's scripts
+                killed += int(await real_redis.client_kill_filter(_id=c["id"]))
+    got = await collect(client, "web", sent, timeout_s=60)
+
+    assert killed > 0
+    assert all(sum(ev.is_terminal for ev in got[m]) == 1 for m in sent)
+    answered = [  # a reply names every message it answers (several: joined mid-turn)
+        m
+        for ev in await channel_events(client, "web")
+        if ev.is_terminal and ev.session_key != "web:warm"
+        for m in (ev.covers or [ev.reply_to])
+    ]
+    assert sorted(answered) == sorted(sent)  # each once
+    for s in range(8):  # five messages each, stored once each
+        stored = await real_redis.hgetall(Keys().session(f"web:k{s}"))
+        rows = [json.loads(stored[f"m:{i}"]) for i in range(int(stored["count"]))]
+        users = sorted(r["message_id"] for r in rows if r["role"] == "user")
+        assert users == sorted(m for m in sent if m.startswith(f"k{s}:"))
