@@ -169,6 +169,7 @@ class Multiplexed:
         self.username, self.password, self.client_name = username, password, client_name
         self.connect_timeout_s = connect_timeout_s
         self.retry = retry or Retry(NoBackoff(), 0)
+        self._retries = self.retry._retries
         self.commands = 0  # sent (the benches count round trips with it)
         self._link: _Link | None = None
         self._connecting: asyncio.Task[_Link] | None = None
@@ -211,6 +212,10 @@ class Multiplexed:
     async def execute(self, *args: Any) -> Any:
         """Send one command, return its reply undecoded; retried as the client would."""
         packed = _pack(args)
+        link = self._link
+        if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
+            self.commands += 1  # the common case: connected, nothing to retry
+            return await link.call(packed)
 
         async def once() -> Any:
             link = await self._connected()
@@ -307,6 +312,9 @@ def _detect_dead_peers(link: _Link) -> None:
         ):
             if hasattr(socket, name):  # Linux; elsewhere the system's defaults
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+_loop = asyncio.get_running_loop
 
 
 def _retrieved(task: asyncio.Task[_Link]) -> None:

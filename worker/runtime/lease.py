@@ -1,11 +1,18 @@
-"""A held session lease: renewed in the background; losing it cancels the turn at once."""
+"""A held session lease: renewed in the background; losing it cancels the turn at once.
+
+Renewal is due every third of the TTL. Most turns end long before that, so a task per
+lease (started, cancelled and awaited on every turn) was pure cost: one ``Renewals`` task
+per bus instead looks every ``TICK_S`` at the leases whose renewal is due, in the order
+they were taken, and renews each in a task of its own (a slow renewal delays no other).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 from redis.exceptions import RedisError
@@ -14,6 +21,8 @@ from bus_redis import RedisBus
 
 log = logging.getLogger(__name__)
 
+TICK_S = 0.05  # how late a due renewal may be (against a third of the TTL, 3.3 s by default)
+
 
 class Lease:
     def __init__(self, bus: RedisBus, key: str, token: str, *, on_lost: Callable[[], None]) -> None:
@@ -21,40 +30,90 @@ class Lease:
         self.key = key
         self.token = token
         self.lost = False
+        self.active = False  # between start() and stop(): renewals are made and heeded
         self._on_lost = on_lost
-        self._task: asyncio.Task[None] | None = None
         self._deadline = time.monotonic() + bus.lock_ttl_ms / 1000
 
+    @property
+    def every_s(self) -> float:
+        return self.bus.lock_ttl_ms / 3000
+
     def start(self) -> Lease:
-        self._task = asyncio.create_task(self._renew_forever(), name=f"lease:{self.key}")
+        self.active = True
+        _renewals(self.bus).add(self, time.monotonic() + self.every_s)
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """No renewal from now on; one already sent completes, and its answer is ignored
+        (it is fenced by the token: it cannot extend a lease released or taken since)."""
+        self.active = False
 
     def mark_lost(self) -> None:
         if not self.lost:
             self.lost = True
             self._on_lost()
 
-    async def _renew_forever(self) -> None:
-        every_s = self.bus.lock_ttl_ms / 3000
-        while not self.lost:
-            await asyncio.sleep(every_s)
-            started = time.monotonic()
-            try:
-                renewed = await self.bus.renew(self.key, self.token)
-            except (RedisError, OSError) as exc:
-                log.warning("lease renew of %s failed: %s", self.key, type(exc).__name__)
-                if time.monotonic() >= self._deadline:
-                    self.mark_lost()
-                continue
-            if not renewed:
-                log.warning("lease of %s lost", self.key)
+    async def renew(self) -> None:
+        """One due renewal (run by ``Renewals``); schedules the next while held."""
+        started = time.monotonic()
+        try:
+            renewed = await self.bus.renew(self.key, self.token)
+        except (RedisError, OSError) as exc:
+            log.warning("lease renew of %s failed: %s", self.key, type(exc).__name__)
+            if not self.active:
+                return
+            if time.monotonic() >= self._deadline:
                 self.mark_lost()
             else:
-                self._deadline = started + self.bus.lock_ttl_ms / 1000
+                _renewals(self.bus).add(self, time.monotonic() + self.every_s)
+            return
+        if not self.active or self.lost:
+            return
+        if not renewed:
+            log.warning("lease of %s lost", self.key)
+            self.mark_lost()
+            return
+        self._deadline = started + self.bus.lock_ttl_ms / 1000
+        _renewals(self.bus).add(self, started + self.every_s)
+
+
+class Renewals:
+    """The renewals of one bus's leases, from one task (see the module's text)."""
+
+    def __init__(self) -> None:
+        # (due, lease) in the order they were added: due times grow with it, but for a
+        # renewal's own latency (a few ms against a third of the TTL)
+        self._due: collections.deque[tuple[float, Lease]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+        self._renewing: set[asyncio.Task[None]] = set()
+
+    def add(self, lease: Lease, due: float) -> None:
+        loop = asyncio.get_running_loop()
+        task = self._task
+        if task is None or task.done() or task.get_loop() is not loop:
+            if task is not None and task.get_loop() is not loop:
+                self._due.clear()  # a former event loop's leases (tests)
+            self._task = loop.create_task(self._run(), name="lease-renewals")
+        self._due.append((due, lease))
+
+    async def _run(self) -> None:
+        while self._due:
+            now = time.monotonic()
+            while self._due and self._due[0][0] <= now:
+                _, lease = self._due.popleft()
+                if lease.active and not lease.lost:
+                    task = asyncio.create_task(lease.renew(), name=f"renew:{lease.key}")
+                    self._renewing.add(task)
+                    task.add_done_callback(self._renewing.discard)
+            await asyncio.sleep(TICK_S)
+        self._task = None  # nothing held: the next add() starts it again
+
+
+_BY_BUS: weakref.WeakKeyDictionary[RedisBus, Renewals] = weakref.WeakKeyDictionary()
+
+
+def _renewals(bus: RedisBus) -> Renewals:
+    found = _BY_BUS.get(bus)
+    if found is None:
+        found = _BY_BUS[bus] = Renewals()
+    return found

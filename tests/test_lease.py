@@ -1,0 +1,76 @@
+"""Lease renewal: one task per bus renews the leases held (worker/runtime/lease.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from replies import until
+
+from bus_redis import Keys, RedisBus
+from bus_redis.results import Acquired
+from worker.runtime.lease import Lease
+
+TTL_MS = 300
+
+
+async def _held(bus: RedisBus, key: str) -> Lease:
+    got = await bus.acquire(key, "w1", select=False)  # held, nothing selected
+    assert isinstance(got, Acquired)
+    return Lease(bus, key, got.token, on_lost=lambda: None)
+
+
+async def test_a_held_lease_outlives_its_ttl_until_stopped(redis: aioredis.Redis) -> None:
+    bus = RedisBus(redis, lock_ttl_ms=TTL_MS)
+    lost: list[str] = []
+    leases = [await _held(bus, f"web:l{i}") for i in range(3)]
+    for lease in leases:
+        lease._on_lost = lambda key=lease.key: lost.append(key)  # type: ignore[misc]
+        lease.start()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 4 * TTL_MS / 1000
+    while loop.time() < end:  # four TTLs: only renewals keep the leases
+        for lease in leases:
+            assert await redis.get(Keys().lease(lease.key)) == lease.token
+        await asyncio.sleep(0.02)
+    await leases[0].stop()
+
+    async def gone() -> bool:
+        return not await redis.exists(Keys().lease("web:l0"))
+
+    await until(gone, timeout_s=5)  # stopped: it runs out
+    assert await redis.get(Keys().lease("web:l1")) == leases[1].token  # the others renewed
+    assert lost == []
+    for lease in leases[1:]:
+        await lease.stop()
+    await bus.aclose()
+
+
+async def test_a_lease_another_took_is_lost_at_its_next_renewal(redis: aioredis.Redis) -> None:
+    bus = RedisBus(redis, lock_ttl_ms=TTL_MS)
+    lease = await _held(bus, "web:taken")
+    lost: list[bool] = []
+    lease._on_lost = lambda: lost.append(True)  # type: ignore[method-assign]
+    lease.start()
+    await redis.set(Keys().lease("web:taken"), "other|w2", px=10_000)
+    await until(lambda: bool(lost), timeout_s=5)
+    assert lease.lost
+    assert await redis.get(Keys().lease("web:taken")) == "other|w2"
+    await lease.stop()
+    await bus.aclose()
+
+
+async def test_a_stopped_lease_is_never_declared_lost(redis: aioredis.Redis) -> None:
+    """A renewal answered after stop() (the lease released, even taken by another) is
+    ignored: it must not cancel a newer turn of the same key on this worker."""
+    bus = RedisBus(redis, lock_ttl_ms=TTL_MS)
+    lease = await _held(bus, "web:done")
+    lost: list[bool] = []
+    lease._on_lost = lambda: lost.append(True)  # type: ignore[method-assign]
+    lease.start()
+    await lease.stop()
+    await redis.set(Keys().lease("web:done"), "next|w1", px=10_000)
+    await lease.renew()  # as a renewal already under way would end
+    assert lost == []
+    assert not lease.lost
+    await bus.aclose()
