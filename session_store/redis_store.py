@@ -26,7 +26,8 @@ from session_store.codec import (
 from session_store.models import Session
 from session_store.protocol import SessionInfo
 
-ROWS_AHEAD = 8  # rows read with the head fields when catching up (one round trip)
+ROWS_AHEAD = 24  # rows read with the head fields when catching up (one round trip): a dozen
+# two-row turns that ran on other workers
 
 
 class RedisSessionStore:

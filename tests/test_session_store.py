@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 
 from bus_redis import Keys
 from session_store import RedisSessionStore, Session, SessionManager
+from session_store.redis_store import ROWS_AHEAD
 
 
 def _store(redis: aioredis.Redis) -> RedisSessionStore:
@@ -286,3 +287,19 @@ async def test_a_rewrite_of_a_damaged_hash_forgets_the_skipped_rows(redis: aiore
     await _append_as_commit(redis, "web:k", rows, "{}")
     assert await store.load_since(damaged)
     assert [m["content"] for m in damaged.messages] == ["r0", "r2", "new-2", "new-3"]
+
+
+async def test_a_copy_far_behind_reads_every_row_it_lacks(redis: aioredis.Redis) -> None:
+    """More rows than one read asks for ahead (ROWS_AHEAD): the rest in a second read,
+    in order, none twice."""
+    store = _store(redis)
+    s = Session(key="web:far")
+    s.add_message("user", "r0")
+    await store.save(s)
+    copy = await store.load("web:far")
+    assert copy is not None
+    rows = [f'{{"role":"user","content":"r{i}"}}' for i in range(1, ROWS_AHEAD + 11)]
+    version = await _append_as_commit(redis, "web:far", rows, "{}")
+    assert await store.load_since(copy)
+    assert [m["content"] for m in copy.messages] == [f"r{i}" for i in range(ROWS_AHEAD + 11)]
+    assert copy.version == version
