@@ -6,6 +6,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from bus_redis import Keys
+from bus_redis.mux import Multiplexed
 from session_store import RedisSessionStore, Session, SessionManager
 from session_store.redis_store import ROWS_AHEAD
 
@@ -291,8 +292,8 @@ async def test_a_rewrite_of_a_damaged_hash_forgets_the_skipped_rows(redis: aiore
 
 async def test_a_copy_far_behind_reads_every_row_it_lacks(redis: aioredis.Redis) -> None:
     """More rows than one read asks for ahead (ROWS_AHEAD): the rest in a second read,
-    in order, none twice."""
-    store = _store(redis)
+    in order, none twice (over the worker's multiplexed connection on a real Redis)."""
+    store = RedisSessionStore(redis, Keys(), fast=Multiplexed.for_client(redis))
     s = Session(key="web:far")
     s.add_message("user", "r0")
     await store.save(s)
@@ -303,3 +304,5 @@ async def test_a_copy_far_behind_reads_every_row_it_lacks(redis: aioredis.Redis)
     assert await store.load_since(copy)
     assert [m["content"] for m in copy.messages] == [f"r{i}" for i in range(ROWS_AHEAD + 11)]
     assert copy.version == version
+    if store.fast is not None:
+        await store.fast.aclose()
