@@ -74,3 +74,32 @@ async def test_a_stopped_lease_is_never_declared_lost(redis: aioredis.Redis) -> 
     assert lost == []
     assert not lease.lost
     await bus.aclose()
+
+
+async def test_a_stopped_lease_lets_go_of_its_holder(redis: aioredis.Redis) -> None:
+    """The schedule names a stopped lease until its due time; the holder behind it (and
+    the payload it read) is not kept that long."""
+    import gc
+    import weakref
+
+    class Holder:
+        def lost(self) -> None: ...
+
+    bus = RedisBus(redis, lock_ttl_ms=10_000)
+    holder = Holder()
+    alive = weakref.ref(holder)
+    lease = await _held(bus, "web:gc")
+    lease._on_lost = holder.lost  # type: ignore[method-assign]
+    lease.start()
+    await lease.stop()
+    del holder
+    gc.collect()
+    assert alive() is None
+    await bus.aclose()
+
+
+def test_short_ttls_are_looked_at_more_often() -> None:
+    from worker.runtime.lease import Renewals
+
+    assert Renewals(10_000).tick_s == 0.05
+    assert Renewals(300).tick_s == 0.01  # a tenth of the 100 ms between renewals

@@ -87,7 +87,7 @@ class SessionHolder:
     async def drain(self) -> None:
         self.lease.start()
         try:
-            step = self.first
+            step, self.first = self.first, None  # (its payload is not kept past its turn)
             while not self.lease.lost:
                 if isinstance(step, Entry):
                     self.members.add(step.member)
@@ -240,6 +240,8 @@ class SessionHolder:
             log.warning("fenced commit of %s rejected: lease lost", safe(self.key))
             self.lease.lost = True
             return version, Lost()
+        if isinstance(step, Released):  # no longer ours: a renewal answered now is stale
+            await self.lease.stop()
         if spec.meta:
             self.version, self.generation = version, gen
             cached = rt.sessions.get_cached(self.key)

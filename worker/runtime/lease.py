@@ -21,7 +21,12 @@ from bus_redis import RedisBus
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.05  # how late a due renewal may be (against a third of the TTL, 3.3 s by default)
+TICK_S = 0.05  # how late a due renewal may be (against a third of the TTL, 3.3 s by default;
+# a tenth of that third for short TTLs)
+
+
+def _nothing() -> None:
+    return None
 
 
 class Lease:
@@ -45,8 +50,10 @@ class Lease:
 
     async def stop(self) -> None:
         """No renewal from now on; one already sent completes, and its answer is ignored
-        (it is fenced by the token: it cannot extend a lease released or taken since)."""
+        (it is fenced by the token: it cannot extend a lease released or taken since).
+        Until its due time the schedule still names this lease: it lets go of its holder."""
         self.active = False
+        self._on_lost = _nothing
 
     def mark_lost(self) -> None:
         if not self.lost:
@@ -80,7 +87,8 @@ class Lease:
 class Renewals:
     """The renewals of one bus's leases, from one task (see the module's text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lock_ttl_ms: int) -> None:
+        self.tick_s = min(TICK_S, lock_ttl_ms / 30_000)
         # (due, lease) in the order they were added: due times grow with it, but for a
         # renewal's own latency (a few ms against a third of the TTL)
         self._due: collections.deque[tuple[float, Lease]] = collections.deque()
@@ -98,15 +106,21 @@ class Renewals:
 
     async def _run(self) -> None:
         while self._due:
-            now = time.monotonic()
-            while self._due and self._due[0][0] <= now:
-                _, lease = self._due.popleft()
-                if lease.active and not lease.lost:
-                    task = asyncio.create_task(lease.renew(), name=f"renew:{lease.key}")
-                    self._renewing.add(task)
-                    task.add_done_callback(self._renewing.discard)
-            await asyncio.sleep(TICK_S)
+            try:
+                self._start_due()
+            except Exception:  # a bug here must not end every lease's renewals
+                log.exception("starting lease renewals failed")
+            await asyncio.sleep(self.tick_s)
         self._task = None  # nothing held: the next add() starts it again
+
+    def _start_due(self) -> None:
+        now = time.monotonic()
+        while self._due and self._due[0][0] <= now:
+            _, lease = self._due.popleft()
+            if lease.active and not lease.lost:
+                task = asyncio.create_task(lease.renew(), name=f"renew:{lease.key}")
+                self._renewing.add(task)
+                task.add_done_callback(self._renewing.discard)
 
 
 _BY_BUS: weakref.WeakKeyDictionary[RedisBus, Renewals] = weakref.WeakKeyDictionary()
@@ -115,5 +129,5 @@ _BY_BUS: weakref.WeakKeyDictionary[RedisBus, Renewals] = weakref.WeakKeyDictiona
 def _renewals(bus: RedisBus) -> Renewals:
     found = _BY_BUS.get(bus)
     if found is None:
-        found = _BY_BUS[bus] = Renewals()
+        found = _BY_BUS[bus] = Renewals(bus.lock_ttl_ms)
     return found
