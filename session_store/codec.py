@@ -56,6 +56,21 @@ def decode_rows(raws: Iterable[str | None]) -> list[dict[str, Any]] | None:
     return rows
 
 
+def readable_rows(raws: Iterable[str | None]) -> list[dict[str, Any]]:
+    """The rows that are JSON objects, in order; the others (missing, unreadable) left out."""
+    rows: list[dict[str, Any]] = []
+    for raw in raws:
+        if raw is None:
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def apply_meta(session: Session, meta: dict[str, Any]) -> None:
     """The ``meta`` field's values onto a session (created/updated, metadata, scope, and
     how much is consolidated)."""
@@ -75,17 +90,7 @@ def decode_session(key: str, h: dict[str, str]) -> Session | None:
         return None
     meta = decode_meta(h.get("meta"))
     count = int(h.get("count", "0") or 0)
-    rows: list[dict[str, Any]] = []
-    for i in range(count):
-        raw = h.get(f"m:{i}")
-        if raw is None:
-            continue
-        try:
-            row = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
+    rows = readable_rows(h.get(f"m:{i}") for i in range(count))
     session = Session(
         key=key,
         messages=rows,

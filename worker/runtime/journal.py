@@ -20,6 +20,7 @@ from typing import Any
 
 from bus_redis import RedisBus
 from bus_redis.journal import JournalStore
+from session_store.codec import readable_rows
 from worker.runtime.outcomes import TurnAbortedError
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,7 @@ class TurnJournal:
 
     async def replay(self) -> list[dict[str, Any]]:
         """The rows a lost attempt of this entry recorded (a redelivery)."""
-        rows: list[dict[str, Any]] = []
-        for raw in await self.store.read(self.key, self.entry):
-            try:
-                row = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
+        rows = readable_rows(await self.store.read(self.key, self.entry))
         self.written = self.written or bool(rows)
         return rows
 
