@@ -62,12 +62,38 @@ Step = Entry | ControlReached | More | Again | Released | Lost
 
 
 @dataclass(frozen=True, slots=True)
+class Cached:
+    """The worker's cached copy of a durable session, as acquire compares it: the hash's
+    rows it has seen, its generation and version, and how many rows past them to read in
+    the same call when it is behind."""
+
+    rows: int
+    generation: str
+    version: int
+    ahead: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """What acquire read for a cached copy that is behind: the hash's meta and row count
+    at ``version`` of ``generation``, and its rows from ``start`` on (None past the end)."""
+
+    start: int
+    version: int
+    generation: str
+    meta: str
+    count: int
+    rows: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Acquired:
     token: str
     version: int
     generation: str  # of the session hash: a deleted and re-created session has a new one
     memory_version: int
     step: Step | None
+    ahead: Ahead | None = None  # the rows a cached copy lacked (acquire was given ``Cached``)
 
 
 @dataclass(frozen=True, slots=True)

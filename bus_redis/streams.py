@@ -26,7 +26,9 @@ from bus_redis.mux import Multiplexed
 from bus_redis.results import (
     Acquired,
     AcquireResult,
+    Ahead,
     Busy,
+    Cached,
     CommitSpec,
     Forward,
     Lost,
@@ -249,9 +251,12 @@ class RedisBus:
         select: bool = True,
         note: Notification | None = None,
         memory_key: str = "",
+        cached: Cached | None = None,
     ) -> AcquireResult:
         """Take the lease of ``key`` (see ``lua/acquire.lua``); ``note`` is acknowledged
-        inside the script, only once it succeeded."""
+        inside the script, only once it succeeded. With ``cached`` (the worker's copy of
+        the durable session), a copy that is behind gets the rows it lacks in the same call
+        (``Acquired.ahead``)."""
         k = self.keys
         skeys, sargs = self._streams([member] if member and select else [])
         keys = [k.lease(key), k.pending(key), k.session(key), memory_key or k.session(key)]
@@ -260,8 +265,12 @@ class RedisBus:
         args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
         nonce = secrets.token_hex(8)
         args += [self.owner_ttl_ms, "1" if select else "0", nonce, READY_MAXLEN]
-        args += [note.entry_id if note else "", WORKER_GROUP, *sargs]
-        raw = await self.scripts.call("acquire", keys + skeys, args)
+        args += [note.entry_id if note else "", WORKER_GROUP]
+        if cached is None:
+            args += [0, 0, "", 0]
+        else:
+            args += [cached.rows, cached.ahead, cached.generation, cached.version]
+        raw = await self.scripts.call("acquire", keys + skeys, args + sargs)
         parts = texts(raw[:5])
         if parts[0] == "private":
             return Private()
@@ -274,7 +283,13 @@ class RedisBus:
         if parts[0] == "busy":
             return Busy(parts[1])
         version, gen, memory = int(parts[2]), parts[3], int(parts[4])
-        return Acquired(parts[1], version, gen, memory, parse_step(raw[5:]))
+        ahead = None
+        if cached is not None and raw[5]:
+            meta, count, *rows = raw[5]
+            ahead = Ahead(
+                cached.rows, version, gen, text(meta or b""), int(count or 0), tuple(rows)
+            )
+        return Acquired(parts[1], version, gen, memory, parse_step(raw[6:]), ahead)
 
     async def next(self, key: str, token: str, members: Iterable[str]) -> Step:
         skeys, sargs = self._streams(members)

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from bus_redis.results import Ahead, Cached
 from session_store.models import Session, SessionPolicy
 from session_store.protocol import SessionInfo, SessionStore
 
@@ -132,10 +133,22 @@ class SessionManager:
             return cached
         return self._remember(await self.store.load(key) or Session(key=key))
 
-    async def load_for_turn(self, key: str, version: int, generation: str = "") -> Session:
+    def cached_for_acquire(self, key: str) -> Cached | None:
+        """The cached durable copy of ``key`` as acquire compares it (None when there is
+        none, or when it holds rows not yet stored)."""
+        cached = self._cache.get(key)
+        if cached is None or not cached.generation or cached.unpersisted():
+            return None
+        return self.store.cached(cached)
+
+    async def load_for_turn(
+        self, key: str, version: int, generation: str = "", ahead: Ahead | None = None
+    ) -> Session:
         """The durable session at ``version`` of hash ``generation`` (both from the lease
-        script): the cached object when it is current, else a fresh load. A session that
-        was deleted and re-created has another generation, so a stale copy is never used."""
+        script): the cached object when it is current, caught up when it is behind (with
+        ``ahead``, the rows acquire read for it, without a round trip), else a fresh load.
+        A session that was deleted and re-created has another generation, so a stale copy
+        is never used."""
         cached = self._cache.get(key)
         if (
             cached is not None
@@ -153,7 +166,7 @@ class SessionManager:
             and cached.generation == generation
             and cached.version < version
             and not cached.unpersisted()
-            and await self.store.load_since(cached)
+            and await self.store.load_since(cached, ahead)
             and cached.version == version
         ):
             return self._remember(cached)  # (it may have been evicted while we read)

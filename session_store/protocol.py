@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypedDict
 
+from bus_redis.results import Ahead, Cached
 from session_store.models import Session
 
 
@@ -19,7 +20,9 @@ class SessionInfo(TypedDict):
 class SessionStore(Protocol):
     async def load(self, key: str) -> Session | None: ...
 
-    async def load_since(self, cached: Session) -> bool: ...
+    def cached(self, session: Session) -> Cached: ...
+
+    async def load_since(self, cached: Session, ahead: Ahead | None = None) -> bool: ...
 
     async def save(self, session: Session) -> None: ...
 

@@ -13,6 +13,7 @@ from redis.exceptions import WatchError
 from bus_redis.codec import text
 from bus_redis.keys import Keys, channel_of, glob_escape
 from bus_redis.mux import Multiplexed
+from bus_redis.results import Ahead, Cached
 from bus_redis.scripts import Scripts
 from session_store.codec import (
     apply_meta,
@@ -58,33 +59,41 @@ class RedisSessionStore:
         raw = await self.redis.hgetall(self.keys.session(key))  # type: ignore[misc]
         return decode_session(key, {text(k): text(v) for k, v in raw.items()})
 
-    async def load_since(self, cached: Session) -> bool:
+    def cached(self, session: Session) -> Cached:
+        """How acquire sees ``session`` (a current, persisted copy): it reads the rows the
+        copy lacks in the same call when the copy is behind."""
+        rows = session.persisted_count + session.skipped_rows  # the hash's rows it has seen
+        return Cached(rows, session.generation or "", session.version, ROWS_AHEAD)
+
+    async def load_since(self, cached: Session, ahead: Ahead | None = None) -> bool:
         """Bring ``cached`` (persisted, no pending rows) up to the stored hash by reading only
-        what it lacks: the head fields, then the rows appended since. False when that is not
+        what it lacks: the head fields, then the rows appended since (none of it when
+        ``ahead``, what acquire read for this copy, holds them). False when that is not
         enough (another generation: re-created or rewritten; fewer rows; an older version):
         the caller loads the whole hash."""
         hkey = self.keys.session(cached.key)
         have = cached.persisted_count + cached.skipped_rows  # the hash's rows it has seen
-        ahead = [f"m:{i}" for i in range(have, have + ROWS_AHEAD)]  # usually all it lacks
-        raw = await self._hmget(hkey, ["meta", "count", "version", "gen", *ahead])
-        meta_raw, count_raw, version_raw, gen_raw = (
-            text(v) if v is not None else "" for v in raw[:4]
-        )
-        count, version = int(count_raw or 0), int(version_raw or 0)
-        if gen_raw != cached.generation or count < have or version < cached.version:
+        if ahead is None or ahead.start != have:
+            fields = ["meta", "count", "version", "gen"]
+            fields += [f"m:{i}" for i in range(have, have + ROWS_AHEAD)]  # usually all it lacks
+            raw = await self._hmget(hkey, fields)
+            meta, count_raw, version, gen = (text(v) if v is not None else "" for v in raw[:4])
+            ahead = Ahead(have, int(version or 0), gen, meta, int(count_raw or 0), tuple(raw[4:]))
+        count = ahead.count
+        if ahead.generation != cached.generation or count < have or ahead.version < cached.version:
             return False
-        fresh: list[Any] = list(raw[4 : 4 + count - have])
-        if count > have + ROWS_AHEAD:  # more turns than that ran elsewhere
-            fields = [f"m:{i}" for i in range(have + ROWS_AHEAD, count)]
+        fresh: list[Any] = list(ahead.rows[: count - have])
+        if count > have + len(ahead.rows):  # more turns than that ran elsewhere
+            fields = [f"m:{i}" for i in range(have + len(ahead.rows), count)]
             fresh += await self._hmget(hkey, fields)
         rows = decode_rows(text(r) if r is not None else None for r in fresh)
         if rows is None:
             return False  # a row is missing or unreadable: the whole hash decides
         cached.extend_stored(rows)
         apply_meta(
-            cached, decode_meta(meta_raw)
+            cached, decode_meta(ahead.meta)
         )  # after: last_consolidated may be past the old end
-        cached.mark_persisted(version, gen_raw)
+        cached.mark_persisted(ahead.version, ahead.generation)
         return True
 
     async def version(self, key: str) -> int:

@@ -18,7 +18,7 @@ from replies import channel_events, collect, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.registry import Registry
-from bus_redis.results import Acquired, Entry, Forward
+from bus_redis.results import Acquired, Ahead, Entry, Forward
 from session_store import RedisSessionStore, Session, SessionManager
 from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse, ToolCallRequest
@@ -64,10 +64,12 @@ async def test_a_stop_while_the_session_loads_cancels_the_turn(redis_factory, ma
     loading, proceed = asyncio.Event(), asyncio.Event()
 
     class SlowLoad(SessionManager):
-        async def load_for_turn(self, key: str, version: int, generation: str = "") -> Session:
+        async def load_for_turn(
+            self, key: str, version: int, generation: str = "", ahead: Ahead | None = None
+        ) -> Session:
             loading.set()
             await proceed.wait()
-            return await super().load_for_turn(key, version, generation)
+            return await super().load_for_turn(key, version, generation, ahead)
 
     redis = redis_factory()
     provider = ScriptedProvider(handler=_echo)

@@ -7,6 +7,8 @@ import redis.asyncio as aioredis
 
 from bus_redis import Keys
 from bus_redis.mux import Multiplexed
+from bus_redis.results import Acquired, Ahead
+from bus_redis.streams import RedisBus
 from session_store import RedisSessionStore, Session, SessionManager
 from session_store.redis_store import ROWS_AHEAD
 
@@ -259,9 +261,9 @@ async def test_a_copy_evicted_while_it_was_read_is_still_returned_and_cached(
     version = await _append_as_commit(redis, "web:e", ['{"role":"user","content":"b"}'], "{}")
     real = store.load_since
 
-    async def evicting(cached: Session) -> bool:
+    async def evicting(cached: Session, ahead: Ahead | None = None) -> bool:
         manager.invalidate("web:e")  # as a discard control does, mid-read
-        return await real(cached)
+        return await real(cached, ahead)
 
     store.load_since = evicting  # type: ignore[method-assign]
     got = await manager.load_for_turn("web:e", version, s.generation)
@@ -306,3 +308,84 @@ async def test_a_copy_far_behind_reads_every_row_it_lacks(redis: aioredis.Redis)
     assert copy.version == version
     if store.fast is not None:
         await store.fast.aclose()
+
+
+@pytest.mark.parametrize("appended", [0, 3, ROWS_AHEAD + 5])
+async def test_acquire_reads_what_a_copy_behind_lacks_in_the_same_call(
+    redis: aioredis.Redis, appended: int
+) -> None:
+    """Consecutive turns on different workers: the lease script returns the rows the
+    taking worker's copy lacks, so the turn reads nothing more (beyond ROWS_AHEAD rows, only
+    the rest); a current copy gets nothing extra; the result is what a full load gives."""
+    bus = RedisBus(redis)
+    await bus.scripts.load_all()
+    store = RedisSessionStore(redis, Keys(), fast=bus.fast)
+    s = Session(key="web:acq", scope="web/u")
+    for i in range(10):
+        s.add_message("user", f"m{i}")
+    await store.save(s)
+    manager = SessionManager(store)
+    copy = await manager.load_for_turn("web:acq", s.version, s.generation)
+    rows = [f'{{"role":"user","content":"new {i}"}}' for i in range(appended)]
+    if rows:
+        await _append_as_commit(redis, "web:acq", rows, '{"last_consolidated": 4}')
+
+    got = await bus.acquire(
+        "web:acq", "w2", select=False, cached=manager.cached_for_acquire("web:acq")
+    )
+    assert isinstance(got, Acquired)
+    assert (got.ahead is None) == (appended == 0)
+    reads: list[list[str]] = []
+    real_hmget, real_load = store._hmget, store.load
+
+    async def hmget(key: str, fields: list[str]) -> list[object]:
+        reads.append(fields)
+        return await real_hmget(key, fields)
+
+    async def load(key: str) -> Session | None:
+        raise AssertionError("a copy behind by a few turns is never loaded whole")
+
+    store._hmget, store.load = hmget, load  # type: ignore[method-assign]
+    session = await manager.load_for_turn("web:acq", got.version, got.generation, got.ahead)
+    assert session is copy
+    expected = (
+        []
+        if appended <= ROWS_AHEAD
+        else [[f"m:{i}" for i in range(10 + ROWS_AHEAD, 10 + appended)]]
+    )
+    assert reads == expected
+    store._hmget, store.load = real_hmget, real_load  # type: ignore[method-assign]
+    truth = await store.load("web:acq")
+    assert truth is not None
+    assert session.messages == truth.messages
+    assert (session.version, session.persisted_count) == (truth.version, 10 + appended)
+    if appended:
+        assert session.last_consolidated == 4
+    await bus.release("web:acq", got.token)
+    await bus.aclose()
+
+
+async def test_acquire_gives_nothing_ahead_for_another_generation(redis: aioredis.Redis) -> None:
+    """A session deleted and re-created (or rewritten) since the copy was cached: acquire
+    reads no rows for it, and the turn loads the new hash whole."""
+    bus = RedisBus(redis)
+    await bus.scripts.load_all()
+    store = RedisSessionStore(redis, Keys(), fast=bus.fast)
+    s = Session(key="web:gen")
+    s.add_message("user", "old")
+    await store.save(s)
+    manager = SessionManager(store)
+    await manager.load_for_turn("web:gen", s.version, s.generation)
+    fresh = Session(key="web:gen")
+    fresh.add_message("user", "new")
+    fresh.add_message("assistant", "newer")
+    await store.save(fresh)  # another generation
+    got = await bus.acquire(
+        "web:gen", "w2", select=False, cached=manager.cached_for_acquire("web:gen")
+    )
+    assert isinstance(got, Acquired)
+    assert got.ahead is None
+    session = await manager.load_for_turn("web:gen", got.version, got.generation, got.ahead)
+    assert [m["content"] for m in session.messages] == ["new", "newer"]
+    await bus.release("web:gen", got.token)
+    await bus.aclose()

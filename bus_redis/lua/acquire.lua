@@ -12,12 +12,19 @@
 -- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
 -- ARGV[6] owner ttl ms   ARGV[7] '1' to select the first entry (or release at once)
 -- ARGV[8] lease nonce    ARGV[9] ready MAXLEN    ARGV[10] notification entry id ('' none)
--- ARGV[11] consumer group   ARGV[12] S again (member of the stream keys)
+-- ARGV[11] consumer group
+-- ARGV[12] rows of the session hash the worker's cached copy has seen   ARGV[13] how many
+--          rows past them to read when it is behind ('0': no cached copy)
+-- ARGV[14] the cached copy's generation   ARGV[15] its version
+-- ARGV[16] S again (member of the stream keys)
 -- returns {'private'}                  K ~= S but S is an open private session or has a
 --                                      holder of its own: retry with K = S
 --       | {'forward', owner}           K belongs to another worker's private session
 --       | {'busy', holder}
---       | {'acquired', token, version, generation, memory version, <next_or_release...>}
+--       | {'acquired', token, version, generation, memory version, ahead, <next_or_release...>}
+-- ahead: {} when the cached copy is current or not of this generation, else what it lacks
+-- (one round trip less when consecutive turns run on different workers):
+-- {meta, count, row ARGV[12], row ARGV[12] + 1, ...} (ARGV[13] rows, false past the end)
 -- S joins K's pending set before any forward, so a forward lost with its owner is found
 -- again by whoever acquires K next. The notification is acknowledged (and deleted) last,
 -- so a script that fails midway (e.g. OOM) leaves it pending for redelivery.
@@ -55,9 +62,17 @@ redis.call('PEXPIRE', KEYS[2], 2 * ttl)
 redis.call('ZADD', KEYS[7], now_ms() + ttl, ARGV[3])
 local s = redis.call('HMGET', KEYS[3], 'version', 'gen')
 local memory = redis.call('HGET', KEYS[4], 'version') or '0'
-local head = {'acquired', token, s[1] or '0', s[2] or '', memory}
+local ahead = {}
+local want = tonumber(ARGV[13])
+if want > 0 and s[2] == ARGV[14] and (s[1] or '0') ~= ARGV[15] then
+  local fields = {'meta', 'count'}
+  local have = tonumber(ARGV[12])
+  for i = have, have + want - 1 do fields[#fields + 1] = 'm:' .. i end
+  ahead = redis.call('HMGET', KEYS[3], unpack(fields))
+end
+local head = {'acquired', token, s[1] or '0', s[2] or '', memory, ahead}
 if ARGV[7] == '1' then
-  local nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(9, 12), ARGV[3], ARGV[9])
+  local nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(9, 16), ARGV[3], ARGV[9])
   for _, v in ipairs(nxt) do head[#head + 1] = v end
 end
 ack()

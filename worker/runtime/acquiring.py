@@ -42,14 +42,16 @@ class Acquirer:
         rt = self.rt
         while True:
             scope = self.memory_scope(key)
+            transient = rt.sessions.is_transient(key)
             result = await rt.bus.acquire(
                 key,
                 rt.worker_id,
                 member=member,
-                claim_owner=rt.sessions.is_transient(key),
+                claim_owner=transient,
                 select=select,
                 note=note,
                 memory_key=rt.memory.key(scope) if scope else "",
+                cached=None if transient else rt.sessions.cached_for_acquire(key),
             )
             if not isinstance(result, Private):
                 return key, result, scope

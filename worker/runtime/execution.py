@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
 from bus_redis.codec import safe
-from bus_redis.results import owner_member
+from bus_redis.results import Ahead, owner_member
 from session_store import UNIFIED_SESSION_KEY, Session
 from worker.agent.providers import ProviderError
 from worker.agent.runner import TurnState, is_duplicate, is_unanswered_retry, message_key, user_row
@@ -40,13 +40,15 @@ RESUMED_NOTE = (
 class Held(Protocol):
     """What a turn needs of the lease it runs under (``SessionHolder`` is one): the key
     and token its writes are fenced by, the session version and generation acquire read,
-    and the memory version it may refresh."""
+    and the memory version it may refresh; the rows acquire read for a cached copy that
+    was behind (``ahead``), which the first turn uses."""
 
     rt: Runtime
     key: str
     token: str
     version: int
     generation: str
+    ahead: Ahead | None
     memory_scope: str
     memory_version: int
 
@@ -84,7 +86,9 @@ class TurnExecution:
             return transient
         if msg.require_existing_session:
             raise SessionNotActiveError(SESSION_NOT_ACTIVE)
-        return await sessions.load_for_turn(self.key, self.holder.version, self.holder.generation)
+        holder = self.holder
+        ahead, holder.ahead = holder.ahead, None  # read for the version acquire saw
+        return await sessions.load_for_turn(self.key, holder.version, holder.generation, ahead)
 
     def _check_scope(self, msg: InboundMessage, session: Session) -> None:
         """A session belongs to one scope, fixed by its first message."""

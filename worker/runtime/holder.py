@@ -65,6 +65,7 @@ class SessionHolder:
         self.token = acquired.token
         self.version = acquired.version
         self.generation = acquired.generation
+        self.ahead = acquired.ahead  # the rows the cached session lacked (its first turn's)
         self.memory_version = acquired.memory_version
         self.memory_scope = memory_scope  # the scope whose memory version acquire read
         self.first: Step | None = acquired.step
