@@ -9,6 +9,7 @@ owner / worker registries are in ``bus_redis.registry``.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import secrets
@@ -76,6 +77,9 @@ class RedisBus:
         # the turn path's commands share one pipelined connection (bus_redis.mux)
         self.fast = Multiplexed.for_client(redis)
         self.scripts = Scripts(redis, self.fast)
+        # the blocking read of the ready queues has a connection of its own (a blocked
+        # command would hold up every command behind it on ``fast``)
+        self._notes = Multiplexed.for_client(redis) if self.fast is not None else None
         self._raw: Redis | None = None
 
     @property
@@ -91,6 +95,8 @@ class RedisBus:
         not the client it was given."""
         if self.fast is not None:
             await self.fast.aclose()
+        if self._notes is not None:
+            await self._notes.aclose()
         if self._raw is not None:
             raw, self._raw = self._raw, None
             await raw.aclose()
@@ -112,13 +118,22 @@ class RedisBus:
     async def read_notifications(
         self, worker_id: str, streams: Sequence[str], *, count: int, block_ms: int
     ) -> list[Notification]:
-        reply = await self.raw.xreadgroup(
-            WORKER_GROUP,
-            worker_id,
-            dict.fromkeys(streams, ">"),
-            count=count,
-            block=block_ms,
-        )
+        if self._notes is not None:  # one notification a read with several workers
+            command = ["XREADGROUP", "GROUP", WORKER_GROUP, worker_id, "COUNT", count]
+            command += ["BLOCK", block_ms, "STREAMS", *streams, *(">" for _ in streams)]
+            try:
+                reply = await self._notes.execute(*command)
+            except asyncio.CancelledError:  # (a stop): the server must not hand this
+                await self._notes.aclose()  # consumer entries after it has left
+                raise
+        else:
+            reply = await self.raw.xreadgroup(
+                WORKER_GROUP,
+                worker_id,
+                dict.fromkeys(streams, ">"),
+                count=count,
+                block=block_ms,
+            )
         per_stream: list[list[Notification]] = []
         junk: list[Notification] = []
         for stream, entries in reply or []:  # COUNT is per stream: at most n per channel

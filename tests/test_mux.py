@@ -23,6 +23,7 @@ from replies import wait_until_async
 from servers import RedisServer
 
 from bus_redis import RedisBus
+from bus_redis.codec import text
 from bus_redis.mux import Multiplexed
 
 pytestmark = pytest.mark.real_redis
@@ -281,3 +282,40 @@ async def test_a_vanished_peer_is_detected_by_the_socket(real_redis: aioredis.Re
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
     finally:
         await mux.aclose()
+
+
+async def test_notifications_are_read_on_a_connection_of_their_own(
+    real_redis: aioredis.Redis,
+) -> None:
+    """The blocking read of the ready queues does not hold up the turn path's commands;
+    a read cancelled while blocked (a stop) closes its connection, so the server hands
+    the consumer nothing after it left: the next notification goes to another consumer."""
+    bus = RedisBus(real_redis)
+    ready = bus.keys.ready("web")
+    await bus.ensure_groups([ready])
+    await real_redis.xadd(ready, {"session": "web:a"})
+    notes = await bus.read_notifications("w1", [ready], count=10, block_ms=1000)
+    assert [n.session_key for n in notes] == ["web:a"]
+
+    blocked = asyncio.create_task(bus.read_notifications("w1", [ready], count=10, block_ms=20_000))
+
+    async def reader_blocked() -> bool:
+        clients = await real_redis.client_list()
+        return any(c["cmd"] == "xreadgroup" and c["flags"] == "b" for c in clients)
+
+    assert await wait_until_async(reader_blocked, timeout_s=10)
+    assert await bus.peek("web:a", after="0", count=1) == []  # the turn path is not held up
+    blocked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+
+    async def reader_gone() -> bool:
+        return not await reader_blocked()
+
+    assert await wait_until_async(reader_gone, timeout_s=10)
+    await real_redis.xadd(ready, {"session": "web:b"})
+    other = await bus.read_notifications("w2", [ready], count=10, block_ms=1000)
+    assert [n.session_key for n in other] == ["web:b"]
+    pending = await real_redis.xpending_range(ready, "workers", "-", "+", 10, consumername="w1")
+    assert [text(p["message_id"]) for p in pending] == [notes[0].entry_id]
+    await bus.aclose()
