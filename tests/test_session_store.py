@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from bus_redis import Keys
+from bus_redis import FrontendClient, InboundMessage, Keys
 from bus_redis.mux import Multiplexed
-from bus_redis.results import Acquired, Ahead
+from bus_redis.results import Acquired, Ahead, Entry, Released
 from bus_redis.streams import RedisBus
 from session_store import RedisSessionStore, Session, SessionManager
 from session_store.redis_store import ROWS_AHEAD
@@ -316,7 +316,8 @@ async def test_acquire_reads_what_a_copy_behind_lacks_in_the_same_call(
 ) -> None:
     """Consecutive turns on different workers: the lease script returns the rows the
     taking worker's copy lacks, so the turn reads nothing more (beyond ROWS_AHEAD rows, only
-    the rest); a current copy gets nothing extra; the result is what a full load gives."""
+    the rest); a current copy gets nothing extra; the result is what a full load gives.
+    A lease that selects no entry (nothing queued) reads no rows."""
     bus = RedisBus(redis)
     await bus.scripts.load_all()
     store = RedisSessionStore(redis, Keys(), fast=bus.fast)
@@ -330,10 +331,17 @@ async def test_acquire_reads_what_a_copy_behind_lacks_in_the_same_call(
     if rows:
         await _append_as_commit(redis, "web:acq", rows, '{"last_consolidated": 4}')
 
-    got = await bus.acquire(
-        "web:acq", "w2", select=False, cached=manager.cached_for_acquire("web:acq")
+    cached = manager.cached_for_acquire("web:acq")
+    idle = await bus.acquire("web:acq", "w2", member="web:acq", cached=cached)
+    assert isinstance(idle, Acquired)
+    assert isinstance(idle.step, Released)
+    assert idle.ahead is None  # no turn runs: nothing read for it
+    await FrontendClient(redis).send(
+        InboundMessage(channel="web", sender_id="u", chat_id="acq", content="next")
     )
+    got = await bus.acquire("web:acq", "w2", member="web:acq", cached=cached)
     assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
     assert (got.ahead is None) == (appended == 0)
     reads: list[list[str]] = []
     real_hmget, real_load = store._hmget, store.load
@@ -380,8 +388,11 @@ async def test_acquire_gives_nothing_ahead_for_another_generation(redis: aioredi
     fresh.add_message("user", "new")
     fresh.add_message("assistant", "newer")
     await store.save(fresh)  # another generation
+    await FrontendClient(redis).send(
+        InboundMessage(channel="web", sender_id="u", chat_id="gen", content="next")
+    )
     got = await bus.acquire(
-        "web:gen", "w2", select=False, cached=manager.cached_for_acquire("web:gen")
+        "web:gen", "w2", member="web:gen", cached=manager.cached_for_acquire("web:gen")
     )
     assert isinstance(got, Acquired)
     assert got.ahead is None

@@ -22,8 +22,9 @@
 --       | {'forward', owner}           K belongs to another worker's private session
 --       | {'busy', holder}
 --       | {'acquired', token, version, generation, memory version, ahead, <next_or_release...>}
--- ahead: {} when the cached copy is current or not of this generation, else what it lacks
--- (one round trip less when consecutive turns run on different workers):
+-- ahead: {} when the cached copy is current or not of this generation, or when no entry
+-- was selected (no turn runs yet), else what it lacks (one round trip less when
+-- consecutive turns run on different workers):
 -- {meta, count, row ARGV[12], row ARGV[12] + 1, ...} (ARGV[13] rows, false past the end)
 -- S joins K's pending set before any forward, so a forward lost with its owner is found
 -- again by whoever acquires K next. The notification is acknowledged (and deleted) last,
@@ -62,18 +63,19 @@ redis.call('PEXPIRE', KEYS[2], 2 * ttl)
 redis.call('ZADD', KEYS[7], now_ms() + ttl, ARGV[3])
 local s = redis.call('HMGET', KEYS[3], 'version', 'gen')
 local memory = redis.call('HGET', KEYS[4], 'version') or '0'
+local nxt = {}
+if ARGV[7] == '1' then
+  nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(9, 16), ARGV[3], ARGV[9])
+end
 local ahead = {}
 local want = tonumber(ARGV[13])
-if want > 0 and s[2] == ARGV[14] and (s[1] or '0') ~= ARGV[15] then
+if nxt[1] == 'entry' and want > 0 and s[2] == ARGV[14] and (s[1] or '0') ~= ARGV[15] then
   local fields = {'meta', 'count'}
   local have = tonumber(ARGV[12])
   for i = have, have + want - 1 do fields[#fields + 1] = 'm:' .. i end
   ahead = redis.call('HMGET', KEYS[3], unpack(fields))
 end
 local head = {'acquired', token, s[1] or '0', s[2] or '', memory, ahead}
-if ARGV[7] == '1' then
-  local nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(9, 16), ARGV[3], ARGV[9])
-  for _, v in ipairs(nxt) do head[#head + 1] = v end
-end
+for _, v in ipairs(nxt) do head[#head + 1] = v end
 ack()
 return head

@@ -51,7 +51,8 @@ class Acquirer:
                 select=select,
                 note=note,
                 memory_key=rt.memory.key(scope) if scope else "",
-                cached=None if transient else rt.sessions.cached_for_acquire(key),
+                # a lease taken to run a turn reads what the cached copy lacks with it
+                cached=rt.sessions.cached_for_acquire(key) if select and not transient else None,
             )
             if not isinstance(result, Private):
                 return key, result, scope
