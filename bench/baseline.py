@@ -14,7 +14,8 @@ load of each session by each process). Printed per system:
 turns/s and its ratio to the baseline of the same repetition, CPU per turn of the serving
 processes, of redis-server (``INFO cpu``) and of the load generator (this process), and
 Redis commands per turn (``INFO commandstats``: every client, commands run inside scripts
-included) with the script calls among them; min / median / max over repetitions.
+included) with the script calls among them; min / median / max over repetitions. With
+``--commandstats N``, each system's N costliest commands by Redis time per turn.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ class Run:
     front_ms: float
     commands: float
     scripts: float
+    per_command: dict[str, tuple[float, float]]  # name -> (calls, Redis µs) per turn
+
+
+async def _commandstats(redis: aioredis.Redis) -> dict[str, tuple[int, int]]:
+    stats = await redis.info("commandstats")
+    return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
 
 
 def _cpu_s(pid: int) -> float:
@@ -135,6 +142,7 @@ async def run(
     warm = sessions * warm_rounds * procs
     done = 0
     mark: tuple[float, float, float, float, int, int] | None = None
+    before: dict[str, tuple[int, int]] = {}
     try:
         for s in range(sessions):
             await frontend.send(
@@ -153,6 +161,7 @@ async def run(
                     serving.cpu_s(),
                     *await _redis_counts(redis),
                 )
+                before = await _commandstats(redis)
             if done >= turns + warm:
                 break
             chat = ev.session_key.partition(":")[2]
@@ -164,6 +173,7 @@ async def run(
         front = time.process_time() - mark[1]
         serve = serving.cpu_s() - mark[2]
         redis_cpu, calls, scripts = await _redis_counts(redis)
+        after = await _commandstats(redis)
     finally:
         serving.close()
         await redis.aclose()
@@ -175,6 +185,10 @@ async def run(
         front_ms=front / n * 1000,
         commands=(calls - mark[4]) / n,
         scripts=(scripts - mark[5]) / n,
+        per_command={
+            name: ((c - before.get(name, (0, 0))[0]) / n, (u - before.get(name, (0, 0))[1]) / n)
+            for name, (c, u) in after.items()
+        },
     )
 
 
@@ -196,6 +210,14 @@ async def main() -> None:
     parser.add_argument("--history", type=int, default=0, help="rows each session starts with")
     parser.add_argument(
         "--warm", type=int, default=5, help="warm-up turns per session and worker process"
+    )
+    parser.add_argument(
+        "--commandstats",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print each system's N costliest Redis commands (calls and Redis µs per "
+        "turn, the last repetition; a script's inner commands are counted on their own too)",
     )
     args = parser.parse_args()
     loops = ["loop" if n == "1" else f"{n} loop" for n in args.loop_procs.split(",")]
@@ -237,6 +259,9 @@ async def main() -> None:
         print(f"  frontend CPU/turn  {_spread([r.front_ms * 1000 for r in rs], '.0f')} µs")
         print(f"  Redis commands     {_spread([r.commands for r in rs], '.1f')} per turn")
         print(f"  of them scripts    {_spread([r.scripts for r in rs], '.1f')} per turn")
+        top = sorted(rs[-1].per_command.items(), key=lambda kv: -kv[1][1])[: args.commandstats]
+        for name, (calls, usec) in top:
+            print(f"    {name:16} {calls:5.2f} calls {usec:7.1f} µs per turn")
 
 
 if __name__ == "__main__":
