@@ -28,11 +28,10 @@ from worker.agent.providers import EchoProvider
 
 def _round_trips(loops: list[AgentLoop]) -> int:
     """Commands through redis-py (counted by CountingRedis) and through the workers'
-    multiplexed connections (bus_redis.mux: each command one round trip, as before, though
-    concurrent ones share a write)."""
-    return CountingRedis.round_trips + sum(
-        loop.bus.fast.commands for loop in loops if loop.bus.fast is not None
-    )
+    multiplexed connections, the turn path's and the ready queues' reader (bus_redis.mux:
+    each command one round trip, as before, though concurrent ones share a write)."""
+    muxes = [m for loop in loops for m in (loop.bus.fast, loop.bus.reader) if m is not None]
+    return CountingRedis.round_trips + sum(m.commands for m in muxes)
 
 
 async def throughput(url: str, sessions: int, messages: int, workers: int) -> None:

@@ -79,7 +79,7 @@ class RedisBus:
         self.scripts = Scripts(redis, self.fast)
         # the blocking read of the ready queues has a connection of its own (a blocked
         # command would hold up every command behind it on ``fast``)
-        self._notes = Multiplexed.for_client(redis) if self.fast is not None else None
+        self.reader = Multiplexed.for_client(redis) if self.fast is not None else None
         self._raw: Redis | None = None
 
     @property
@@ -95,8 +95,8 @@ class RedisBus:
         not the client it was given."""
         if self.fast is not None:
             await self.fast.aclose()
-        if self._notes is not None:
-            await self._notes.aclose()
+        if self.reader is not None:
+            await self.reader.aclose()
         if self._raw is not None:
             raw, self._raw = self._raw, None
             await raw.aclose()
@@ -118,13 +118,13 @@ class RedisBus:
     async def read_notifications(
         self, worker_id: str, streams: Sequence[str], *, count: int, block_ms: int
     ) -> list[Notification]:
-        if self._notes is not None:  # one notification a read with several workers
+        if self.reader is not None:  # not the pool: a read per notification or two (many workers)
             command = ["XREADGROUP", "GROUP", WORKER_GROUP, worker_id, "COUNT", count]
             command += ["BLOCK", block_ms, "STREAMS", *streams, *(">" for _ in streams)]
             try:
-                reply = await self._notes.execute(*command)
+                reply = await self.reader.execute(*command)
             except asyncio.CancelledError:  # (a stop): the server must not hand this
-                await self._notes.aclose()  # consumer entries after it has left
+                await self.reader.aclose()  # consumer entries after it has left
                 raise
         else:
             reply = await self.raw.xreadgroup(
