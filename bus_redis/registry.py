@@ -21,6 +21,7 @@ from bus_redis.scripts import script_sha
 from bus_redis.streams import WORKER_GROUP, RedisBus
 from bus_redis.sweeps import SCAN_COUNT, Sweeps
 
+DISCOVER_STEPS = 10  # SCAN steps per discovery call (each visits SCAN_COUNT keys)
 log = logging.getLogger(__name__)
 
 
@@ -30,6 +31,7 @@ class Registry:
         self.redis = bus.redis
         self.keys = bus.keys
         self.sweeps = Sweeps(bus)
+        self._discover_cursor = 0  # of channel discovery's SCAN, kept across calls
 
     # --- channels -------------------------------------------------------------------
     async def register_channel(self, channel: str) -> None:
@@ -40,24 +42,36 @@ class Registry:
         members = await self.bus.raw.smembers(self.keys.channels)  # type: ignore[misc]
         return {c for c in (strict_text(m) for m in members) if c and valid_channel(c)}
 
-    async def discover_channels(self) -> set[str]:
-        """Channels whose ready queue exists but that nobody registered: a SCAN of the
-        keyspace, so run once per sweep period by one worker, which registers them for all."""
+    async def discover_channels(self, *, steps: int | None = DISCOVER_STEPS) -> set[str]:
+        """Channels whose ready queue exists but that nobody registered, found by SCAN and
+        registered for all workers. At most ``steps`` SCAN steps of ``SCAN_COUNT`` keys per
+        call, resumed where the last call stopped: a full pass over a keyspace of K keys
+        takes K / (steps * SCAN_COUNT) calls, and no call does work in proportion to what
+        the channels wrote. ``steps=None``: the whole keyspace at once (administration)."""
         found: set[str] = set()
-        async for key in self.bus.raw.scan_iter(
-            match=self.keys.ready_pattern, count=SCAN_COUNT, _type="stream"
-        ):
-            name = strict_text(key)
-            channel = self.keys.channel_of_ready(name) if name else None
-            if channel is not None:
-                found.add(channel)
+        cursor = 0 if steps is None else self._discover_cursor
+        done = 0
+        while steps is None or done < steps:
+            cursor, keys = await self.bus.raw.scan(
+                cursor, match=self.keys.ready_pattern, count=SCAN_COUNT, _type="stream"
+            )
+            done += 1
+            for key in keys:
+                name = strict_text(key)
+                channel = self.keys.channel_of_ready(name) if name else None
+                if channel is not None:
+                    found.add(channel)
+            if cursor == 0:
+                break
+        if steps is not None:
+            self._discover_cursor = cursor
         if found:
             await self.redis.sadd(self.keys.channels, *found)  # type: ignore[misc]
         return found
 
     async def channels(self) -> set[str]:
         """Registered channels and channels whose ready queue exists (administration)."""
-        return await self.registered_channels() | await self.discover_channels()
+        return await self.registered_channels() | await self.discover_channels(steps=None)
 
     # --- transient owners -----------------------------------------------------------
     async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:

@@ -3,6 +3,7 @@ the test session starts on a free port. In CI a missing redis-server fails the r
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -15,10 +16,24 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).parent))
 
 from replies import TEST_CHANNELS
-from servers import RedisServer, require_redis_server
+from servers import RedisServer, redis_server_binary, require_redis_server
 
 RedisFactory = Callable[[], aioredis.Redis]
 _REAL_FIXTURES = {"real_redis", "redis_server", "spawn_workers"}
+
+
+def pytest_report_header() -> str:
+    """Which server the real-Redis side runs on (``REDIS_SERVER`` picks another)."""
+    binary = redis_server_binary()
+    if binary is None:
+        return "real server: none found"
+    try:
+        version = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"({type(exc).__name__})"
+    return f"real server: {binary}: {version}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

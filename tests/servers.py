@@ -18,7 +18,9 @@ def free_port() -> int:
 
 
 def redis_server_binary() -> str | None:
-    return shutil.which("redis-server")
+    """``redis-server`` on the PATH, or the server named by ``REDIS_SERVER`` (e.g. a
+    ``valkey-server``: the tests and benchmarks then run against it)."""
+    return shutil.which(os.environ.get("REDIS_SERVER") or "redis-server")
 
 
 class RedisServer:

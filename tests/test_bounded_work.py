@@ -15,6 +15,7 @@ from replies import wait_until_async
 from bus_redis import FrontendClient, InboundMessage, RedisBus
 from bus_redis.registry import Registry
 from bus_redis.results import Acquired, Again, ControlReached, Entry
+from bus_redis.sweeps import SCAN_COUNT
 
 K = "web:s"
 HEAD_BATCH = 64  # bus_redis/lua/_common.lua
@@ -344,3 +345,43 @@ async def test_adding_a_channel_drops_no_other_channels_subscription(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_channel_discovery_scans_a_bounded_number_of_keys_per_call(
+    redis: aioredis.Redis,
+) -> None:
+    """Discovery finds a channel nobody registered (its ready queue exists) however large
+    the keyspace a flooding channel wrote, in steps: each call issues at most ``steps``
+    SCANs of ``SCAN_COUNT`` keys, resumed where the last call stopped."""
+    bus = RedisBus(redis)
+    registry = Registry(bus)
+    async with redis.pipeline(transaction=False) as pipe:
+        for i in range(5000):  # what a flood left: keys, not channels
+            pipe.set(f"{bus.keys.prefix}:{{flood}}:junk:{i}", "x")
+        await pipe.execute()
+    await redis.xadd(bus.keys.ready("quiet"), {"session": "quiet:s"})
+    scans: list[int] = []
+    cursors: list[int] = []
+    scan = bus.raw.scan
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        scans[-1] += 1
+        assert kwargs.get("count") == SCAN_COUNT
+        reply = await scan(*args, **kwargs)  # type: ignore[arg-type]
+        cursors.append(int(reply[0]))
+        return reply
+
+    bus.raw.scan = counted  # type: ignore[method-assign]
+    found: set[str] = set()
+    for _ in range(8):  # a full pass: 5,001 keys / 1,000 per step, plus a step's slack
+        scans.append(0)
+        found |= await registry.discover_channels(steps=1)
+        if found:
+            break
+    assert found == {"quiet"}
+    assert max(scans) == 1
+    assert cursors[0] != 0  # the first call did not walk the whole keyspace
+    assert "quiet" in await registry.registered_channels()
+    scans.append(0)
+    assert await registry.discover_channels(steps=None) == {"quiet"}  # administration
+    assert scans[-1] >= 1

@@ -164,7 +164,7 @@ class Maintenance:
                 "%d sessions had queued entries and nobody serving them; re-notified", len(stranded)
             )
         await self.prune_idle()
-        await self.refresh_channels(discover=True)  # a SCAN: once per period, for all workers
+        await self.refresh_channels(discover=True)  # SCAN steps, bounded: for all workers
         await sweeps.hints()
         await sweeps.keyspace(unified=unified)
 
