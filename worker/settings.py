@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from bus_redis.config import check_log_level, check_redis_url
 from bus_redis.keys import valid_channel
 from worker.config import LoopConfig
+from worker.runtime.eventloop import DEFAULT_LINGER_US
 
 
 class Settings(BaseSettings, LoopConfig):
@@ -35,6 +36,8 @@ class Settings(BaseSettings, LoopConfig):
     provider_timeout_s: float = Field(default=120.0, gt=0)  # per model request
     provider_retries: int = Field(default=3, ge=0, le=10)
     metrics_host: str = "127.0.0.1"
+    # after a wake-up with one ready socket, wait this long for more (0 = off)
+    loop_linger_us: int = Field(default=DEFAULT_LINGER_US, ge=0, le=10_000)
 
     @field_validator("redis_url")
     @classmethod

@@ -17,6 +17,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from bus_redis.config import package_version
+from worker.runtime.eventloop import loop_factory
 from worker.runtime.registration import WorkerConflictError
 from worker.settings import Settings
 
@@ -121,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in unknown_variables(dict(os.environ)):
         print(f"agent-worker: warning: {name} is not a setting (ignored)", file=sys.stderr)
     try:
-        code = asyncio.run(command(args, settings))
+        # a worker coalesces its wake-ups (worker/runtime/eventloop.py); other commands don't
+        linger = settings.loop_linger_us if getattr(args, "linger", False) else 0
+        with asyncio.Runner(loop_factory=loop_factory(linger)) as runner:
+            code = runner.run(command(args, settings))
         sys.stdout.flush()  # here, so that a reader gone away is handled below
         return code
     except KeyboardInterrupt:

@@ -35,7 +35,7 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.add_argument(
         "--unified-session", action="store_true", default=None, help="env AGENT_UNIFIED_SESSION"
     )
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, linger=True)
 
 
 async def _connect(redis: Any, where: str, stopped: Any) -> bool:

@@ -1,0 +1,124 @@
+"""The worker's event loop coalesces wake-ups (worker/runtime/eventloop.py): after a
+wake-up with one ready socket it lingers, and what became ready meanwhile is handled in
+the same pass. Asserted on behaviour (what one ``select`` returns), never on time: the
+linger's sleep is injected, and "meanwhile" is what that sleep does."""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from worker.runtime.eventloop import LingeringSelector, loop_factory
+
+
+@pytest.fixture
+def pairs() -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    made = [socket.socketpair() for _ in range(2)]
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def _selector(
+    pairs: list[tuple[socket.socket, socket.socket]], meanwhile: list[bytes | None]
+) -> tuple[LingeringSelector, list[float]]:
+    """A selector over both pairs' read ends; its linger writes ``meanwhile`` to them."""
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        for (_, writer), data in zip(pairs, meanwhile, strict=True):
+            if data is not None:
+                writer.send(data)
+
+    sel = LingeringSelector(0.0005, sleep=sleep)
+    for reader, _ in pairs:
+        sel.register(reader, selectors.EVENT_READ)
+    return sel, slept
+
+
+def test_a_lone_wake_up_lingers_and_takes_what_arrived_meanwhile(pairs: list) -> None:
+    sel, slept = _selector(pairs, meanwhile=[b"more", b"other"])
+    pairs[0][1].send(b"first")
+    ready = sel.select(timeout=5)
+    assert slept == [0.0005]
+    assert {key.fd for key, _ in ready} == {r.fileno() for r, _ in pairs}
+    assert pairs[0][0].recv(100) == b"firstmore"  # one read takes both replies
+    sel.close()
+
+
+def test_no_linger_when_the_loop_is_busy_or_several_sockets_woke_it(pairs: list) -> None:
+    sel, slept = _selector(pairs, meanwhile=[None, None])
+    pairs[0][1].send(b"x")
+    assert len(sel.select(timeout=0)) == 1  # the loop has callbacks waiting: no linger
+    pairs[1][1].send(b"y")
+    assert len(sel.select(timeout=5)) == 2  # several ready: the pass already batches
+    assert slept == []
+    sel.close()
+
+
+def test_nothing_ready_no_linger(pairs: list) -> None:
+    sel, slept = _selector(pairs, meanwhile=[b"late", None])
+    assert sel.select(timeout=0.001) == []  # a timer's wake-up: nothing to coalesce
+    assert slept == []
+    sel.close()
+
+
+def test_linger_zero_is_the_default_loop() -> None:
+    assert loop_factory(0) is asyncio.new_event_loop
+    loop = loop_factory(500)()
+    try:
+        assert isinstance(loop, asyncio.SelectorEventLoop)
+        assert isinstance(loop._selector, LingeringSelector)  # type: ignore[attr-defined]
+        assert loop._selector.linger_s == pytest.approx(0.0005)  # type: ignore[attr-defined]
+        assert loop.run_until_complete(asyncio.sleep(0, result=42)) == 42
+    finally:
+        loop.close()
+
+
+async def _echo_round_trips(n: int) -> list[bytes]:
+    """Round trips over a real local TCP server (what a worker's Redis connection does)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(100):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    got = []
+    for i in range(n):
+        writer.write(b"%d;" % i)
+        got.append(await reader.readexactly(len(b"%d;" % i)))
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+    return got
+
+
+def test_a_lingering_loop_runs_a_real_connection_to_the_end() -> None:
+    with asyncio.Runner(loop_factory=loop_factory(500)) as runner:
+        assert runner.run(_echo_round_trips(50)) == [b"%d;" % i for i in range(50)]
+
+
+def test_only_the_run_command_lingers_and_the_setting_is_checked() -> None:
+    from pydantic import ValidationError
+
+    from worker.cli.main import build_parser
+    from worker.settings import Settings
+
+    parser = build_parser()
+    assert parser.parse_args(["run"]).linger is True
+    assert getattr(parser.parse_args(["status"]), "linger", False) is False
+    assert Settings().loop_linger_us == 500
+    assert Settings(loop_linger_us=0).loop_linger_us == 0
+    with pytest.raises(ValidationError):
+        Settings(loop_linger_us=-1)
