@@ -111,6 +111,12 @@ class Keys:
         return f"{self.prefix}:workers"
 
     @property
+    def discovery(self) -> str:
+        """String: where channel discovery's SCAN goes on (a cursor), shared by the workers
+        that take turns sweeping, so a pass takes the same periods however many there are."""
+        return f"{self.prefix}:discovery"
+
+    @property
     def sweeper(self) -> str:
         """Short-lived lock: which worker runs the stranded-stream sweep this period."""
         return f"{self.prefix}:sweeper"

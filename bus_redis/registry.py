@@ -31,7 +31,6 @@ class Registry:
         self.redis = bus.redis
         self.keys = bus.keys
         self.sweeps = Sweeps(bus)
-        self._discover_cursor = 0  # of channel discovery's SCAN, kept across calls
 
     # --- channels -------------------------------------------------------------------
     async def register_channel(self, channel: str) -> None:
@@ -45,11 +44,15 @@ class Registry:
     async def discover_channels(self, *, steps: int | None = DISCOVER_STEPS) -> set[str]:
         """Channels whose ready queue exists but that nobody registered, found by SCAN and
         registered for all workers. At most ``steps`` SCAN steps of ``SCAN_COUNT`` keys per
-        call, resumed where the last call stopped: a full pass over a keyspace of K keys
-        takes K / (steps * SCAN_COUNT) calls, and no call does work in proportion to what
-        the channels wrote. ``steps=None``: the whole keyspace at once (administration)."""
+        call, resumed where the last call (of any worker) stopped (``P:discovery``): a full
+        pass over a keyspace of K keys takes K / (steps * SCAN_COUNT) calls, and no call
+        does work in proportion to what the channels wrote. ``steps=None``: the whole
+        keyspace at once, from its start (administration), leaving the shared cursor."""
         found: set[str] = set()
-        cursor = 0 if steps is None else self._discover_cursor
+        cursor = 0
+        if steps is not None:
+            kept = strict_text(await self.bus.raw.get(self.keys.discovery))
+            cursor = int(kept) if kept and kept.isdigit() else 0  # junk: start over
         done = 0
         while steps is None or done < steps:
             cursor, keys = await self.bus.raw.scan(
@@ -64,7 +67,7 @@ class Registry:
             if cursor == 0:
                 break
         if steps is not None:
-            self._discover_cursor = cursor
+            await self.bus.raw.set(self.keys.discovery, cursor)
         if found:
             await self.redis.sadd(self.keys.channels, *found)  # type: ignore[misc]
         return found

@@ -8,6 +8,7 @@ The bounds are asserted on behaviour (what one call consumed or read), never on 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import redis.asyncio as aioredis
 from replies import wait_until_async
@@ -352,36 +353,43 @@ async def test_channel_discovery_scans_a_bounded_number_of_keys_per_call(
 ) -> None:
     """Discovery finds a channel nobody registered (its ready queue exists) however large
     the keyspace a flooding channel wrote, in steps: each call issues at most ``steps``
-    SCANs of ``SCAN_COUNT`` keys, resumed where the last call stopped."""
+    SCANs of ``SCAN_COUNT`` keys, resumed where the last call stopped, whichever worker
+    made it (the cursor is shared: ``P:discovery``)."""
     bus = RedisBus(redis)
-    registry = Registry(bus)
+    workers = [Registry(bus), Registry(bus)]  # two workers taking turns at sweeping
     async with redis.pipeline(transaction=False) as pipe:
         for i in range(5000):  # what a flood left: keys, not channels
             pipe.set(f"{bus.keys.prefix}:{{flood}}:junk:{i}", "x")
         await pipe.execute()
     await redis.xadd(bus.keys.ready("quiet"), {"session": "quiet:s"})
-    scans: list[int] = []
-    cursors: list[int] = []
+    calls: list[list[tuple[int, int]]] = []  # per discovery call: (cursor sent, cursor got)
     scan = bus.raw.scan
 
-    async def counted(*args: object, **kwargs: object) -> object:
-        scans[-1] += 1
+    async def counted(cursor: int = 0, **kwargs: object) -> object:
         assert kwargs.get("count") == SCAN_COUNT
-        reply = await scan(*args, **kwargs)  # type: ignore[arg-type]
-        cursors.append(int(reply[0]))
+        reply = await scan(cursor, **kwargs)  # type: ignore[arg-type]
+        calls[-1].append((int(cursor), int(reply[0])))
         return reply
 
     bus.raw.scan = counted  # type: ignore[method-assign]
     found: set[str] = set()
-    for _ in range(8):  # a full pass: 5,001 keys / 1,000 per step, plus a step's slack
-        scans.append(0)
-        found |= await registry.discover_channels(steps=1)
-        if found:
+    for i in range(12):  # a full pass: 5,001 keys / 1,000 per step, and some slack
+        calls.append([])
+        found |= await workers[i % 2].discover_channels(steps=1)
+        if calls[-1][-1][1] == 0:  # the pass ended
             break
     assert found == {"quiet"}
-    assert max(scans) == 1
-    assert cursors[0] != 0  # the first call did not walk the whole keyspace
-    assert "quiet" in await registry.registered_channels()
-    scans.append(0)
-    assert await registry.discover_channels(steps=None) == {"quiet"}  # administration
-    assert scans[-1] >= 1
+    assert all(len(c) == 1 for c in calls)  # one SCAN step per call, never more
+    assert calls[0][0][0] == 0
+    assert calls[0][0][1] != 0
+    for before, after in itertools.pairwise(calls):
+        assert after[0][0] == before[-1][1]  # each call goes on where the last stopped
+    assert "quiet" in await workers[0].registered_channels()
+    kept = await redis.get(bus.keys.discovery)
+    await redis.set(bus.keys.discovery, calls[0][0][1])  # mid-pass
+    calls.append([])
+    assert await workers[0].discover_channels(steps=None) == {"quiet"}  # administration
+    assert calls[-1][0][0] == 0
+    assert calls[-1][-1][1] == 0
+    assert int(await redis.get(bus.keys.discovery)) == calls[0][0][1]  # the pass left alone
+    assert kept is not None

@@ -47,7 +47,9 @@ def test_a_lone_wake_up_lingers_and_takes_what_arrived_meanwhile(pairs: list) ->
     pairs[0][1].send(b"first")
     ready = sel.select(timeout=5)
     assert slept == [0.0005]
-    assert {key.fd for key, _ in ready} == {r.fileno() for r, _ in pairs}
+    assert sorted((key.fd, mask) for key, mask in ready) == sorted(
+        (r.fileno(), selectors.EVENT_READ) for r, _ in pairs
+    )  # each socket once
     assert pairs[0][0].recv(100) == b"firstmore"  # one read takes both replies
     sel.close()
 
@@ -69,9 +71,36 @@ def test_nothing_ready_no_linger(pairs: list) -> None:
     sel.close()
 
 
-def test_linger_zero_is_the_default_loop() -> None:
-    assert loop_factory(0) is asyncio.new_event_loop
-    loop = loop_factory(500)()
+def test_one_socket_ready_both_ways_is_one_entry_with_both_events(pairs: list) -> None:
+    """The socket that woke the loop is ready again after the linger (epoll is level
+    triggered): its events are merged into its one entry, never listed twice."""
+    slept: list[float] = []
+    sel = LingeringSelector(0.0005, sleep=slept.append)
+    reader, writer = pairs[0]
+    sel.register(reader, selectors.EVENT_READ | selectors.EVENT_WRITE)
+    writer.send(b"x")
+    ready = sel.select(timeout=5)
+    assert slept == [0.0005]
+    assert [(k.fd, m) for k, m in ready] == [
+        (reader.fileno(), selectors.EVENT_READ | selectors.EVENT_WRITE)
+    ]
+    sel.close()
+
+
+def test_the_linger_never_runs_past_the_timeout(pairs: list) -> None:
+    sel, slept = _selector(pairs, meanwhile=[None, None])
+    pairs[0][1].send(b"x")
+    assert len(sel.select(timeout=0.0001)) == 1  # a timer is due in 100 µs
+    assert len(slept) <= 1
+    assert all(0 < s <= 0.0001 for s in slept)
+    sel.close()
+
+
+def test_linger_zero_is_asyncios_own_loop() -> None:
+    assert loop_factory(0) is None
+    factory = loop_factory(500)
+    assert factory is not None
+    loop = factory()
     try:
         assert isinstance(loop, asyncio.SelectorEventLoop)
         assert isinstance(loop._selector, LingeringSelector)  # type: ignore[attr-defined]

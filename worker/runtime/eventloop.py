@@ -11,8 +11,9 @@ ready socket and nothing else to run: what else arrives meanwhile (more replies 
 same connection, another connection's) is handled in the same pass. It never lingers when
 the loop has work waiting (``select`` called with a zero timeout: the process is busy,
 its passes already batch) nor after a wake-up that found several sockets ready. The
-price is latency when idle: at most ``linger_s`` per wake-up (``AGENT_LOOP_LINGER_US``,
-200 µs by default; 0 turns it off), against turns that take a model call's time.
+price is latency when idle: about ``linger_s`` per wake-up, never past a timer's due
+time (``AGENT_LOOP_LINGER_US``, 200 µs by default; 0 turns it off), against turns that
+take a model call's time.
 """
 
 from __future__ import annotations
@@ -36,10 +37,16 @@ class LingeringSelector(selectors.DefaultSelector):
         self._sleep = sleep
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        start = time.monotonic() if timeout is not None else 0.0
         ready: list[tuple[selectors.SelectorKey, int]] = super().select(timeout)
         if len(ready) != 1 or timeout == 0 or self.linger_s <= 0:
             return ready
-        self._sleep(self.linger_s)
+        linger = self.linger_s
+        if timeout is not None:  # never past a timer the loop waits for
+            linger = min(linger, timeout - (time.monotonic() - start))
+            if linger <= 0:
+                return ready
+        self._sleep(linger)
         key, events = ready[0]
         for more_key, more_events in super().select(0):
             if more_key.fd == key.fd:
@@ -50,8 +57,9 @@ class LingeringSelector(selectors.DefaultSelector):
         return ready
 
 
-def loop_factory(linger_us: int) -> Callable[[], asyncio.AbstractEventLoop]:
-    """A factory for :class:`asyncio.Runner`: the default loop when ``linger_us`` is 0."""
+def loop_factory(linger_us: int) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """A factory for :class:`asyncio.Runner`; None (asyncio's own loop, set as the current
+    one as by :func:`asyncio.run`) when ``linger_us`` is 0."""
     if linger_us <= 0:
-        return asyncio.new_event_loop
+        return None
     return lambda: asyncio.SelectorEventLoop(LingeringSelector(linger_us / 1e6))
