@@ -76,7 +76,8 @@ class Cached:
 @dataclass(frozen=True, slots=True)
 class Ahead:
     """What acquire read for a cached copy that is behind: the hash's meta and row count
-    at ``version`` of ``generation``, and its rows from ``start`` on (None past the end)."""
+    at ``version`` of ``generation``, and its rows from ``start`` on, up to ``count`` (a
+    row that is missing is None)."""
 
     start: int
     version: int

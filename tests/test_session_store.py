@@ -343,6 +343,9 @@ async def test_acquire_reads_what_a_copy_behind_lacks_in_the_same_call(
     assert isinstance(got, Acquired)
     assert isinstance(got.step, Entry)
     assert (got.ahead is None) == (appended == 0)
+    if got.ahead is not None:  # exactly the rows it lacks, up to ROWS_AHEAD: none past the end
+        assert len(got.ahead.rows) == min(appended, ROWS_AHEAD)
+        assert all(r is not None for r in got.ahead.rows)
     reads: list[list[str]] = []
     real_hmget, real_load = store._hmget, store.load
 

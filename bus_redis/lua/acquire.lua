@@ -25,7 +25,8 @@
 -- ahead: {} when the cached copy is current or not of this generation, or when no entry
 -- was selected (no turn runs yet), else what it lacks (one round trip less when
 -- consecutive turns run on different workers):
--- {meta, count, row ARGV[12], row ARGV[12] + 1, ...} (ARGV[13] rows, false past the end)
+-- {meta, count, row ARGV[12], row ARGV[12] + 1, ...}: at most ARGV[13] rows, and none past
+-- the hash's count (a lookup of a field that is not there costs as much as one that is)
 -- S joins K's pending set before any forward, so a forward lost with its owner is found
 -- again by whoever acquires K next. The notification is acknowledged (and deleted) last,
 -- so a script that fails midway (e.g. OOM) leaves it pending for redelivery.
@@ -61,7 +62,7 @@ local ttl = tonumber(ARGV[2])
 redis.call('SET', KEYS[1], token, 'PX', ttl)
 redis.call('PEXPIRE', KEYS[2], 2 * ttl)
 redis.call('ZADD', KEYS[7], now_ms() + ttl, ARGV[3])
-local s = redis.call('HMGET', KEYS[3], 'version', 'gen')
+local s = redis.call('HMGET', KEYS[3], 'version', 'gen', 'count')
 local memory = redis.call('HGET', KEYS[4], 'version') or '0'
 local nxt = {}
 if ARGV[7] == '1' then
@@ -72,7 +73,8 @@ local want = tonumber(ARGV[13])
 if nxt[1] == 'entry' and want > 0 and s[2] == ARGV[14] and (s[1] or '0') ~= ARGV[15] then
   local fields = {'meta', 'count'}
   local have = tonumber(ARGV[12])
-  for i = have, have + want - 1 do fields[#fields + 1] = 'm:' .. i end
+  local last = math.min(have + want, tonumber(s[3] or '0') or 0) - 1
+  for i = have, last do fields[#fields + 1] = 'm:' .. i end
   ahead = redis.call('HMGET', KEYS[3], unpack(fields))
 end
 local head = {'acquired', token, s[1] or '0', s[2] or '', memory, ahead}
