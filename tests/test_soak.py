@@ -78,7 +78,7 @@ async def test_a_thousand_sessions_leave_nothing_behind(
     per_channel |= {k.pulse(c) for c in TEST_CHANNELS}  # stream names only, MAXLEN ~10,000
     for key in {k.pulse(c) for c in TEST_CHANNELS} & set(rest):  # no text of any session
         assert all(set(f) == {"o"} for _, f in await real_redis.xrange(key))
-    per_channel.add(f"{k.prefix}:mode")  # one per deployment
+    per_channel |= {f"{k.prefix}:mode", k.discovery}  # one each per deployment
     unbounded = [key for key, (_t, ttl) in rest.items() if ttl < 0 and key not in per_session]
     assert set(unbounded) <= per_channel, unbounded
     consumers = await real_redis.xinfo_consumers(k.ready("web"), "workers")
