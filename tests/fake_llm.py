@@ -10,7 +10,9 @@ answers HTTP 500 to the first ``flaky_failures`` requests with that text, then n
 ``{"a": 1}``, ``toolcall:<name>{...}`` with those (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
 JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``nostream``
 answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
-pieces of a streamed answer.
+pieces of a streamed answer; ``stalldone`` holds the body's end after ``[DONE]`` until
+``release()``; ``chatterdone`` sends 100 KiB of comment lines after ``[DONE]``.
+``connections`` counts the TCP connections accepted.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class FakeLLM:
         self.inflight: dict[str, int] = {}
         self.overlaps = 0
         self.hangups = 0  # held requests whose client closed the connection
+        self.connections = 0  # accepted (a client that keeps its connection opens one)
         self.flaky_failures = 4  # a worker's provider tries 1 + 3 times a turn
         self._flaky: dict[str, int] = {}
         self.started = threading.Event()
@@ -179,6 +182,8 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()  # no Nagle delay (~40 ms per call) between header and body
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.server.fake._lock:
+            self.server.fake.connections += 1
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
@@ -237,6 +242,12 @@ class _Handler(BaseHTTPRequestHandler):
             }
             self._chunk(f"data: {json.dumps(chunk)}\n\n".encode())
         self._chunk(b"data: [DONE]\n\n")
+        if "stalldone" in text:
+            self.wfile.flush()
+            self.server.fake._release.wait(30)
+        if "chatterdone" in text:
+            for _ in range(100):
+                self._chunk(b": keep-alive " + b"x" * 1010 + b"\n")
         self._chunk(b"")
 
     def _chunk(self, data: bytes) -> None:

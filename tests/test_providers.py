@@ -184,3 +184,46 @@ async def test_a_server_that_ignores_stream_answers_in_one_delta(fake_llm: FakeL
     )
     assert resp.content == "re: nostream"
     assert deltas == ["re: nostream"]
+
+
+async def _streamed(provider: OpenAIProvider, text: str) -> tuple[str, list[str]]:
+    pieces: list[str] = []
+
+    async def sink(piece: str) -> None:
+        pieces.append(piece)
+
+    answer = await provider.chat_with_retry(
+        messages=[{"role": "user", "content": text}], on_delta=sink
+    )
+    return answer.content or "", pieces
+
+
+async def test_streamed_calls_keep_their_connection(fake_llm: FakeLLM) -> None:
+    """The body's end after ``[DONE]`` is read, so the connection goes back to the pool:
+    one TCP (and, against a real server, TLS) handshake for many streamed calls."""
+    from worker.agent.providers.openai_provider import POOL_SHARDS
+
+    provider = _provider(fake_llm)
+    for i in range(3 * POOL_SHARDS):  # calls go round the pool's shards (clients)
+        content, pieces = await _streamed(provider, f"stream {i}")
+        assert content == "".join(pieces) == f"re: stream {i}"
+    assert fake_llm.connections == POOL_SHARDS  # one each, kept
+
+
+async def test_a_server_that_stalls_or_talks_after_done_costs_its_connection_only(
+    fake_llm: FakeLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.agent.providers.openai_provider as module
+
+    monkeypatch.setattr(module, "AFTER_DONE_S", 0.05)
+    provider = _provider(fake_llm)
+    # the body never ends after [DONE]: the answer is complete, the call returns
+    content, _ = await _streamed(provider, "stalldone")
+    assert content == "re: stalldone"
+    fake_llm.release()
+    # 100 KiB after [DONE]: read up to the bound, then the connection is dropped
+    content, _ = await _streamed(provider, "chatterdone")
+    assert content == "re: chatterdone"
+    before = fake_llm.connections
+    assert (await _streamed(provider, "after"))[0] == "re: after"
+    assert fake_llm.connections == before + 1  # the talkative one's connection was not kept

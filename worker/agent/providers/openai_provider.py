@@ -19,7 +19,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx2 as httpx
@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 MAX_RETRY_AFTER_S = 60.0
 POOL_SHARDS = 16
+# after a stream's [DONE], what is read of the body's end so that its connection goes back
+# to the pool (a body left unread closes the connection: a new TCP, and TLS, handshake for
+# the next call); a server that keeps talking or stalls loses the connection instead
+AFTER_DONE_BYTES = 65_536
+AFTER_DONE_S = 1.0
 CONNECTIONS_PER_SHARD = 8
 _STATUS_NAMES = {
     400: "BadRequestError",
@@ -169,9 +174,12 @@ class OpenAIProvider:
                     if answer.content:
                         await on_delta(answer.content)
                     return answer
-                async for line in response.aiter_lines():
+                lines = response.aiter_lines()
+                async for line in lines:
                     if not await stream.line(line):
                         break
+                if stream.done:
+                    await _read_to_end(lines)
         except (httpx.TimeoutException, httpx.RequestError, httpx.InvalidURL) as exc:
             error = _request_error(exc)
             if stream.started and isinstance(error, _RetryableError):
@@ -185,6 +193,21 @@ class OpenAIProvider:
                 raise ProviderError(message)
             raise _RetryableError(message)
         return stream.result()
+
+
+async def _read_to_end(lines: AsyncIterator[str]) -> None:
+    """Read what follows ``[DONE]`` (the body's end, normally nothing), so that the
+    connection is kept; at most ``AFTER_DONE_BYTES`` and ``AFTER_DONE_S``, then the
+    connection is dropped instead (the answer is complete either way)."""
+    left = AFTER_DONE_BYTES
+    try:
+        async with asyncio.timeout(AFTER_DONE_S):
+            async for line in lines:
+                left -= len(line) + 1
+                if left < 0:
+                    return
+    except TimeoutError:
+        return
 
 
 class _Stream:
