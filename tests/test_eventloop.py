@@ -147,7 +147,7 @@ def test_only_the_run_command_lingers_and_the_setting_is_checked() -> None:
     parser = build_parser()
     assert parser.parse_args(["run"]).linger is True
     assert getattr(parser.parse_args(["status"]), "linger", False) is False
-    assert Settings().loop_linger_us == 200
+    assert Settings().loop_linger_us == 500
     assert Settings(loop_linger_us=0).loop_linger_us == 0
     with pytest.raises(ValidationError):
         Settings(loop_linger_us=-1)

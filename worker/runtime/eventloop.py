@@ -12,7 +12,7 @@ same connection, another connection's) is handled in the same pass. It never lin
 the loop has work waiting (``select`` called with a zero timeout: the process is busy,
 its passes already batch) nor after a wake-up that found several sockets ready. The
 price is latency when idle: about ``linger_s`` per wake-up, never past a timer's due
-time (``AGENT_LOOP_LINGER_US``, 200 µs by default; 0 turns it off), against turns that
+time (``AGENT_LOOP_LINGER_US``, 500 µs by default; 0 turns it off), against turns that
 take a model call's time.
 """
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-DEFAULT_LINGER_US = 200
+DEFAULT_LINGER_US = 500
 
 
 class LingeringSelector(selectors.DefaultSelector):
