@@ -52,7 +52,9 @@ class Registry:
         cursor = 0
         if steps is not None:
             kept = strict_text(await self.bus.raw.get(self.keys.discovery))
-            cursor = int(kept) if kept and kept.isdigit() and len(kept) <= 20 else 0
+            cursor = (
+                int(kept) if kept and kept.isascii() and kept.isdigit() and len(kept) <= 20 else 0
+            )
             if cursor >= 2**64:  # not a cursor Redis gave: start over
                 cursor = 0
         done = 0

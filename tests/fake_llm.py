@@ -11,7 +11,8 @@ answers HTTP 500 to the first ``flaky_failures`` requests with that text, then n
 JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``nostream``
 answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
 pieces of a streamed answer; ``stalldone`` holds the body's end after ``[DONE]`` until
-``release()``; ``chatterdone`` sends 100 KiB of comment lines after ``[DONE]``.
+``release()``; ``chatterdone`` sends 100 KiB of comment lines after ``[DONE]``; ``cutdone``
+drops the connection right after ``[DONE]`` (the body never ends).
 ``connections`` counts the TCP connections accepted.
 """
 
@@ -245,6 +246,10 @@ class _Handler(BaseHTTPRequestHandler):
         if "stalldone" in text:
             self.wfile.flush()
             self.server.fake._release.wait(30)
+        if "cutdone" in text:
+            self.wfile.flush()
+            self.close_connection = True
+            return
         if "chatterdone" in text:
             for _ in range(100):
                 self._chunk(b": keep-alive " + b"x" * 1010 + b"\n")

@@ -393,7 +393,7 @@ async def test_channel_discovery_scans_a_bounded_number_of_keys_per_call(
     assert calls[-1][-1][1] == 0
     assert int(await redis.get(bus.keys.discovery)) == calls[0][0][1]  # the pass left alone
     assert kept is not None
-    for junk in ("x", "-5", "9" * 40, str(2**64)):  # what an operator's mistake leaves there
+    for junk in ("x", "-5", "²", "9" * 40, str(2**64)):  # what an operator's mistake leaves there
         await redis.set(bus.keys.discovery, junk)
         calls.append([])
         await workers[0].discover_channels(steps=1)

@@ -217,8 +217,9 @@ async def test_a_server_that_stalls_or_talks_after_done_costs_its_connection_onl
 
     monkeypatch.setattr(module, "AFTER_DONE_S", 0.05)
     provider = _provider(fake_llm)
-    # the body never ends after [DONE]: the answer is complete, the call returns
-    content, _ = await _streamed(provider, "stalldone")
+    # the body never ends after [DONE]: the answer is complete, the call returns while
+    # the server still holds it (it holds for 30 s; wait_for only catches a hang)
+    content, _ = await asyncio.wait_for(_streamed(provider, "stalldone"), 10)
     assert content == "re: stalldone"
     fake_llm.release()
     # 100 KiB after [DONE]: read up to the bound, then the connection is dropped
@@ -227,3 +228,8 @@ async def test_a_server_that_stalls_or_talks_after_done_costs_its_connection_onl
     before = fake_llm.connections
     assert (await _streamed(provider, "after"))[0] == "re: after"
     assert fake_llm.connections == before + 1  # the talkative one's connection was not kept
+    # the connection breaks after [DONE]: the answer stands (no error, no second call)
+    calls = len(fake_llm.requests)
+    content, pieces = await _streamed(provider, "cutdone")
+    assert content == "".join(pieces) == "re: cutdone"
+    assert len(fake_llm.requests) == calls + 1

@@ -197,8 +197,9 @@ class OpenAIProvider:
 
 async def _read_to_end(lines: AsyncIterator[str]) -> None:
     """Read what follows ``[DONE]`` (the body's end, normally nothing), so that the
-    connection is kept; at most ``AFTER_DONE_BYTES`` and ``AFTER_DONE_S``, then the
-    connection is dropped instead (the answer is complete either way)."""
+    connection is kept; at most ``AFTER_DONE_BYTES`` (in lines) and ``AFTER_DONE_S``,
+    then the connection is dropped instead. The answer is complete either way: a
+    connection that breaks here costs only itself."""
     left = AFTER_DONE_BYTES
     try:
         async with asyncio.timeout(AFTER_DONE_S):
@@ -206,7 +207,7 @@ async def _read_to_end(lines: AsyncIterator[str]) -> None:
                 left -= len(line) + 1
                 if left < 0:
                     return
-    except TimeoutError:
+    except (TimeoutError, httpx.HTTPError):
         return
 
 
