@@ -7,6 +7,7 @@ channel (see ``bus_redis.acl``): no Lua, no consumer groups, nothing of another 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -20,6 +21,7 @@ from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
 from bus_redis.errors import SessionBusyError
 from bus_redis.keys import Keys, channel_of
+from bus_redis.mux import Multiplexed
 from bus_redis.pulse import PulseWatch
 from bus_redis.schema import (
     ControlMessage,
@@ -45,10 +47,30 @@ class FrontendClient:
         # this frontend's default double-texting mode for messages that name none
         # (``interrupt`` and ``reject`` are carried out here, when publishing)
         self.followup = followup
+        self._mux: Multiplexed | None = None
+        self._mux_tried = False
+
+    async def aclose(self) -> None:
+        """Close the connection :meth:`send` publishes over (not ``redis``, the caller's)."""
+        if self._mux is not None:
+            await self._mux.aclose()
 
     async def _publish(self, session_key: str, entry: dict[str, str]) -> str:
         """MULTI: XADD the session stream, ZADD NX its channel's queued index (the sweep's
-        safety net), XADD its channel's ready queue. Returns the entry id."""
+        safety net), XADD its channel's ready queue. Returns the entry id. Over a
+        multiplexed connection of this client's when ``redis`` allows one (bus_redis.mux:
+        one write, no pool checkout), else redis-py's pipeline."""
+        if not self._mux_tried:
+            self._mux, self._mux_tried = Multiplexed.for_client(self.redis), True
+        if self._mux is not None:
+            channel = channel_of(session_key)
+            ready = self.keys.ready(channel)
+            entry_id, _, _ = await self._mux.transaction(
+                ("XADD", self.keys.inbound(session_key), "*", *itertools.chain(*entry.items())),
+                ("ZADD", self.keys.queued(channel), "NX", 0, session_key),
+                ("XADD", ready, "MAXLEN", "~", READY_MAXLEN, "*", "session", session_key),
+            )
+            return text(entry_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.inbound(session_key), entry)  # type: ignore[arg-type]
             self._notify(pipe, session_key)

@@ -17,12 +17,24 @@ from redis.exceptions import ConnectionError, DataError, InvalidResponse
 _MORE = object()  # hiredis: no complete reply buffered yet
 
 
+class _Unit:
+    """Several replies that answer one caller (a MULTI ... EXEC block sent as one)."""
+
+    __slots__ = ("fut", "left", "replies")
+
+    def __init__(self, fut: asyncio.Future[Any], n: int) -> None:
+        self.fut, self.left = fut, n
+        self.replies: list[Any] = []
+
+
 class _Link(asyncio.Protocol):
     """One TCP (or Unix) connection: writes batched per loop iteration, replies in order.
 
     A command waits in ``unsent`` until the iteration's flush; one whose caller was
     cancelled by then is never sent (as with redis-py, which sends nothing for it). Sent
-    commands wait in ``waiting``, in the order Redis will answer them."""
+    commands wait in ``waiting``, in the order Redis will answer them. A caller may send
+    several commands as one unit (``call(packed, replies=n)``): they leave together or not
+    at all, and its future gets the list of their n replies."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -30,8 +42,8 @@ class _Link(asyncio.Protocol):
         self.reader = hiredis.Reader(
             protocolError=InvalidResponse, replyError=BaseParser.parse_error, notEnoughData=_MORE
         )
-        self.unsent: list[tuple[asyncio.Future[Any], bytes]] = []
-        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.unsent: list[tuple[asyncio.Future[Any] | _Unit, bytes]] = []
+        self.waiting: collections.deque[asyncio.Future[Any] | _Unit] = collections.deque()
         self.lost: ConnectionError | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------------
@@ -51,7 +63,18 @@ class _Link(asyncio.Protocol):
             if not self.waiting:
                 self.close(ConnectionError("a reply nobody asked for"))
                 return
-            fut = self.waiting.popleft()
+            head = self.waiting[0]
+            if isinstance(head, _Unit):  # one of several replies to one caller
+                head.replies.append(reply)
+                head.left -= 1
+                if head.left:
+                    continue
+                self.waiting.popleft()
+                if not head.fut.done():
+                    head.fut.set_result(head.replies)
+                continue
+            fut = head
+            self.waiting.popleft()
             if fut.done():  # its caller was cancelled: the reply is dropped, the rest in step
                 continue
             if isinstance(reply, Exception):  # an error reply (a nested one is a value)
@@ -67,13 +90,13 @@ class _Link(asyncio.Protocol):
     def usable(self) -> bool:
         return self.lost is None and self.transport is not None
 
-    def call(self, packed: bytes) -> asyncio.Future[Any]:
+    def call(self, packed: bytes, replies: int = 1) -> asyncio.Future[Any]:
         if self.lost is not None:
             raise ConnectionError(*self.lost.args)
         fut = self.loop.create_future()
         if not self.unsent:
             self.loop.call_soon(self._flush)
-        self.unsent.append((fut, packed))
+        self.unsent.append((fut if replies == 1 else _Unit(fut, replies), packed))
         return fut
 
     def _flush(self) -> None:
@@ -81,9 +104,9 @@ class _Link(asyncio.Protocol):
         if self.lost is not None or self.transport is None:
             return
         chunks = []
-        for fut, packed in batch:
-            if not fut.done():  # cancelled before it left: not sent at all
-                self.waiting.append(fut)
+        for item, packed in batch:
+            if not (item.fut if isinstance(item, _Unit) else item).done():
+                self.waiting.append(item)  # (cancelled before it left: not sent at all)
                 chunks.append(packed)
         if chunks:
             self.transport.write(b"".join(chunks) if len(chunks) > 1 else chunks[0])
@@ -103,10 +126,11 @@ class _Link(asyncio.Protocol):
     def _fail(self, exc: ConnectionError) -> None:
         if self.lost is None:
             self.lost = exc
-        failed = [fut for fut, _ in self.unsent] + list(self.waiting)
+        failed = [item for item, _ in self.unsent] + list(self.waiting)
         self.unsent.clear()
         self.waiting.clear()
-        for fut in failed:
+        for item in failed:
+            fut = item.fut if isinstance(item, _Unit) else item
             if not fut.done():
                 fut.set_exception(ConnectionError(*exc.args))  # one instance per caller
 

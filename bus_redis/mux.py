@@ -119,6 +119,39 @@ class Multiplexed:
 
         return await self.retry.call_with_retry(once, failed)
 
+    async def transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """``MULTI``, the commands, ``EXEC``, sent as one unit (never split, never
+        interleaved with another caller's commands); returns ``EXEC``'s replies. Raises as
+        redis-py's ``pipeline(transaction=True).execute()`` does: a command refused when
+        queued, an aborted ``EXEC``, or the first error among the replies."""
+        packed = b"".join(_pack(c) for c in (("MULTI",), *commands, ("EXEC",)))
+        n = len(commands) + 2
+
+        async def once() -> Any:
+            link = await self._connected()
+            self.commands += n
+            return await link.call(packed, replies=n)
+
+        async def failed(_: Exception) -> None:
+            return None
+
+        link = self._link
+        if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
+            self.commands += n
+            replies = await link.call(packed, replies=n)
+        else:
+            replies = await self.retry.call_with_retry(once, failed)
+        for reply in replies[1:-1]:  # QUEUED, or why the command was refused
+            if isinstance(reply, Exception):
+                raise reply
+        done = replies[-1]
+        if isinstance(done, Exception):
+            raise done
+        for reply in done:
+            if isinstance(reply, Exception):
+                raise reply
+        return list(done)
+
     async def aclose(self) -> None:
         """Close the connection (and one being opened); a later call connects again."""
         self._epoch += 1

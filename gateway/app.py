@@ -138,6 +138,7 @@ class Gateway:
         await self.hub.stop()
         for reader in self.readers:
             await reader.aclose()
+        await self.client.aclose()
         await self.redis.aclose()
 
 

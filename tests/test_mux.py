@@ -319,3 +319,87 @@ async def test_notifications_are_read_on_a_connection_of_their_own(
     pending = await real_redis.xpending_range(ready, "workers", "-", "+", 10, consumername="w1")
     assert [text(p["message_id"]) for p in pending] == [notes[0].entry_id]
     await bus.aclose()
+
+
+async def test_a_transaction_is_one_unit_among_concurrent_callers(
+    real_redis: aioredis.Redis,
+) -> None:
+    """MULTI ... EXEC leaves as one unit: other callers' commands, issued in the same
+    iterations, never land inside it, and every caller gets its own replies."""
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+
+        async def block(i: int) -> list[object]:
+            return await mux.transaction(("SET", f"t{i}", i), ("INCR", f"t{i}"), ("GET", f"t{i}"))
+
+        got = await asyncio.gather(
+            *(block(i) for i in range(200)),
+            *(mux.execute("EVAL", ECHO, 0, f"caller-{i}") for i in range(200)),
+        )
+        assert got[:200] == [[b"OK", i + 1, str(i + 1).encode()] for i in range(200)]
+        assert [text(r) for r in got[200:]] == [f"caller-{i}" for i in range(200)]
+    finally:
+        await mux.aclose()
+
+
+async def test_a_failed_transaction_raises_as_redis_py_and_keeps_step(
+    real_redis: aioredis.Redis,
+) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        await real_redis.set("plain", "x")
+        with pytest.raises(ResponseError, match="WRONGTYPE"):  # a runtime error: the rest ran
+            await mux.transaction(("SET", "before", 1), ("XADD", "plain", "*", "f", "v"))
+        assert await real_redis.get("before") == "1"
+        with pytest.raises(ResponseError, match="wrong number of arguments"):  # refused: none ran
+            await mux.transaction(("SET", "refused", 1), ("GET",))
+        assert await real_redis.get("refused") is None
+        with pytest.raises(ResponseError, match="EXEC without MULTI"):
+            await mux.execute("EXEC")  # no MULTI was left open on the connection
+    finally:
+        await mux.aclose()
+
+
+async def test_a_transaction_cancelled_before_it_left_sends_nothing(
+    real_redis: aioredis.Redis,
+) -> None:
+    mux = Multiplexed.for_client(real_redis)
+    assert mux is not None
+    try:
+        await mux.execute("PING")
+        block = asyncio.create_task(mux.transaction(("INCR", "unit"), ("INCR", "unit")))
+        await asyncio.sleep(0)  # queued for this iteration's write
+        block.cancel()
+        assert await mux.execute("GET", "unit") is None  # not half a block: none of it
+        assert await mux.execute("INCR", "after") == 1  # and not inside an open MULTI
+    finally:
+        await mux.aclose()
+
+
+async def test_the_frontend_publishes_over_its_own_multiplexed_connection(
+    real_redis: aioredis.Redis,
+) -> None:
+    from bus_redis import FrontendClient, InboundMessage, Keys
+
+    client = FrontendClient(real_redis)
+    try:
+        ids = await asyncio.gather(
+            *(
+                client.send(
+                    InboundMessage(channel="web", sender_id="u", chat_id=f"m{i}", content="x")
+                )
+                for i in range(50)
+            )
+        )
+        assert client._mux is not None
+        assert client._mux.commands == 50 * 5  # MULTI, three commands, EXEC each
+        keys = Keys()
+        for i, entry_id in enumerate(ids):
+            stored = await real_redis.xrange(keys.inbound(f"web:m{i}"))
+            assert [e for e, _ in stored] == [entry_id]
+        assert await real_redis.zcard(keys.queued("web")) == 50
+        assert await real_redis.xlen(keys.ready("web")) == 50
+    finally:
+        await client.aclose()
