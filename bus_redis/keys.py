@@ -112,8 +112,7 @@ class Keys:
 
     @property
     def discovery(self) -> str:
-        """String: where channel discovery's SCAN goes on (a cursor), shared by the workers
-        that take turns sweeping, so a pass takes the same periods however many there are."""
+        """String: channel discovery's SCAN cursor, shared by whoever sweeps."""
         return f"{self.prefix}:discovery"
 
     @property

@@ -103,21 +103,7 @@ class Multiplexed:
 
     async def execute(self, *args: Any) -> Any:
         """Send one command, return its reply undecoded; retried as the client would."""
-        packed = _pack(args)
-        link = self._link
-        if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
-            self.commands += 1  # the common case: connected, nothing to retry
-            return await link.call(packed)
-
-        async def once() -> Any:
-            link = await self._connected()
-            self.commands += 1
-            return await link.call(packed)
-
-        async def failed(_: Exception) -> None:
-            return None  # the lost link is replaced by the next attempt
-
-        return await self.retry.call_with_retry(once, failed)
+        return await self._send(_pack(args), 1)
 
     async def transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
         """``MULTI``, the commands, ``EXEC``, sent as one unit (never split, never
@@ -125,22 +111,7 @@ class Multiplexed:
         redis-py's ``pipeline(transaction=True).execute()`` does: a command refused when
         queued, an aborted ``EXEC``, or the first error among the replies."""
         packed = b"".join(_pack(c) for c in (("MULTI",), *commands, ("EXEC",)))
-        n = len(commands) + 2
-
-        async def once() -> Any:
-            link = await self._connected()
-            self.commands += n
-            return await link.call(packed, replies=n)
-
-        async def failed(_: Exception) -> None:
-            return None
-
-        link = self._link
-        if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
-            self.commands += n
-            replies = await link.call(packed, replies=n)
-        else:
-            replies = await self.retry.call_with_retry(once, failed)
+        replies = await self._send(packed, len(commands) + 2)
         for reply in replies[1:-1]:  # QUEUED, or why the command was refused
             if isinstance(reply, Exception):
                 raise reply
@@ -151,6 +122,24 @@ class Multiplexed:
             if isinstance(reply, Exception):
                 raise reply
         return list(done)
+
+    async def _send(self, packed: bytes, replies: int) -> Any:
+        """``packed`` (``replies`` commands, one unit) on the connection; its reply, or
+        the list of its replies."""
+        link = self._link
+        if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
+            self.commands += replies  # the common case: connected, nothing to retry
+            return await link.call(packed, replies)
+
+        async def once() -> Any:
+            link = await self._connected()
+            self.commands += replies
+            return await link.call(packed, replies)
+
+        async def failed(_: Exception) -> None:
+            return None  # the lost link is replaced by the next attempt
+
+        return await self.retry.call_with_retry(once, failed)
 
     async def aclose(self) -> None:
         """Close the connection (and one being opened); a later call connects again."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator
 
 import fakeredis
 import pytest
@@ -321,61 +322,54 @@ async def test_notifications_are_read_on_a_connection_of_their_own(
     await bus.aclose()
 
 
+@pytest.fixture
+async def mux(real_redis: aioredis.Redis) -> AsyncIterator[Multiplexed]:
+    made = Multiplexed.for_client(real_redis)
+    assert made is not None
+    yield made
+    await made.aclose()
+
+
 async def test_a_transaction_is_one_unit_among_concurrent_callers(
-    real_redis: aioredis.Redis,
+    real_redis: aioredis.Redis, mux: Multiplexed
 ) -> None:
     """MULTI ... EXEC leaves as one unit: other callers' commands, issued in the same
     iterations, never land inside it, and every caller gets its own replies."""
-    mux = Multiplexed.for_client(real_redis)
-    assert mux is not None
-    try:
 
-        async def block(i: int) -> list[object]:
-            return await mux.transaction(("SET", f"t{i}", i), ("INCR", f"t{i}"), ("GET", f"t{i}"))
+    async def block(i: int) -> list[object]:
+        return await mux.transaction(("SET", f"t{i}", i), ("INCR", f"t{i}"), ("GET", f"t{i}"))
 
-        got = await asyncio.gather(
-            *(block(i) for i in range(200)),
-            *(mux.execute("EVAL", ECHO, 0, f"caller-{i}") for i in range(200)),
-        )
-        assert got[:200] == [[b"OK", i + 1, str(i + 1).encode()] for i in range(200)]
-        assert [text(r) for r in got[200:]] == [f"caller-{i}" for i in range(200)]
-    finally:
-        await mux.aclose()
+    got = await asyncio.gather(
+        *(block(i) for i in range(200)),
+        *(mux.execute("EVAL", ECHO, 0, f"caller-{i}") for i in range(200)),
+    )
+    assert got[:200] == [[b"OK", i + 1, str(i + 1).encode()] for i in range(200)]
+    assert [text(r) for r in got[200:]] == [f"caller-{i}" for i in range(200)]
 
 
 async def test_a_failed_transaction_raises_as_redis_py_and_keeps_step(
-    real_redis: aioredis.Redis,
+    real_redis: aioredis.Redis, mux: Multiplexed
 ) -> None:
-    mux = Multiplexed.for_client(real_redis)
-    assert mux is not None
-    try:
-        await real_redis.set("plain", "x")
-        with pytest.raises(ResponseError, match="WRONGTYPE"):  # a runtime error: the rest ran
-            await mux.transaction(("SET", "before", 1), ("XADD", "plain", "*", "f", "v"))
-        assert await real_redis.get("before") == "1"
-        with pytest.raises(ResponseError, match="wrong number of arguments"):  # refused: none ran
-            await mux.transaction(("SET", "refused", 1), ("GET",))
-        assert await real_redis.get("refused") is None
-        with pytest.raises(ResponseError, match="EXEC without MULTI"):
-            await mux.execute("EXEC")  # no MULTI was left open on the connection
-    finally:
-        await mux.aclose()
+    await real_redis.set("plain", "x")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):  # a runtime error: the rest ran
+        await mux.transaction(("SET", "before", 1), ("XADD", "plain", "*", "f", "v"))
+    assert await real_redis.get("before") == "1"
+    with pytest.raises(ResponseError, match="wrong number of arguments"):  # refused: none ran
+        await mux.transaction(("SET", "refused", 1), ("GET",))
+    assert await real_redis.get("refused") is None
+    with pytest.raises(ResponseError, match="EXEC without MULTI"):
+        await mux.execute("EXEC")  # no MULTI was left open on the connection
 
 
 async def test_a_transaction_cancelled_before_it_left_sends_nothing(
-    real_redis: aioredis.Redis,
+    real_redis: aioredis.Redis, mux: Multiplexed
 ) -> None:
-    mux = Multiplexed.for_client(real_redis)
-    assert mux is not None
-    try:
-        await mux.execute("PING")
-        block = asyncio.create_task(mux.transaction(("INCR", "unit"), ("INCR", "unit")))
-        await asyncio.sleep(0)  # queued for this iteration's write
-        block.cancel()
-        assert await mux.execute("GET", "unit") is None  # not half a block: none of it
-        assert await mux.execute("INCR", "after") == 1  # and not inside an open MULTI
-    finally:
-        await mux.aclose()
+    await mux.execute("PING")
+    block = asyncio.create_task(mux.transaction(("INCR", "unit"), ("INCR", "unit")))
+    await asyncio.sleep(0)  # queued for this iteration's write
+    block.cancel()
+    assert await mux.execute("GET", "unit") is None  # not half a block: none of it
+    assert await mux.execute("INCR", "after") == 1  # and not inside an open MULTI
 
 
 async def test_the_frontend_publishes_over_its_own_multiplexed_connection(
