@@ -136,3 +136,34 @@ def test_docs_show_exactly_the_generated_lines() -> None:
     pw = "CHANGE-ME-PLEASE"
     for line in [*frontend_acl("web", pw), *gateway_acl("web", pw), *worker_acl(pw)]:
         assert line in doc, line
+
+
+async def test_a_frontend_publishing_into_another_channel_writes_nothing_and_keeps_its_connection(
+    real_redis: aioredis.Redis, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """FrontendClient publishes over a pipelined connection of its own (MULTI ... EXEC as
+    one unit): a block the ACL refuses raises NOPERM, runs none of its writes (the
+    transaction aborts) and leaves that connection usable for the next, allowed block."""
+    web = await _user(
+        real_redis, redis_server.url, frontend_acl("web", "s3cret-pw"), "frontend-web"
+    )
+    client = FrontendClient(web)
+    k = Keys()
+    try:
+        hostile = InboundMessage(channel="telegram", sender_id="u", chat_id="alice", content="x")
+        for _ in range(3):
+            with pytest.raises(NoPermissionError):
+                await client.send(hostile)
+        assert client._mux is not None  # the pipelined path was the one refused
+        assert not await real_redis.exists(
+            k.inbound("telegram:alice"), k.ready("telegram"), k.queued("telegram")
+        )
+        mine = await client.send(
+            InboundMessage(channel="web", sender_id="u", chat_id="1", content="y")
+        )
+        assert [e for e, _ in await real_redis.xrange(k.inbound("web:1"))] == [mine]
+        assert await real_redis.xlen(k.ready("web")) == 1
+    finally:
+        await client.aclose()
+        await web.aclose()
+        await real_redis.execute_command("ACL", "DELUSER", "frontend-web")
