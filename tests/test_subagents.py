@@ -155,6 +155,8 @@ async def test_spawn_across_two_workers_listed_by_status_and_aborted_by_stop(
     session aborts its subagent wherever it runs; the other's result arrives in its own
     session once released."""
     spawn_workers(2, env={"AGENT_FOLLOWUP_MODE": "queue"})
+    held: list[str] = []  # the subagents' model calls the fake server holds
+    fake_llm.on_block = held.append
     client = FrontendClient(real_redis)
     for chat in ("keep", "stop"):
         args = '{"task": "bl\\u006fck ' + chat + '", "label": "' + chat + '"}'
@@ -170,6 +172,12 @@ async def test_spawn_across_two_workers_listed_by_status_and_aborted_by_stop(
     listed = await running()
     assert {s["session"] for s in listed} == {"web:keep", "web:stop"}
     assert {s["worker"] for s in listed} <= {"w0", "w1"}
+    # listed as running as soon as registered: stop once both model calls are held, so
+    # that the stop cuts a call in flight (not one about to be sent)
+    await until(
+        lambda: {c for c in ("keep", "stop") if any(c in t for t in held)} == {"keep", "stop"},
+        timeout_s=30,
+    )
     await client.stop("web:stop")
     await until(lambda: fake_llm.hangups >= 1, timeout_s=10)  # its model call was cut
     await until(lambda: _unregistered(real_redis, "web:stop"), timeout_s=10)
