@@ -58,6 +58,12 @@ class Lost:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Late:
+    """A commit refused, nothing written: a message arrived after the turn's last read
+    of its stream (``CommitSpec.late_after``) and may join the turn."""
+
+
 Step = Entry | ControlReached | More | Again | Released | Lost
 
 
@@ -134,6 +140,9 @@ class CommitSpec:
     message_id: str = ""  # the answered message's id (the turn's log line)
     tokens: tuple[int, int] = (0, 0)  # in, out, as the provider reported them (log line)
     journaled: bool = False  # the turn kept a tool journal: the commit drops it
+    # an entry id: a payload entry after it in the member's stream refuses the commit
+    # (``Late``): the turn reads its stream once more and may go on
+    late_after: str = ""
 
 
 def parse_step(raw: list[Any]) -> Step | None:

@@ -30,6 +30,7 @@ from bus_redis.results import (
     Cached,
     CommitSpec,
     Forward,
+    Late,
     Lost,
     More,
     Notification,
@@ -195,9 +196,10 @@ class RedisBus(ReadyQueues):
         spec: CommitSpec,
         *,
         select: Iterable[str] | None,
-    ) -> tuple[int, str, Step | None]:
+    ) -> tuple[int, str, Step | Late | None]:
         """Fenced commit; with ``select`` members, also picks the next entry or releases.
-        Returns ``(version, generation, step)``; version -1 when the lease was lost."""
+        Returns ``(version, generation, step)``; version -1 when nothing was written: the
+        lease was lost (``Lost``) or a message arrived after ``spec.late_after`` (``Late``)."""
         k, r = self.keys, self.retention
         skeys, sargs = self._streams(select or [])
         m = spec.member
@@ -210,12 +212,14 @@ class RedisBus(ReadyQueues):
         args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, r.maxlen, ttl, spec.meta]
         args += [key, spec.owner_op, worker_id, spec.owner_member, self.owner_ttl_ms, spec.dead]
         mode = ("1" if select is not None else "0") + ("j" if spec.journaled else "")
-        args += [mode, secrets.token_hex(8)]
+        args += [mode, secrets.token_hex(8), spec.late_after]
         args += [len(spec.rows), *spec.rows, *sargs]
         raw = await self.scripts.call("commit", keys + skeys, args)
         parts = texts(raw[:3])
         if parts[0] == "lost":
             return -1, "", Lost()
+        if parts[0] == "late":
+            return -1, "", Late()
         return int(parts[1]), parts[2], parse_step(raw[3:])
 
     async def emit(

@@ -160,6 +160,24 @@ class Session:
         if row.get("message_id"):
             self._seen_ids.add(row["message_id"])
 
+    def mark(self) -> tuple[int, list[tuple[str, str]], str]:
+        """Where the unpersisted tail stands now (for :meth:`rollback`)."""
+        return len(self.messages), list(self._pending), self.updated_at
+
+    def rollback(self, mark: tuple[int, list[tuple[str, str]], str]) -> None:
+        """Forget the rows appended since ``mark`` (none of them persisted): a commit that
+        was refused leaves the session as it was before the turn's rows were added."""
+        n, pending, updated_at = mark
+        if n < self.persisted_count:
+            raise ValueError("rows already persisted cannot be rolled back")
+        for row in self.messages[n:]:
+            if row.get("message_id"):
+                self._seen_ids.discard(row["message_id"])
+        del self.messages[n:]
+        del self._replay[n:]
+        del self._prefix[n + 1 :]
+        self._pending, self.updated_at = pending, updated_at
+
     def unpersisted(self) -> list[dict[str, Any]]:
         return self.messages[self.persisted_count :]
 

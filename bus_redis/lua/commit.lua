@@ -16,14 +16,21 @@
 -- ARGV[13] '1' to select the next entry / release, '0' to stop after the commit; a 'j'
 --          after it: the turn kept a tool journal, dropped now that it is answered
 -- ARGV[14] generation for a session hash this commit creates
--- ARGV[15] n = number of rows  ARGV[16..15+n] rows (JSON)  ARGV[16+n..] stream session keys
--- returns {'lost'} | {'ok', version, generation, <next_or_release result...>}
+-- ARGV[15] an entry id ('' none): a payload entry after it in S refuses the commit, nothing
+--          written (a message arrived that may join the turn, which then goes on: the
+--          turn's last read of its stream, done here instead of in a round trip of its own)
+-- ARGV[16] n = number of rows  ARGV[17..16+n] rows (JSON)  ARGV[17+n..] stream session keys
+-- returns {'lost'} | {'late'} | {'ok', version, generation, <next_or_release result...>}
 -- Idempotent: when the first entry is already gone (a client retry of a commit that
 -- did run), nothing is written again.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
-local n = tonumber(ARGV[15])
+local n = tonumber(ARGV[16])
 local first = string.match(ARGV[2], '%S+')
 local applied = first and #safe({}, 'XRANGE', KEYS[3], first, first) == 0
+if not applied and ARGV[15] ~= '' then
+  local later = entry_after(KEYS[3], ARGV[15])
+  if later and field(later[2], 'payload') then return {'late'} end
+end
 local s = redis.call('HMGET', KEYS[2], 'version', 'gen', 'count')
 local version, gen = tonumber(s[1] or '0'), s[2] or ''
 
@@ -39,7 +46,7 @@ if not applied then
     end
     for i = 1, n do  -- the rows and the head in one HSET (in chunks: unpack's stack)
       fields[#fields + 1] = 'm:' .. (count + i - 1)
-      fields[#fields + 1] = ARGV[15 + i]
+      fields[#fields + 1] = ARGV[16 + i]
       if #fields >= 1000 then
         redis.call('HSET', KEYS[2], unpack(fields))
         fields = {}
@@ -81,6 +88,6 @@ if string.sub(ARGV[13], 2, 2) == 'j' then redis.call('DEL', KEYS[13]) end
 
 local head = {'ok', version, gen}
 if string.sub(ARGV[13], 1, 1) ~= '1' then return head end
-local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(15, 16 + n), ARGV[7], ARGV[4])
+local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(15, 17 + n), ARGV[7], ARGV[4])
 for _, v in ipairs(nxt) do head[#head + 1] = v end
 return head

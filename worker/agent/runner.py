@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,7 +21,6 @@ from worker.runtime.faults import crash_point, stall_point
 MAX_ITERATIONS_TEXT = "I stopped after reaching the tool-iteration limit for this turn."
 MAX_INJECTION_CYCLES = 5
 FINAL_DRAIN_MAX = 32  # rows joined at the last model boundary (the rest get their own turn)
-FollowUps = Callable[[], Awaitable[list[dict[str, Any]]]]  # user rows that arrived mid-turn
 UNKNOWN_EFFECT = (
     "Error: the worker running this call stopped before its result was recorded. It was "
     "not run again, so whether it took effect is unknown; tell the user."
@@ -33,6 +32,18 @@ class ToolJournal(Protocol):
     that a re-run after a crash replays them instead of running the tools again."""
 
     async def record(self, rows: list[dict[str, Any]]) -> None: ...
+
+
+class FollowUps(Protocol):
+    """Messages of the session that arrived while its turn runs (user rows)."""
+
+    async def __call__(self) -> list[dict[str, Any]]:
+        """Read what arrived (at most a few rows a call; [] when nothing joins)."""
+
+    def deferred(self) -> bool:
+        """At the last model boundary: whether whoever commits the answer checks what
+        arrived instead (``TurnState.go_on``), so that the stream is not read in a round
+        trip of its own when nothing did."""
 
 
 @dataclass(slots=True)
@@ -47,6 +58,23 @@ class TurnState:
     replayed: list[dict[str, Any]] = field(default_factory=list)  # the lost attempt's journal
     unknown: list[str] = field(default_factory=list)  # tools whose effect a crash left unknown
     calls: int = 0  # tool calls executed (or replayed) so far: a call's ordinal
+    # set when the turn ended at its last model boundary with ``final`` and left what
+    # arrived meanwhile to whoever commits it (``FollowUps.deferred``): awaiting it reads
+    # the stream and goes on with what joins (the answer so far kept as a row)
+    go_on: Callable[[], Coroutine[Any, Any, str]] | None = None
+
+
+@dataclass(slots=True)
+class _Rounds:
+    """Where a turn's loop stands (so that it can go on after it returned)."""
+
+    messages: list[dict[str, Any]]
+    offered: list[dict[str, Any]]
+    ctx: ToolContext
+    followups: FollowUps | None
+    on_delta: DeltaCallback | None
+    injections: int = 0
+    done: int = 0  # model calls made
 
 
 def message_key(msg: InboundMessage, reply_to: str, *, folded: bool) -> str:
@@ -174,7 +202,6 @@ class TurnRunner:
         that arrived meanwhile (``followups``) are injected as user rows. ``retry``: the
         session already ends with ``first_row`` (its turn failed at the provider), so it is
         answered without being added again."""
-        injections = 0
         if not retry:
             state.rows.append(first_row)
         off = self.tools.unavailable(session)
@@ -182,10 +209,15 @@ class TurnRunner:
         offered = self.tools.definitions(off)
         if state.replayed:
             await self._resume(state, messages, ctx)
-        for _ in range(self.max_iterations):
+        return await self._rounds(state, _Rounds(messages, offered, ctx, followups, on_delta))
+
+    async def _rounds(self, state: TurnState, at: _Rounds) -> str:
+        messages, followups = at.messages, at.followups
+        while at.done < self.max_iterations:
+            at.done += 1
             stall_point("before_model")
             response = await self.provider.chat_with_retry(
-                messages=messages, tools=offered or None, model=self.model, on_delta=on_delta
+                messages=messages, tools=at.offered or None, model=self.model, on_delta=at.on_delta
             )
             usage = response.usage or {}
             state.tokens_in += int(usage.get("prompt_tokens") or 0)
@@ -193,35 +225,52 @@ class TurnRunner:
             if not response.tool_calls:
                 # the last model boundary: messages that arrived meanwhile join before the
                 # answer is final (the whole pending prefix, in order, a row each); the
-                # model answers again with them in view
-                late = []
-                if followups is not None and injections < MAX_INJECTION_CYCLES:
-                    injections += 1
-                    late = await _drain(followups)
-                if not late:
-                    return self._finish(state, response.content or "")
-                answer = {"role": "assistant", "content": response.content or ""}
-                messages.append(answer)
-                state.rows.append({**answer, "timestamp": now_iso()})
-                for row in late:
-                    messages.append({"role": "user", "content": row["content"]})
-                    state.rows.append(row)
+                # model answers again with them in view, the answer so far kept as a row
+                text = self._finish(state, response.content or "")
+                if followups is None or at.injections >= MAX_INJECTION_CYCLES:
+                    return text
+                at.injections += 1
+                if followups.deferred():
+                    state.go_on = lambda: self._go_on(state, at)
+                    return text
+                if not await self._join_late(state, at, text):
+                    return text
                 continue
             call_row = _call_row(response.content, response.tool_calls)
             messages.append({k: v for k, v in call_row.items() if k != "timestamp"})
             state.rows.append(call_row)
             await _record(state, [call_row])  # before any call runs
             for call in response.tool_calls:
-                result = await self._execute(state, call.name, call.arguments, ctx, call.id)
+                result = await self._execute(state, call.name, call.arguments, at.ctx, call.id)
                 crash_point("tool_ran")
                 await self._answer(state, messages, call.id, call.name, result)
                 crash_point("tool_recorded")
-            if followups is not None and injections < MAX_INJECTION_CYCLES:
-                injections += 1
+            if followups is not None and at.injections < MAX_INJECTION_CYCLES:
+                at.injections += 1
                 for row in await followups():
                     messages.append({"role": "user", "content": row["content"]})
                     state.rows.append(row)
         return self._finish(state, MAX_ITERATIONS_TEXT)
+
+    async def _join_late(self, state: TurnState, at: _Rounds, text: str) -> bool:
+        """Whether messages joined after the answer ``text`` (the model answers again)."""
+        assert at.followups is not None
+        late = await _drain(at.followups)
+        if not late:
+            return False
+        state.final = None
+        at.messages.append({"role": "assistant", "content": text})
+        for row in late:
+            at.messages.append({"role": "user", "content": row["content"]})
+            state.rows.append(row)
+        return True
+
+    async def _go_on(self, state: TurnState, at: _Rounds) -> str:
+        state.go_on = None
+        text = state.final or ""
+        if not await self._join_late(state, at, text):
+            return text
+        return await self._rounds(state, at)
 
     async def _execute(
         self,

@@ -28,6 +28,7 @@ from worker.runtime.outcomes import (
     legal_prefix,
     reply,
 )
+from worker.runtime.pending import Pending, Running
 
 log = logging.getLogger(__name__)
 KEEPS_WORK = ("stop", "interrupt")  # cancellations that keep the turn's complete exchanges
@@ -63,6 +64,9 @@ class Outcome:
     injected: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reply_to)
     tokens: tuple[int, int] = (0, 0)  # in, out (the turn's log line)
     journal: TurnJournal | None = None  # dropped once the turn is committed
+    # the turn ended at its last model boundary, what arrived left to the commit: commit
+    # with ``late_after``; when that is refused, ``go_on()`` gives the next outcome
+    pending: Pending | None = None
 
 
 class TurnExecution:
@@ -175,16 +179,30 @@ class TurnExecution:
         on_delta = None
         if self.rt.config.stream_deltas:
             on_delta = lambda text: self._emit(msg, reply_to, text, kind="delta")  # noqa: E731
+        if puller is not None and session.policy.persist:
+            puller.defer()  # a durable session's commit does the turn's last read
         turn = self.rt.runner.run(session, row, memory, ctx, state, puller, on_delta, retry=retry)
         task = asyncio.create_task(turn)
+        running = Running(task, msg, session, state, reply_to, ctx, puller, journal)
+        return await self.settle(running)
+
+    async def settle(self, turn: Running) -> Outcome:
+        """The outcome of the turn's task; ``pending`` when it left what arrived at its last
+        model boundary to the commit."""
+        task, state, puller = turn.task, turn.state, turn.puller
         reason = await self._await_turn(task)
-        outcome = await self._outcome(task, reason, msg, session, state, reply_to, ctx)
+        mark = turn.session.mark()  # before the outcome adds the turn's rows
+        outcome = await self._outcome(task, reason, turn.msg, turn.session, state,
+                                      turn.reply_to, turn.ctx)  # fmt: skip
+        answered = not task.cancelled() and task.exception() is None
+        if state.go_on is not None and puller is not None and answered:
+            outcome.pending = Pending(self, turn, mark, puller.after_id)
         outcome.tokens = (state.tokens_in, state.tokens_out)
-        outcome.journal = journal
+        outcome.journal = turn.journal
         if puller is not None and puller.injected:
-            outcome.injected = puller.injected
+            outcome.injected = list(puller.injected)
             if outcome.reply is not None:
-                outcome.reply.covers = [reply_to, *(r for _, r in puller.injected)]
+                outcome.reply.covers = [turn.reply_to, *(r for _, r in puller.injected)]
         return outcome
 
     def _puller(self, session: Session, entry_id: str) -> FollowUpPuller | None:
@@ -253,13 +271,24 @@ class TurnExecution:
             return Outcome(out, session)
         if exc is not None:
             raise exc
+        return self._answered(msg, session, state, reply_to, task.result())
+
+    def _answered(
+        self,
+        msg: InboundMessage,
+        session: Session,
+        state: TurnState,
+        reply_to: str,
+        answer: str | None,
+    ) -> Outcome:
+        key, member = self.key, self.member
         session.append_rows(state.rows)
         if not session.policy.persist:
             self.rt.sessions.trim_transient(key, self.rt.config.private_history_rows)
         if key == UNIFIED_SESSION_KEY:  # where the shared session last spoke, under the lease
             session.metadata["last_channel"] = f"{msg.channel}:{msg.chat_id}"
         meta = {**msg.metadata, "worker": self.rt.worker_id}
-        answer = task.result()
+        answer = answer or ""
         if state.unknown:  # the user is told which effects a crash left unknown
             meta["resumed"] = {"unknown_effects": sorted(set(state.unknown))}
             answer += RESUMED_NOTE.format(tools=", ".join(sorted(set(state.unknown))))

@@ -5,6 +5,12 @@ The first entry that cannot join (unreadable, a control marker, an ``open_transi
 a system message, a message of another scope, a message whose mode is not ``inject``:
 its own ``followup``, else ``AGENT_FOLLOWUP_MODE``) stops the pull; it and everything
 after it get their own turns.
+
+At the last model boundary of a durable session's turn, the stream is not read in a round
+trip of its own (``defer``): the turn ends there with its answer, and the commit refuses
+when a payload entry arrived after the last one read (``CommitSpec.late_after``). Only
+then is the stream read, and the turn goes on with what joins (``TurnState.go_on``), or
+ends as it was when nothing does.
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ class FollowUpPuller:
         self.default_mode = default_mode  # AGENT_FOLLOWUP_MODE; a message may name its own
         self.injected: list[tuple[str, str]] = []  # (entry id, reply_to), consumed by the turn
         self._closed = False
+        self._deferred = False  # the commit reads at the last model boundary
+
+    def defer(self) -> None:
+        """From now on, the last model boundary leaves the read to the commit."""
+        self._deferred = True
+
+    def deferred(self) -> bool:
+        return self._deferred and not self._closed and not self.stopping()
 
     async def __call__(self) -> list[dict[str, Any]]:
         if self._closed or self.stopping():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
@@ -30,6 +30,7 @@ from bus_redis.results import (
     CommitSpec,
     ControlReached,
     Entry,
+    Late,
     Lost,
     More,
     Released,
@@ -52,6 +53,7 @@ from worker.runtime.outcomes import (
     looks_private,
     rejection,
 )
+from worker.runtime.pending import Pending
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class SessionHolder:
         self.memory_scope = memory_scope  # the scope whose memory version acquire read
         self.first: Step | None = acquired.step
         self.members = members
+        self.pending: Pending | None = None  # the running turn waits for its commit's verdict
         self.lease = Lease(rt.bus, key, acquired.token, on_lost=self._lease_lost)
 
     def _lease_lost(self) -> None:
@@ -181,29 +184,50 @@ class SessionHolder:
         if self.rt.turns.stopping:  # shutting down: take no further entry, hand it over
             await self.rt.bus.release(self.key, self.token)
             return Released()
-        turns = self.rt.turns
-        turns.begin(self.key, entry.member, entry.entry_id)
-        if turns.take_recent(entry.member, self.key):  # a control raced the selection
-            running = {self.key: (entry.member, entry.entry_id)}
-            self.rt.spawn(self.rt.confirm(running))
-        try:
-            spec = await self.handle(entry)
-        except TurnAbortedError:
-            if not self.lease.lost:  # shutdown: give the lease up now, re-notify the rest
-                await self.rt.bus.release(self.key, self.token)
-            return Released()
-        finally:
-            self.rt.turns.end(self.key)
-        if spec is None:  # the turn failed: try the entry again (counts a delivery)
-            return await self._next()
-        crash_point("before_commit")
-        if self.rt.turns.stopping:  # shutting down: finish this entry, leave the rest
-            version, _ = await self.commit(spec, select=None)
-            if version >= 0:
-                self._done(entry, spec, started)
-            if not self.lease.lost:
-                await self.rt.bus.release(self.key, self.token)
-            return Released()
+        self.pending = None
+        spec = await self._running(entry, self.handle(entry))
+        while True:
+            if isinstance(spec, Released):
+                return spec
+            if spec is None:  # the turn failed: try the entry again (counts a delivery)
+                return await self._next()
+            crash_point("before_commit")
+            if self.rt.turns.stopping:  # shutting down: finish this entry, leave the rest
+                return await self._last_commit(entry, spec, started)
+            pending, self.pending = self.pending, None
+            spec.late_after = pending.late_after if pending is not None else ""
+            step, committed = await self._commit_entry(entry, spec)
+            if not committed and not isinstance(step, Late):  # tried again
+                return step or Released()
+            if not isinstance(step, Late):
+                break
+            # refused, nothing written: a message arrived that may join the turn, which
+            # reads its stream and goes on (or ends as it was): a new spec
+            assert pending is not None
+            fresh = CommitSpec(entry.member, [entry.entry_id], transient=spec.transient)
+            fresh.message_id = spec.message_id
+            spec = await self._running(entry, self._outcome_spec(entry, fresh, pending.go_on()))
+        crash_point("after_commit")
+        if not isinstance(step, Lost):
+            self._done(entry, spec, started)
+        return step or Released()
+
+    async def _last_commit(self, entry: Entry, spec: CommitSpec, started: float) -> Step:
+        """At shutdown: commit this entry (what arrived meanwhile gets its own turn
+        elsewhere) and release the lease."""
+        self.pending = None
+        version, _ = await self.commit(spec, select=None)
+        if version >= 0:
+            self._done(entry, spec, started)
+        if not self.lease.lost:
+            await self.rt.bus.release(self.key, self.token)
+        return Released()
+
+    async def _commit_entry(
+        self, entry: Entry, spec: CommitSpec
+    ) -> tuple[Step | Late | None, bool]:
+        """The fenced commit and the next step; ``(next step, False)`` when it failed and
+        the entry is tried again; ``Late`` when refused (``spec.late_after``)."""
         try:
             _, step = await self.commit(spec, select=sorted(self.members))
         except (RedisError, OSError):
@@ -211,15 +235,31 @@ class SessionHolder:
         except Exception as exc:  # e.g. a value Redis cannot take: try again, then dead letter
             log.exception("commit of an entry of %s failed", safe(self.key))
             await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
-            return await self._next()
-        crash_point("after_commit")
-        if not isinstance(step, Lost):
-            self._done(entry, spec, started)
-        return step or Released()
+            return await self._next(), False
+        return step, True
+
+    async def _running(
+        self, entry: Entry, work: Awaitable[CommitSpec | None]
+    ) -> CommitSpec | Released | None:
+        """``work`` (a turn, or its going on) as the running turn of ``entry``: controls
+        reach it. Released: it was aborted (shutdown, lease lost)."""
+        turns = self.rt.turns
+        turns.begin(self.key, entry.member, entry.entry_id)
+        if turns.take_recent(entry.member, self.key):  # a control raced the selection
+            running = {self.key: (entry.member, entry.entry_id)}
+            self.rt.spawn(self.rt.confirm(running))
+        try:
+            return await work
+        except TurnAbortedError:
+            if not self.lease.lost:  # shutdown: give the lease up now, re-notify the rest
+                await self.rt.bus.release(self.key, self.token)
+            return Released()
+        finally:
+            turns.end(self.key)
 
     async def commit(
         self, spec: CommitSpec, *, select: list[str] | None
-    ) -> tuple[int, Step | None]:
+    ) -> tuple[int, Step | Late | None]:
         rt = self.rt
         if spec.transient and spec.reply and spec.owner_op != "set" and not self.lease.lost:
             # delivered (XDEL'd) private events leave no bytes behind: a fresh stream
@@ -233,6 +273,8 @@ class SessionHolder:
             if not self.transient:
                 rt.sessions.invalidate(self.key)
             raise
+        if isinstance(step, Late):  # nothing written: the turn goes on
+            return version, step
         if version < 0:
             rt.turns.metrics["fenced_writes_rejected"] += 1
             rt.metrics.fenced_writes_rejected.inc()
@@ -308,19 +350,24 @@ class SessionHolder:
         reply_to: str,
         fail: Callable[[str, str], CommitSpec],
     ) -> CommitSpec | None:
+        run = self.run_message(
+            msg, reply_to=reply_to, member=entry.member, entry_id=entry.entry_id,
+            attempts=entry.attempts,
+        )  # fmt: skip
         try:
-            outcome = await self.run_message(
-                msg,
-                reply_to=reply_to,
-                member=entry.member,
-                entry_id=entry.entry_id,
-                attempts=entry.attempts,
-            )
+            return await self._outcome_spec(entry, spec, run)
         except SessionNotActiveError as exc:
             return fail("session_not_active", str(exc))
         except ScopeMismatchError as exc:
             return fail("invalid_message", str(exc))
-        except TurnAbortedError:
+
+    async def _outcome_spec(
+        self, entry: Entry, spec: CommitSpec, run: Awaitable[Outcome]
+    ) -> CommitSpec | None:
+        """``spec`` filled with the outcome of ``run``; None: the turn failed."""
+        try:
+            outcome = await run
+        except (SessionNotActiveError, ScopeMismatchError, TurnAbortedError):
             raise
         except Exception as exc:
             if self._private(entry):  # no traceback: it may quote content
@@ -330,6 +377,7 @@ class SessionHolder:
             await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
             return None
         self.fill_spec(spec, outcome)
+        self.pending = outcome.pending
         return spec
 
     @staticmethod

@@ -1,0 +1,160 @@
+"""The turn's last read of its stream, done by its commit (``CommitSpec.late_after``), on
+fakeredis and a real redis-server: a turn that nothing joined reads its stream in no round
+trip of its own; a message that arrives during the last model call refuses the commit, joins
+the turn, and the session keeps each row once; one that cannot join gets its own turn after
+the first answer; a stop reaches the turn while it goes on."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from helpers import ScriptedProvider
+from replies import collect
+
+from bus_redis import FrontendClient, InboundMessage, RedisBus
+from worker import AgentLoop, LoopConfig
+from worker.agent.providers import LLMResponse
+
+
+def _m(chat: str, text: str, id_: str, **kw: Any) -> InboundMessage:
+    return InboundMessage(id=id_, channel="web", sender_id="u", chat_id=chat, content=text, **kw)
+
+
+class Model:
+    """Holds each call whose last message says "hold" until its event (in ``held``, in
+    call order) is set; answers the rest at once."""
+
+    def __init__(self) -> None:
+        self.held: asyncio.Queue[asyncio.Event] = asyncio.Queue()
+        self.calls: list[list[dict[str, Any]]] = []
+
+    async def __call__(self, **kw: Any) -> LLMResponse:
+        messages = kw["messages"]
+        self.calls.append([dict(m) for m in messages])
+        last = messages[-1]["content"]
+        if "hold" in last:
+            release = asyncio.Event()
+            self.held.put_nowait(release)
+            await release.wait()
+        return LLMResponse(content=f"re: {last}")
+
+    async def holding(self) -> asyncio.Event:
+        return await asyncio.wait_for(self.held.get(), 10)
+
+
+class Counted(RedisBus):
+    """The bus, counting the turn's own reads of its stream."""
+
+    peeks = 0
+
+    async def peek(self, member: str, *, after: str, count: int) -> list[tuple[str, str | None]]:
+        Counted.peeks += 1
+        return await super().peek(member, after=after, count=count)
+
+
+async def _start(redis_factory) -> tuple[AgentLoop, Model, asyncio.Task[None]]:  # type: ignore[no-untyped-def]
+    Counted.peeks = 0
+    model = Model()
+    loop = AgentLoop(
+        Counted(redis_factory()),
+        ScriptedProvider(handler=model),
+        config=LoopConfig(read_block_ms=100),
+    )
+    return loop, model, asyncio.create_task(loop.run())
+
+
+async def _stop(loop: AgentLoop, task: asyncio.Task[None]) -> None:
+    loop.stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def _rows(loop: AgentLoop, key: str) -> list[tuple[str, str]]:
+    stored = await loop.sessions.read_session(key)
+    return [(m["role"], m.get("content")) for m in stored["messages"]]
+
+
+async def test_a_turn_nothing_joins_reads_its_stream_in_no_round_trip_of_its_own(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    loop, _, task = await _start(redis_factory)
+    client = FrontendClient(redis_factory())
+    for i in range(3):
+        assert (await client.ask(_m("n", f"q{i}", f"m{i}"), timeout_s=10)).content == f"re: q{i}"
+    await _stop(loop, task)
+
+    assert Counted.peeks == 0  # the commits checked: nothing had arrived
+    assert await _rows(loop, "web:n") == [
+        r for i in range(3) for r in (("user", f"q{i}"), ("assistant", f"re: q{i}"))
+    ]
+
+
+async def test_a_message_arriving_during_the_last_model_call_joins_and_each_row_is_kept_once(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    loop, model, task = await _start(redis_factory)
+    client = FrontendClient(redis_factory())
+    await client.send(_m("j", "hold on", "a"))
+    release = await model.holding()
+    await client.send(_m("j", "and this", "b"))  # arrives while the model answers "a"
+    release.set()
+    got = await collect(client, "web", {"a", "b"})
+    await _stop(loop, task)
+
+    assert got["b"][-1] is got["a"][-1]  # one answer covers both
+    assert got["a"][-1].content == "re: and this"
+    assert Counted.peeks >= 1  # refused once, the turn read what arrived
+    assert model.calls[-1][-2:] == [
+        {"role": "assistant", "content": "re: hold on"},
+        {"role": "user", "content": "and this"},
+    ]
+    # the refused commit wrote nothing, and the rows its outcome had added were forgotten
+    assert await _rows(loop, "web:j") == [
+        ("user", "hold on"),
+        ("assistant", "re: hold on"),
+        ("user", "and this"),
+        ("assistant", "re: and this"),
+    ]
+    assert await client.redis.xlen(client.keys.inbound("web:j")) == 0  # both consumed
+
+
+async def test_a_late_message_that_cannot_join_gets_its_own_turn_after_the_answer(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    loop, model, task = await _start(redis_factory)
+    client = FrontendClient(redis_factory())
+    await client.send(_m("q", "hold on", "a"))
+    release = await model.holding()
+    await client.send(_m("q", "next", "b", followup="queue"))
+    release.set()
+    got = await collect(client, "web", {"a", "b"})
+    await _stop(loop, task)
+
+    assert got["a"][-1].content == "re: hold on"
+    assert got["b"][-1].content == "re: next"
+    assert got["b"][-1] is not got["a"][-1]
+    assert len([e for e in got["a"] if e.is_terminal]) == 1  # answered once
+    assert await _rows(loop, "web:q") == [
+        ("user", "hold on"),
+        ("assistant", "re: hold on"),
+        ("user", "next"),
+        ("assistant", "re: next"),
+    ]
+
+
+async def test_a_stop_reaches_the_turn_while_it_goes_on(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    loop, model, task = await _start(redis_factory)
+    client = FrontendClient(redis_factory())
+    await client.send(_m("s", "hold on", "a"))
+    first = await model.holding()
+    await client.send(_m("s", "hold that too", "b"))  # joins: the model holds again
+    first.set()
+    second = await model.holding()  # the turn goes on with "b"
+    await client.stop("web:s")
+    got = await collect(client, "web", {"a", "b"})
+    second.set()
+    await _stop(loop, task)
+
+    assert got["a"][-1].code == "cancelled"
+    assert got["b"][-1] is got["a"][-1]
+    assert len(model.calls) == 2
