@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +41,7 @@ class FollowUps(Protocol):
 
     def deferred(self) -> bool:
         """At the last model boundary: whether whoever commits the answer checks what
-        arrived instead (``TurnState.go_on``), so that the stream is not read in a round
+        arrived instead (``TurnState.rounds``), so that the stream is not read in a round
         trip of its own when nothing did."""
 
 
@@ -59,9 +58,10 @@ class TurnState:
     unknown: list[str] = field(default_factory=list)  # tools whose effect a crash left unknown
     calls: int = 0  # tool calls executed (or replayed) so far: a call's ordinal
     # set when the turn ended at its last model boundary with ``final`` and left what
-    # arrived meanwhile to whoever commits it (``FollowUps.deferred``): awaiting it reads
-    # the stream and goes on with what joins (the answer so far kept as a row)
-    go_on: Callable[[], Coroutine[Any, Any, str]] | None = None
+    # arrived meanwhile to whoever commits it (``FollowUps.deferred``): where its loop
+    # stands, for ``TurnRunner.go_on`` (nothing in it refers back to this state: no
+    # reference cycle a turn would leave to the garbage collector)
+    rounds: _Rounds | None = None
 
 
 @dataclass(slots=True)
@@ -231,7 +231,7 @@ class TurnRunner:
                     return text
                 at.injections += 1
                 if followups.deferred():
-                    state.go_on = lambda: self._go_on(state, at)
+                    state.rounds = at
                     return text
                 if not await self._join_late(state, at, text):
                     return text
@@ -265,8 +265,12 @@ class TurnRunner:
             state.rows.append(row)
         return True
 
-    async def _go_on(self, state: TurnState, at: _Rounds) -> str:
-        state.go_on = None
+    async def go_on(self, state: TurnState) -> str:
+        """A turn that ended at its last model boundary (``TurnState.rounds``) reads what
+        arrived and goes on with what joins (the answer so far kept as a row), or ends
+        with the answer it had."""
+        at, state.rounds = state.rounds, None
+        assert at is not None
         text = state.final or ""
         if not await self._join_late(state, at, text):
             return text

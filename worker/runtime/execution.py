@@ -195,7 +195,7 @@ class TurnExecution:
         outcome = await self._outcome(task, reason, turn.msg, turn.session, state,
                                       turn.reply_to, turn.ctx)  # fmt: skip
         answered = not task.cancelled() and task.exception() is None
-        if state.go_on is not None and puller is not None and answered:
+        if state.rounds is not None and puller is not None and answered:
             outcome.pending = Pending(self, turn, mark, puller.after_id)
         outcome.tokens = (state.tokens_in, state.tokens_out)
         outcome.journal = turn.journal

@@ -9,7 +9,7 @@ after it get their own turns.
 At the last model boundary of a durable session's turn, the stream is not read in a round
 trip of its own (``defer``): the turn ends there with its answer, and the commit refuses
 when a payload entry arrived after the last one read (``CommitSpec.late_after``). Only
-then is the stream read, and the turn goes on with what joins (``TurnState.go_on``), or
+then is the stream read, and the turn goes on with what joins (``TurnRunner.go_on``), or
 ends as it was when nothing does.
 """
 

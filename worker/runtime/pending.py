@@ -1,7 +1,7 @@
 """A turn that ended at its last model boundary and left what arrived meanwhile to its
 commit (``FollowUpPuller.defer``): the commit refuses (``Late``) when a payload entry came
 after the last one the turn read; then the session forgets the rows the outcome added and
-the turn goes on (``TurnState.go_on``) to its next outcome."""
+the turn goes on (``TurnRunner.go_on``) to its next outcome."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from bus_redis import InboundMessage
 from session_store import Session
 from worker.agent.runner import TurnState
 from worker.agent.tools import ToolContext
+from worker.runtime.context import Runtime
 from worker.runtime.followups import FollowUpPuller
 from worker.runtime.journal import TurnJournal
 
@@ -35,6 +36,8 @@ class Running:
 
 
 class Settles(Protocol):
+    rt: Runtime
+
     async def settle(self, turn: Running) -> Outcome: ...
 
 
@@ -50,8 +53,6 @@ class Pending:
     async def go_on(self) -> Outcome:
         """The commit was refused: the turn reads what arrived and goes on."""
         turn = self.turn
-        go_on, turn.state.go_on = turn.state.go_on, None
-        assert go_on is not None
         turn.session.rollback(self.mark)
-        turn.task = asyncio.create_task(go_on())
+        turn.task = asyncio.create_task(self.execution.rt.runner.go_on(turn.state))
         return await self.execution.settle(turn)
