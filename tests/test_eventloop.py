@@ -151,3 +151,27 @@ def test_only_the_run_command_lingers_and_the_setting_is_checked() -> None:
     assert Settings(loop_linger_us=0).loop_linger_us == 0
     with pytest.raises(ValidationError):
         Settings(loop_linger_us=-1)
+
+
+def test_the_worker_lets_the_young_generation_grow_and_freezes_what_it_built() -> None:
+    import gc
+
+    from pydantic import ValidationError
+
+    from worker.runtime import collector
+    from worker.settings import Settings
+
+    before = gc.get_threshold()
+    try:
+        collector.tune(0)  # off: Python's own settings
+        assert gc.get_threshold() == before
+        assert gc.get_freeze_count() == 0
+        collector.tune(10_000)
+        assert gc.get_threshold() == (10_000, *before[1:])
+        assert gc.get_freeze_count() > 0  # what exists now is never walked again
+        assert Settings().gc_young_threshold == 10_000
+        with pytest.raises(ValidationError):
+            Settings(gc_young_threshold=-1)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

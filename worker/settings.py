@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from bus_redis.config import check_log_level, check_redis_url
 from bus_redis.keys import valid_channel
 from worker.config import LoopConfig
+from worker.runtime.collector import DEFAULT_YOUNG_THRESHOLD
 from worker.runtime.eventloop import DEFAULT_LINGER_US
 
 
@@ -38,6 +39,8 @@ class Settings(BaseSettings, LoopConfig):
     metrics_host: str = "127.0.0.1"
     # after a wake-up with one ready socket, wait this long for more (0 = off)
     loop_linger_us: int = Field(default=DEFAULT_LINGER_US, ge=0, le=10_000)
+    # objects a generation-0 garbage collection waits for (0 = Python's own, 700)
+    gc_young_threshold: int = Field(default=DEFAULT_YOUNG_THRESHOLD, ge=0, le=1_000_000)
 
     @field_validator("redis_url")
     @classmethod

@@ -10,6 +10,7 @@ from typing import Any
 
 from worker.app import make_loop, make_redis
 from worker.ops.logs import setup_logging
+from worker.runtime import collector
 from worker.runtime.backoff import Backoff
 from worker.settings import Settings
 
@@ -100,6 +101,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, stop, sig)
+    collector.tune(settings.gc_young_threshold)
     health = None
     if settings.metrics_port:
         from worker.ops.health import HealthServer, redis_ready
