@@ -2,13 +2,16 @@
 fakeredis and a real redis-server: a turn that nothing joined reads its stream in no round
 trip of its own; a message that arrives during the last model call refuses the commit, joins
 the turn, and the session keeps each row once; one that cannot join gets its own turn after
-the first answer; a stop reaches the turn while it goes on."""
+the first answer; a stop reaches the turn while it goes on, and so does a stop or an
+interrupt that comes while the refused commit is in flight."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from helpers import ScriptedProvider
 from replies import collect
 
@@ -44,13 +47,23 @@ class Model:
 
 
 class Counted(RedisBus):
-    """The bus, counting the turn's own reads of its stream."""
+    """The bus, counting the turn's own reads of its stream; ``before_late_commit`` runs
+    before the first commit that a later entry may refuse."""
 
     peeks = 0
+    before_late_commit: Callable[[], Awaitable[None]] | None = None
 
     async def peek(self, member: str, *, after: str, count: int) -> list[tuple[str, str | None]]:
         Counted.peeks += 1
         return await super().peek(member, after=after, count=count)
+
+    async def commit(self, key, token, worker_id, spec, *, select):  # type: ignore[no-untyped-def]
+        hook, self.before_late_commit = self.before_late_commit, None
+        if spec.late_after and hook is not None:
+            await hook()
+        else:
+            self.before_late_commit = hook
+        return await super().commit(key, token, worker_id, spec, select=select)
 
 
 async def _start(redis_factory) -> tuple[AgentLoop, Model, asyncio.Task[None]]:  # type: ignore[no-untyped-def]
@@ -158,3 +171,44 @@ async def test_a_stop_reaches_the_turn_while_it_goes_on(redis_factory) -> None: 
     assert got["a"][-1].code == "cancelled"
     assert got["b"][-1] is got["a"][-1]
     assert len(model.calls) == 2
+
+
+@pytest.mark.parametrize("op", ["stop", "interrupt"])
+async def test_a_control_while_a_refused_commit_is_in_flight_reaches_the_turn_going_on(
+    redis_factory, op: str
+) -> None:  # type: ignore[no-untyped-def]
+    loop, model, task = await _start(redis_factory)
+    client = FrontendClient(redis_factory())
+    seen = asyncio.Event()
+    handle = loop.controls.on_control
+
+    def on_control(control: Any) -> None:
+        handle(control)
+        seen.set()
+
+    loop.controls.on_control = on_control  # type: ignore[method-assign]
+
+    async def control() -> None:  # the worker has it before the commit is refused
+        if op == "interrupt":
+            await client.send(_m("w", "new topic", "c", followup="interrupt"))
+        else:
+            await client.stop("web:w")
+        await asyncio.wait_for(seen.wait(), 10)
+
+    assert isinstance(loop.bus, Counted)
+    loop.bus.before_late_commit = control
+    await client.send(_m("w", "hold on", "a"))
+    first = await model.holding()
+    await client.send(_m("w", "and b", "b"))  # arrives during the last model call
+    first.set()
+    got = await collect(client, "web", {"a", "b"} | ({"c"} if op == "interrupt" else set()))
+    await _stop(loop, task)
+
+    assert got["a"][-1].code == "cancelled"
+    assert op in got["a"][-1].content
+    # cancelled as it went on: no model call for "and b" as part of a's turn
+    assert not any(
+        c[-2:-1] == [{"role": "assistant", "content": "re: hold on"}] for c in model.calls
+    )
+    rows = await _rows(loop, "web:w")
+    assert ("assistant", "re: hold on") not in rows  # the user never got it

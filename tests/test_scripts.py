@@ -51,7 +51,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "commit": ([k.lease(K), k.session(K), *stream[:2], k.out(K), k.sessions_index("web"),
                     k.sessions_index("web"), k.owner(K), k.owners("web"), k.pending(K), k.dead("web"),
                     k.leases("web"), k.journal(K), k.pulse("web")],
-                   ["n|w", "", "", 100, 1000, "", K, "", "w", "", 1000, "", "0j", "g", 0]),
+                   ["n|w", "", "", 100, 1000, "", K, "", "w", "", 1000, "", "0j", "g", "", 0]),
         "release": ([k.lease(K), k.pending(K), k.ready("web"), k.leases("web")], ["n|w", K, 100]),
         "renew": ([k.lease(K), k.pending(K), k.leases("web")], ["x", 1000, K]),
         "sweep": ([k.leases("web"), k.ready("web")], [100, 100]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -233,7 +234,7 @@ class TurnRunner:
                 if followups.deferred():
                     state.rounds = at
                     return text
-                if not await self._join_late(state, at, text):
+                if not await self._join_late(state, at):
                     return text
                 continue
             call_row = _call_row(response.content, response.tool_calls)
@@ -252,27 +253,45 @@ class TurnRunner:
                     state.rows.append(row)
         return self._finish(state, MAX_ITERATIONS_TEXT)
 
-    async def _join_late(self, state: TurnState, at: _Rounds, text: str) -> bool:
-        """Whether messages joined after the answer ``text`` (the model answers again)."""
+    async def _join_late(self, state: TurnState, at: _Rounds) -> bool:
+        """Whether messages joined after the answer so far (the model answers again, the
+        answer kept as a row)."""
+        return await self._read_late(state, at, *self._hold(state))
+
+    @staticmethod
+    def _hold(state: TurnState) -> tuple[str, dict[str, Any]]:
+        """Until what arrived is read, the answer so far is no answer: a stop meanwhile
+        keeps none that the user never got."""
+        assert state.final is not None
+        text, answer = state.final, state.rows.pop()
+        state.final = None
+        return text, answer
+
+    async def _read_late(
+        self, state: TurnState, at: _Rounds, text: str, answer: dict[str, Any]
+    ) -> bool:
         assert at.followups is not None
         late = await _drain(at.followups)
+        state.rows.append(answer)
         if not late:
+            state.final = text
             return False
-        state.final = None
         at.messages.append({"role": "assistant", "content": text})
         for row in late:
             at.messages.append({"role": "user", "content": row["content"]})
             state.rows.append(row)
         return True
 
-    async def go_on(self, state: TurnState) -> str:
+    def go_on(self, state: TurnState) -> Coroutine[Any, Any, str]:
         """A turn that ended at its last model boundary (``TurnState.rounds``) reads what
         arrived and goes on with what joins (the answer so far kept as a row), or ends
-        with the answer it had."""
+        with the answer it had. Its answer is held back at once (``_hold``)."""
         at, state.rounds = state.rounds, None
         assert at is not None
-        text = state.final or ""
-        if not await self._join_late(state, at, text):
+        return self._go_on(state, at, *self._hold(state))
+
+    async def _go_on(self, state: TurnState, at: _Rounds, text: str, answer: dict[str, Any]) -> str:
+        if not await self._read_late(state, at, text, answer):
             return text
         return await self._rounds(state, at)
 

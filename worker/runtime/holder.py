@@ -73,6 +73,7 @@ class SessionHolder:
         self.first: Step | None = acquired.step
         self.members = members
         self.pending: Pending | None = None  # the running turn waits for its commit's verdict
+        self._registered = False  # the entry being handled is the worker's running turn of K
         self.lease = Lease(rt.bus, key, acquired.token, on_lost=self._lease_lost)
 
     def _lease_lost(self) -> None:
@@ -185,24 +186,35 @@ class SessionHolder:
             await self.rt.bus.release(self.key, self.token)
             return Released()
         self.pending = None
+        try:
+            return await self._entry_turns(entry, started)
+        finally:
+            self.pending = None
+            self._unregister()
+
+    async def _entry_turns(self, entry: Entry, started: float) -> Step:
         spec = await self._running(entry, self.handle(entry))
         while True:
             if isinstance(spec, Released):
                 return spec
             if spec is None:  # the turn failed: try the entry again (counts a delivery)
+                self._unregister()
                 return await self._next()
             crash_point("before_commit")
             if self.rt.turns.stopping:  # shutting down: finish this entry, leave the rest
+                self._unregister()
                 return await self._last_commit(entry, spec, started)
             pending, self.pending = self.pending, None
             spec.late_after = pending.late_after if pending is not None else ""
             step, committed = await self._commit_entry(entry, spec)
-            if not committed and not isinstance(step, Late):  # tried again
-                return step or Released()
             if not isinstance(step, Late):
+                self._unregister()
+                if not committed:  # tried again
+                    return step or Released()
                 break
             # refused, nothing written: a message arrived that may join the turn, which
-            # reads its stream and goes on (or ends as it was): a new spec
+            # reads its stream and goes on (or ends as it was): a new spec. It stayed the
+            # running turn meanwhile: a control that came is applied as it goes on.
             assert pending is not None
             fresh = CommitSpec(entry.member, [entry.entry_id], transient=spec.transient)
             fresh.message_id = spec.message_id
@@ -242,20 +254,30 @@ class SessionHolder:
         self, entry: Entry, work: Awaitable[CommitSpec | None]
     ) -> CommitSpec | Released | None:
         """``work`` (a turn, or its going on) as the running turn of ``entry``: controls
-        reach it. Released: it was aborted (shutdown, lease lost)."""
+        reach it. An outcome that waits for its commit's verdict (``self.pending``) stays
+        the running turn until then. Released: it was aborted (shutdown, lease lost)."""
         turns = self.rt.turns
-        turns.begin(self.key, entry.member, entry.entry_id)
-        if turns.take_recent(entry.member, self.key):  # a control raced the selection
-            running = {self.key: (entry.member, entry.entry_id)}
-            self.rt.spawn(self.rt.confirm(running))
+        if not self._registered:
+            turns.begin(self.key, entry.member, entry.entry_id)
+            self._registered = True
+            if turns.take_recent(entry.member, self.key):  # a control raced the selection
+                running = {self.key: (entry.member, entry.entry_id)}
+                self.rt.spawn(self.rt.confirm(running))
         try:
             return await work
         except TurnAbortedError:
+            self._unregister()
             if not self.lease.lost:  # shutdown: give the lease up now, re-notify the rest
                 await self.rt.bus.release(self.key, self.token)
             return Released()
         finally:
-            turns.end(self.key)
+            if self.pending is None:
+                self._unregister()
+
+    def _unregister(self) -> None:
+        if self._registered:
+            self._registered = False
+            self.rt.turns.end(self.key)
 
     async def commit(
         self, spec: CommitSpec, *, select: list[str] | None
