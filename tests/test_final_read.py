@@ -212,3 +212,50 @@ async def test_a_control_while_a_refused_commit_is_in_flight_reaches_the_turn_go
     )
     rows = await _rows(loop, "web:w")
     assert ("assistant", "re: hold on") not in rows  # the user never got it
+
+
+def test_a_holder_ends_only_its_own_slot() -> None:
+    from worker.runtime.inflight import TurnRegistry
+
+    turns = TurnRegistry()
+    old = turns.begin("web:k", "web:k", "1-0")
+    new = turns.begin("web:k", "web:k", "2-0")  # a newer holder of K began meanwhile
+    assert turns.end("web:k", old) is None
+    assert turns.running() == {"web:k": ("web:k", "2-0")}
+    turns.cancel_key("web:k", "stop")
+    assert turns.end("web:k", new) == "stop"
+    assert turns.running() == {}
+
+
+async def test_a_holder_finishing_after_its_commit_leaves_the_next_turn_stoppable(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    loop, model, task = await _start(redis_factory)
+    client = FrontendClient(redis_factory())
+    finishing, go, finished = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    consolidate = loop.rt.maybe_consolidate
+
+    async def slow_after_commit(session: Any) -> Any:  # the holder of "a", lease released
+        if finishing.is_set():
+            return await consolidate(session)
+        finishing.set()
+        await go.wait()
+        try:
+            return await consolidate(session)
+        finally:
+            finished.set()  # the rest of that holder's entry runs without awaiting
+
+    loop.rt.maybe_consolidate = slow_after_commit
+    await client.send(_m("y", "first", "a"))
+    await asyncio.wait_for(finishing.wait(), 10)
+    await client.send(_m("y", "hold b", "b"))  # served by another holder of web:y
+    release = await model.holding()
+    go.set()
+    await asyncio.wait_for(finished.wait(), 10)  # the first holder has finished its entry
+    await client.stop("web:y")
+    got = await collect(client, "web", {"a", "b"})
+    release.set()
+    await _stop(loop, task)
+
+    assert got["a"][-1].content == "re: first"
+    assert got["b"][-1].code == "cancelled"

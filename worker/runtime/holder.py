@@ -43,6 +43,7 @@ from worker.runtime.context import Runtime
 from worker.runtime.controls import FORGETTING
 from worker.runtime.execution import Outcome, TurnExecution
 from worker.runtime.faults import crash_point
+from worker.runtime.inflight import Slot
 from worker.runtime.lease import Lease
 from worker.runtime.outcomes import (
     ScopeMismatchError,
@@ -73,7 +74,7 @@ class SessionHolder:
         self.first: Step | None = acquired.step
         self.members = members
         self.pending: Pending | None = None  # the running turn waits for its commit's verdict
-        self._registered = False  # the entry being handled is the worker's running turn of K
+        self._slot: Slot | None = None  # the entry being handled as the running turn of K
         self.lease = Lease(rt.bus, key, acquired.token, on_lost=self._lease_lost)
 
     def _lease_lost(self) -> None:
@@ -257,9 +258,8 @@ class SessionHolder:
         reach it. An outcome that waits for its commit's verdict (``self.pending``) stays
         the running turn until then. Released: it was aborted (shutdown, lease lost)."""
         turns = self.rt.turns
-        if not self._registered:
-            turns.begin(self.key, entry.member, entry.entry_id)
-            self._registered = True
+        if self._slot is None:
+            self._slot = turns.begin(self.key, entry.member, entry.entry_id)
             if turns.take_recent(entry.member, self.key):  # a control raced the selection
                 running = {self.key: (entry.member, entry.entry_id)}
                 self.rt.spawn(self.rt.confirm(running))
@@ -275,9 +275,9 @@ class SessionHolder:
                 self._unregister()
 
     def _unregister(self) -> None:
-        if self._registered:
-            self._registered = False
-            self.rt.turns.end(self.key)
+        slot, self._slot = self._slot, None
+        if slot is not None:  # ours only: a newer holder of K may have begun meanwhile
+            self.rt.turns.end(self.key, slot)
 
     async def commit(
         self, spec: CommitSpec, *, select: list[str] | None

@@ -61,10 +61,15 @@ class TurnRegistry:
         slot = self._slots.get(key)
         return slot.reason if slot else None
 
-    def end(self, key: str) -> str | None:
-        """The entry of K is done; returns the cancel reason, if any."""
-        slot = self._slots.pop(key, None)
-        return slot.reason if slot else None
+    def end(self, key: str, slot: Slot | None = None) -> str | None:
+        """The entry of K is done; returns the cancel reason, if any. With ``slot`` (what
+        :meth:`begin` returned), only that slot is ended: a holder that let its lease go
+        may still be finishing while a newer one of K has begun."""
+        current = self._slots.get(key)
+        if current is None or (slot is not None and current is not slot):
+            return None
+        del self._slots[key]
+        return current.reason
 
     def cancel(self, target: str, reason: str) -> int:
         """Cancel the turn of K == target, or of the entry of stream S == target."""
