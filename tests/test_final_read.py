@@ -259,3 +259,23 @@ async def test_a_holder_finishing_after_its_commit_leaves_the_next_turn_stoppabl
 
     assert got["a"][-1].content == "re: first"
     assert got["b"][-1].code == "cancelled"
+
+
+async def test_an_answer_on_the_last_model_call_allowed_stands(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    model = Model()
+    loop = AgentLoop(
+        Counted(redis_factory()),
+        ScriptedProvider(handler=model),
+        config=LoopConfig(read_block_ms=100, max_iterations=1),
+    )
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    await client.send(_m("m", "hold on", "a"))
+    release = await model.holding()
+    await client.send(_m("m", "and b", "b"))  # arrives during the only model call allowed
+    release.set()
+    got = await collect(client, "web", {"a", "b"})
+    await _stop(loop, task)
+
+    assert got["a"][-1].content == "re: hold on"  # not the iteration limit's text
+    assert got["b"][-1].content == "re: and b"  # its own turn

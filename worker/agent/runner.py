@@ -230,6 +230,8 @@ class TurnRunner:
                 text = self._finish(state, response.content or "")
                 if followups is None or at.injections >= MAX_INJECTION_CYCLES:
                     return text
+                if at.done >= self.max_iterations:  # no model call left to answer them:
+                    return text  # this answer stands; what arrived gets its own turn
                 at.injections += 1
                 if followups.deferred():
                     state.rounds = at
