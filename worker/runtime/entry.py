@@ -16,11 +16,10 @@ from bus_redis import (
 )
 from bus_redis.codec import safe
 from bus_redis.keys import channel_of
-from bus_redis.results import Ahead, CommitSpec, Entry, owner_member
+from bus_redis.results import CommitSpec, Entry, owner_member
 from session_store.codec import encode_meta, encode_rows
-from worker.runtime.context import Runtime
 from worker.runtime.controls import FORGETTING
-from worker.runtime.execution import Outcome, TurnExecution
+from worker.runtime.execution import Held, Outcome, TurnExecution
 from worker.runtime.outcomes import (
     ScopeMismatchError,
     SessionNotActiveError,
@@ -35,17 +34,10 @@ from worker.runtime.pending import Pending
 log = logging.getLogger(__name__)
 
 
-class EntryPolicy:
-    """The per-entry half of ``SessionHolder`` (which sets these attributes)."""
+class EntryPolicy(Held):
+    """The per-entry half of ``SessionHolder``, which sets the lease view's attributes
+    (``Held``) and ``pending``."""
 
-    rt: Runtime
-    key: str
-    token: str
-    version: int
-    generation: str
-    ahead: Ahead | None
-    memory_scope: str
-    memory_version: int
     pending: Pending | None  # the turn waits for its commit's verdict
 
     @property
