@@ -279,3 +279,43 @@ async def test_an_answer_on_the_last_model_call_allowed_stands(redis_factory) ->
 
     assert got["a"][-1].content == "re: hold on"  # not the iteration limit's text
     assert got["b"][-1].content == "re: and b"  # its own turn
+
+
+async def test_a_session_flooded_during_every_model_call_ends_its_turn_after_five_joins(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Each model call sees one more message arrive: every commit is refused, but the
+    turn joins at most MAX_INJECTION_CYCLES times, then its answer stands; the rest get
+    turns of their own, and another channel is served meanwhile."""
+    from worker.agent.runner import MAX_INJECTION_CYCLES
+
+    client = FrontendClient(redis_factory())
+    sent = ["f0"]
+    calls: list[str] = []
+
+    async def flooding(**kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]["content"]
+        calls.append(last)
+        if last != "hi" and len(sent) < 12:  # (the other channel's call adds nothing)
+            sent.append(f"f{len(sent)}")
+            await client.send(_m("flood", f"more {sent[-1]}", sent[-1]))
+        return LLMResponse(content=f"re: {last}")
+
+    loop = AgentLoop(
+        Counted(redis_factory()),
+        ScriptedProvider(handler=flooding),
+        config=LoopConfig(read_block_ms=100),
+    )
+    task = asyncio.create_task(loop.run())
+    await client.send(_m("flood", "start", "f0"))
+    other = InboundMessage(id="o", channel="telegram", sender_id="u", chat_id="t", content="hi")
+    assert (await client.ask(other, timeout_s=10)).content == "re: hi"
+    want = {f"f{i}" for i in range(12)}  # the flood stops at 12
+    got = await collect(client, "web", want)
+    await _stop(loop, task)
+
+    first = got["f0"][-1]
+    assert first.covers is not None
+    assert len(first.covers) == 1 + MAX_INJECTION_CYCLES  # "start" and five joined
+    assert sorted(sent) == sorted(want)
+    assert all(got[s][-1].is_terminal for s in want)  # every one answered
