@@ -22,6 +22,7 @@ DEAD_REASONS = frozenset({"invalid_message", "too_large", "failed", "other"})
 class WorkerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._outcomes: dict[str, Any] = {}
         self.turns = Counter(
             "agent_turns", "Entries handled, by outcome (message or an error code)",
             ["outcome"], registry=r,
@@ -71,6 +72,14 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+    def turn(self, outcome: str, seconds: float) -> None:
+        """A committed entry (its outcome's counter child is looked up once)."""
+        child = self._outcomes.get(outcome)
+        if child is None:
+            child = self._outcomes[outcome] = self.turns.labels(outcome)
+        child.inc()
+        self.turn_seconds.observe(seconds)
 
     def dead_letter(self, reason: str) -> None:
         self.dead_letters.labels(reason if reason in DEAD_REASONS else "other").inc()

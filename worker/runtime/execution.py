@@ -5,6 +5,7 @@ it), and turn the result (or the cancellation) into an Outcome the holder commit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -229,12 +230,17 @@ class TurnExecution:
         it at once (``TurnRegistry.attach``). Returns the cancel reason, if any."""
         turns = self.rt.turns
         turns.attach(self.key, task)
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:  # our own task is cancelled: so is the turn
+        me = asyncio.current_task()
+        before = me.cancelling() if me is not None else 0
+        # the turn's own end (a result, its failure, a control's cancel) is read from the
+        # task by the outcome; cancelling our own task cancels the turn, which it awaits
+        with contextlib.suppress(BaseException):
+            await task
+        if me is not None and me.cancelling() > before:  # our own task is cancelled
             task.cancel()
-            await asyncio.wait({task})
-            raise
+            if not task.done():
+                await asyncio.wait({task})
+            raise asyncio.CancelledError
         return turns.reason(self.key)
 
     async def _outcome(

@@ -139,8 +139,7 @@ class SessionHolder(EntryPolicy):
         line carries sizes only)."""
         metrics, elapsed = self.rt.metrics, time.monotonic() - started
         outcome = spec.outcome or "none"
-        metrics.turns.labels(outcome).inc()
-        metrics.turn_seconds.observe(elapsed)
+        metrics.turn(outcome, elapsed)
         if spec.dead:
             metrics.dead_letter(spec.dead_reason)
         if not log.isEnabledFor(logging.INFO):
