@@ -150,7 +150,9 @@ async def latency(url: str, turns: int) -> None:
     run = asyncio.create_task(loop.run())
     await asyncio.sleep(0.2)
     samples: list[float] = []
-    replies = frontend.events(["lat:one"], block_ms=200)
+    # from the start of the (new) stream: "$" would be resolved at the first read, after
+    # the first send, and could miss a reply written before it
+    replies = frontend.events(["lat:one"], after="0", block_ms=200)
     for i in range(turns):
         entry = await frontend.send(
             InboundMessage(channel="lat", sender_id="u", chat_id="one", content=f"q{i}")

@@ -104,7 +104,8 @@ class Session:
     generation: str = ""  # of its Redis hash: a re-created hash has a new one
     persisted_count: int = 0
     skipped_rows: int = 0  # rows of its hash that could not be read (left out of messages)
-    _replay: list[dict[str, Any] | None] = field(default_factory=list, repr=False)
+    _replay: list[dict[str, Any]] = field(default_factory=list, repr=False)  # LLM views
+    _at: list[int] = field(default_factory=lambda: [0], repr=False)  # views before row i
     _seen_ids: set[str] = field(default_factory=set, repr=False)
     _prefix: list[int] = field(default_factory=lambda: [0], repr=False)  # token prefix sums
     _pending: list[tuple[str, str]] = field(default_factory=list, repr=False)  # unanswered calls
@@ -115,7 +116,9 @@ class Session:
         lc = self.last_consolidated
         if isinstance(lc, bool) or not isinstance(lc, int) or not 0 <= lc <= len(self.messages):
             self.last_consolidated = 0
-        self._replay = [_project(m) for m in self.messages]
+        self._replay, self._at = [], [0]
+        for m in self.messages:
+            self._view(m)
         self._prefix = list(accumulate((estimate_tokens(m) for m in self.messages), initial=0))
         self._seen_ids = {m["message_id"] for m in self.messages if m.get("message_id")}
         self._pending = pending_calls(self.messages)
@@ -166,10 +169,17 @@ class Session:
 
     def _append(self, row: dict[str, Any]) -> None:
         self.messages.append(row)
-        self._replay.append(_project(row))
+        self._view(row)
         self._prefix.append(self._prefix[-1] + estimate_tokens(row))
         if row.get("message_id"):
             self._seen_ids.add(row["message_id"])
+
+    def _view(self, row: dict[str, Any]) -> None:
+        """The row's LLM view (computed once) and how many views precede the next row."""
+        view = _project(row)
+        if view is not None:
+            self._replay.append(view)
+        self._at.append(len(self._replay))
 
     def mark(self) -> tuple[int, list[tuple[str, str]], str]:
         """Where the unpersisted tail stands now (for :meth:`rollback`)."""
@@ -185,7 +195,8 @@ class Session:
             if row.get("message_id"):
                 self._seen_ids.discard(row["message_id"])
         del self.messages[n:]
-        del self._replay[n:]
+        del self._replay[self._at[n] :]
+        del self._at[n + 1 :]
         del self._prefix[n + 1 :]
         self._pending, self.updated_at = pending, updated_at
 
@@ -231,7 +242,7 @@ class Session:
         start = bisect_left(self._prefix, self._prefix[-1] - max_tokens, lo=self.last_consolidated)
         while start < len(self.messages) and self.messages[start].get("role") != "user":
             start += 1
-        rows = [row for row in self._replay[start:] if row is not None]
+        rows = self._replay[self._at[start] :]  # one copy of the window's views
         # a stored tail whose calls were never answered (a cut turn of an older version):
         # the model sees them answered as interrupted, as the next append would store them
         if rows:  # (the window starts on a user row: the calls are in it)

@@ -69,3 +69,28 @@ def test_window_matches_a_plain_walk(
     stored = session.messages  # as append_rows kept them valid
     expected = sum(estimate_tokens(r) for r in stored[session.last_consolidated :])
     assert session.token_count == expected
+
+
+@given(ROWS, ROWS, st.integers(0, 200))
+def test_window_after_a_rollback_or_a_reload_matches_a_plain_walk(
+    kept: list[dict[str, str]], dropped: list[dict[str, str]], budget: int
+) -> None:
+    """A refused commit rolls the turn's rows back; a copy loaded from stored rows builds
+    its views at once: both replay what a plain walk over their rows gives."""
+    session = Session(key="k")
+    session.append_rows(kept)
+    mark = session.mark()
+    session.append_rows(dropped)
+    session.rollback(mark)
+    assert session.get_history(max_tokens=budget) == naive(session, budget)
+    again = Session(key="k")
+    again.append_rows(kept)
+    mark = again.mark()
+    again.append_rows(dropped)
+    again.rollback(mark)
+    again.append_rows(kept)  # the turn goes on, and adds other rows
+    assert again.get_history(max_tokens=budget) == naive(again, budget)
+    loaded = Session(key="k", messages=[dict(r) for r in session.messages])
+    assert loaded.get_history(max_tokens=budget) == naive(loaded, budget)
+    loaded.append_rows(dropped)
+    assert loaded.get_history(max_tokens=budget) == naive(loaded, budget)
