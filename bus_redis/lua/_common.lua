@@ -76,7 +76,8 @@ local function field(fields, name)
   return nil
 end
 
--- streams: list of {in, attempts, hint, owner, ready, member, lease of S, queued index}
+-- streams: list of {in, attempts, hint, owner, ready, member, lease of S, queued index};
+-- a caller that knows a stream holds nothing sets its `empty` (its head is not read)
 local function streams_of(first_key, first_arg)
   local out = {}
   local n = 0
@@ -179,7 +180,8 @@ local function select_next(streams, key, pending, maxlen)
     if leave_alone(s, key, pending, maxlen) then
       s.skip = true
     else
-      local e, discarded, more = head(s)
+      local e, discarded, more = nil, nil, false
+      if not s.empty then e, discarded, more = head(s) end
       if discarded then return {'control', s[6], discarded} end
       if more then return {'again'} end
       if e and (not best_entry or id_less(e[1], best_entry[1])) then
@@ -200,16 +202,23 @@ end
 -- alone empty: its head read met the end): forget them; release the lease only when the
 -- pending set is empty (a stream notified meanwhile keeps the lease: 'more').
 local function try_release(lease, pending, registry, key, streams)
+  local emptied = {}
   for _, s in ipairs(streams) do
     if not s.skip then
-      redis.call('SREM', pending, s[6])
+      emptied[s[6]] = true
       redis.call('DEL', s[1], s[2], s[3])
       redis.call('ZREM', s[8], s[6])
     end
   end
-  local left = redis.call('SMEMBERS', pending)
-  if #left > 0 then return {'more', unpack(left)} end
-  redis.call('DEL', lease, pending)
+  local left = {}
+  for _, m in ipairs(redis.call('SMEMBERS', pending)) do
+    if not emptied[m] then left[#left + 1] = m end
+  end
+  if #left > 0 then
+    for m in pairs(emptied) do redis.call('SREM', pending, m) end
+    return {'more', unpack(left)}
+  end
+  redis.call('DEL', lease, pending)  -- (the emptied streams' members go with it)
   redis.call('ZREM', registry, key)
   return {'released'}
 end

@@ -48,8 +48,10 @@ if owner and owner ~= ARGV[1] then
   ack()
   return {'forward', owner}
 end
-local holder = redis.call('GET', KEYS[1])
-if holder then
+local token = ARGV[8] .. '|' .. ARGV[1]
+local ttl = tonumber(ARGV[2])
+if not redis.call('SET', KEYS[1], token, 'NX', 'PX', ttl) then
+  local holder = redis.call('GET', KEYS[1])
   ack()
   return {'busy', holder}
 end
@@ -57,9 +59,6 @@ if ARGV[5] == '1' and redis.call('EXISTS', KEYS[5]) == 0 then
   redis.call('HSET', KEYS[5], 'worker', ARGV[1])
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
 end
-local token = ARGV[8] .. '|' .. ARGV[1]
-local ttl = tonumber(ARGV[2])
-redis.call('SET', KEYS[1], token, 'PX', ttl)
 redis.call('PEXPIRE', KEYS[2], 2 * ttl)
 redis.call('ZADD', KEYS[7], now_ms() + ttl, ARGV[3])
 local s = redis.call('HMGET', KEYS[3], 'version', 'gen', 'count')

@@ -26,10 +26,28 @@
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
 local n = tonumber(ARGV[16])
 local first = string.match(ARGV[2], '%S+')
-local applied = first and #safe({}, 'XRANGE', KEYS[3], first, first) == 0
-if not applied and ARGV[15] ~= '' then
-  local later = entry_after(KEYS[3], ARGV[15])
+-- One read for the usual case, `first` at the head of S: not applied yet, and the entry
+-- after it (the late check's, when the turn read nothing past it; none: S is empty once
+-- `first` is deleted, and its head is not read again). Otherwise `first` is looked up.
+local applied, at_head, after_first = false, false, nil
+if first then
+  local top = safe({}, 'XRANGE', KEYS[3], '-', '+', 'COUNT', 2)
+  if top[1] and top[1][1] == first then
+    at_head, after_first = true, top[2]
+  else
+    applied = #safe({}, 'XRANGE', KEYS[3], first, first) == 0
+  end
+end
+local emptied = false
+if not applied then
+  local later = nil
+  if at_head and ARGV[15] == first then
+    later = after_first
+  elseif ARGV[15] ~= '' then
+    later = entry_after(KEYS[3], ARGV[15])
+  end
   if later and field(later[2], 'payload') then return {'late'} end
+  emptied = at_head and ARGV[2] == first and after_first == nil
 end
 local s = redis.call('HMGET', KEYS[2], 'version', 'gen', 'count')
 local version, gen = tonumber(s[1] or '0'), s[2] or ''
@@ -37,7 +55,8 @@ local version, gen = tonumber(s[1] or '0'), s[2] or ''
 if not applied then
   if ARGV[6] ~= '' then
     local count = tonumber(s[3] or '0')
-    local fields = {'count', count + n, 'meta', ARGV[6]}
+    version = version + 1
+    local fields = {'count', count + n, 'meta', ARGV[6], 'version', string.format('%d', version)}
     if gen == '' then  -- the hash is created: it joins its scope's index (once)
       gen = ARGV[14]
       fields[#fields + 1] = 'gen'
@@ -53,12 +72,15 @@ if not applied then
       end
     end
     if #fields > 0 then redis.call('HSET', KEYS[2], unpack(fields)) end
-    version = redis.call('HINCRBY', KEYS[2], 'version', 1)
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[7])
   end
-  for id in string.gmatch(ARGV[2], '%S+') do
-    redis.call('XDEL', KEYS[3], id)
-    redis.call('HDEL', KEYS[4], id, id .. ':error')
+  if emptied then  -- its one entry was all S held: the stream and its attempts go
+    redis.call('DEL', KEYS[3], KEYS[4])
+  else
+    for id in string.gmatch(ARGV[2], '%S+') do
+      redis.call('XDEL', KEYS[3], id)
+      redis.call('HDEL', KEYS[4], id, id .. ':error')
+    end
   end
   if ARGV[3] ~= '' then
     if safe(false, 'XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3]) == false then
@@ -86,8 +108,12 @@ if not applied then
 end
 if string.sub(ARGV[13], 2, 2) == 'j' then redis.call('DEL', KEYS[13]) end
 
-local head = {'ok', version, gen}
-if string.sub(ARGV[13], 1, 1) ~= '1' then return head end
-local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams_of(15, 17 + n), ARGV[7], ARGV[4])
-for _, v in ipairs(nxt) do head[#head + 1] = v end
-return head
+local out = {'ok', version, gen}
+if string.sub(ARGV[13], 1, 1) ~= '1' then return out end
+local streams = streams_of(15, 17 + n)
+for _, st in ipairs(streams) do
+  if emptied and st[1] == KEYS[3] then st.empty = true end
+end
+local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams, ARGV[7], ARGV[4])
+for _, v in ipairs(nxt) do out[#out + 1] = v end
+return out
