@@ -146,6 +146,31 @@ async def test_commit_is_idempotent_under_a_client_retry(redis: aioredis.Redis) 
     assert await redis.xlen(bus.keys.inbound(K)) == 1  # "two" is still queued
 
 
+@pytest.mark.parametrize("select", [None, "other stream"])
+async def test_a_commit_that_keeps_the_lease_keeps_the_streams_last_id(
+    redis: aioredis.Redis, select: str | None
+) -> None:
+    """Only a commit that releases S deletes it at once: a stream the lease keeps (no
+    selection at shutdown, or another stream selected) keeps its last id, so a frontend's
+    explicit id can never go back to the processed entry's (a retried commit would take
+    that new message for the processed one)."""
+    bus = await _queued(redis, "one")
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
+    streams = None if select is None else [K, "web:t"]
+    if streams is not None:
+        await _queued(redis, "x", chat="t")
+        await redis.sadd(bus.keys.pending(K), "web:t")
+    spec = CommitSpec(member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"r":1}'])
+    _, _, step = await bus.commit(K, got.token, "w1", spec, select=streams)
+    if streams is not None:
+        assert isinstance(step, Entry)
+        assert step.member == "web:t"
+    with pytest.raises(ResponseError, match="equal or smaller"):
+        await redis.xadd(bus.keys.inbound(K), {"payload": "x"}, id=got.step.entry_id)
+
+
 async def test_a_stale_token_writes_nothing(redis: aioredis.Redis) -> None:
     bus = await _queued(redis, "one")
     got = await bus.acquire(K, "w1", member=K)

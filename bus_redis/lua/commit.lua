@@ -74,7 +74,12 @@ if not applied then
     if #fields > 0 then redis.call('HSET', KEYS[2], unpack(fields)) end
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[7])
   end
-  if emptied then  -- its one entry was all S held: the stream and its attempts go
+  -- its one entry was all S held, and S (= K) is the one stream selected below, which
+  -- deletes it then anyway: deleted now instead of XDEL + HDEL (a stream the lease keeps
+  -- is never deleted here: its last id must stay, so an explicit id never goes back)
+  local sole = string.sub(ARGV[13], 1, 1) == '1' and #KEYS == 21 and KEYS[15] == KEYS[3]
+    and ARGV[17 + n] == ARGV[7]
+  if emptied and sole then
     redis.call('DEL', KEYS[3], KEYS[4])
   else
     for id in string.gmatch(ARGV[2], '%S+') do
