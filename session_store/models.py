@@ -53,18 +53,21 @@ def _project(row: dict[str, Any]) -> dict[str, Any] | None:
     return {k: row[k] for k in _REPLAY_FIELDS if k in row and row[k] is not None}
 
 
-_second: list[Any] = [-1, ""]  # the last whole second formatted, and its text
+_second: tuple[int, str] = (-1, "")  # the last whole second formatted, and its text
 
 
 def now_iso() -> str:
     """The current UTC time as ISO 8601 with microseconds (``...T12:00:00.000001+00:00``);
-    the date and time of day are formatted once a second (a turn stamps several rows)."""
+    the date and time of day are formatted once a second (a turn stamps several rows).
+    The pair is replaced whole, so another thread never reads one half of each."""
+    global _second
     now = time.time()
-    second = int(now)
-    if second != _second[0]:
-        _second[0] = second
-        _second[1] = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{_second[1]}.{int((now - second) * 1e6):06d}+00:00"
+    second, text = _second
+    if second != int(now):
+        second = int(now)
+        text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        _second = (second, text)
+    return f"{text}.{int((now - second) * 1e6):06d}+00:00"
 
 
 def estimate_tokens(row: dict[str, Any]) -> int:

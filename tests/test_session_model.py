@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from session_store.models import INTERRUPTED, Session, estimate_tokens, pending_calls
+from session_store.models import INTERRUPTED, Session, estimate_tokens, now_iso, pending_calls
 
 _CALL = [{"id": "c1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]
 ROWS = st.lists(
@@ -94,3 +96,17 @@ def test_window_after_a_rollback_or_a_reload_matches_a_plain_walk(
     assert loaded.get_history(max_tokens=budget) == naive(loaded, budget)
     loaded.append_rows(dropped)
     assert loaded.get_history(max_tokens=budget) == naive(loaded, budget)
+
+
+def test_timestamps_are_utc_iso_8601_with_microseconds() -> None:
+    """Formatted once a second, then only the microseconds change: every stamp still
+    parses, is UTC and is the time it was taken."""
+    before = datetime.now(UTC).replace(microsecond=0)
+    stamps = [now_iso() for _ in range(1000)]
+    after = datetime.now(UTC)
+    for stamp in stamps:
+        assert stamp.endswith("+00:00")
+        assert len(stamp.split("T")[1].split("+")[0].split(".")[1]) == 6
+        parsed = datetime.fromisoformat(stamp)
+        assert before <= parsed <= after + timedelta(microseconds=1)
+    assert stamps == sorted(stamps)
