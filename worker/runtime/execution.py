@@ -236,11 +236,8 @@ class TurnExecution:
         # task by the outcome; cancelling our own task cancels the turn, which it awaits
         with contextlib.suppress(BaseException):
             await task
-        if me is not None and me.cancelling() > before:  # our own task is cancelled
-            task.cancel()
-            if not task.done():
-                await asyncio.wait({task})
-            raise asyncio.CancelledError
+        if me is not None and me.cancelling() > before:  # our own task is cancelled (the
+            raise asyncio.CancelledError  # turn has ended: awaiting it forwarded the cancel)
         return turns.reason(self.key)
 
     async def _outcome(
