@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import secrets
 from typing import Any
 
 from redis.asyncio import Redis
@@ -34,6 +37,25 @@ def fields(pairs: Any) -> dict[str, str]:
         return {text(k): text(v) for k, v in pairs.items()}
     items = list(pairs or [])
     return {text(items[i]): text(items[i + 1]) for i in range(0, len(items) - 1, 2)}
+
+
+_nonce_prefix = secrets.token_hex(8)
+_nonce_count = itertools.count()
+
+
+def _reseed() -> None:
+    global _nonce_prefix, _nonce_count
+    _nonce_prefix, _nonce_count = secrets.token_hex(8), itertools.count()
+
+
+os.register_at_fork(after_in_child=_reseed)  # a forked child never repeats its parent's
+
+
+def fresh_nonce() -> str:
+    """A value never handed out before, by any process: 64 random bits drawn once per
+    process (and again in a forked child), then a counter (a lease nonce, a new session's
+    generation: two a turn, without a system call for randomness each)."""
+    return f"{_nonce_prefix}{next(_nonce_count):x}"
 
 
 def stream_id_ms(entry_id: str) -> int:

@@ -10,7 +10,6 @@ owner / worker registries are in ``bus_redis.registry``.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +17,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.client import NEVER_DECODE
 
-from bus_redis.codec import payload_text, text, texts
-from bus_redis.keys import Keys, channel_of
+from bus_redis.codec import fresh_nonce, payload_text, text, texts
+from bus_redis.keys import CACHED_KEY_CHARS, Keys, channel_of
 from bus_redis.mux import Multiplexed
 from bus_redis.queue import READY_MAXLEN, WORKER_GROUP, ReadyQueues
 from bus_redis.results import (
@@ -56,6 +55,51 @@ class Retention:
     transient_ttl_ms: int = 60_000
 
 
+class _Channel:
+    """The key names of one channel that a turn names."""
+
+    __slots__ = ("dead", "leases", "owners", "pulse", "queued", "ready", "sessions_index")
+
+    def __init__(self, k: Keys, c: str) -> None:
+        self.leases, self.sessions_index, self.owners = (
+            k.leases(c),
+            k.sessions_index(c),
+            k.owners(c),
+        )
+        self.dead, self.pulse, self.ready, self.queued = (
+            k.dead(c),
+            k.pulse(c),
+            k.ready(c),
+            k.queued(c),
+        )
+
+
+class _Names:
+    """The key names a turn of session key S names (as S, and as the effective key K)."""
+
+    __slots__ = (
+        "attempts", "channel", "inbound", "journal", "lease", "out", "owner", "pending",
+        "session", "stream",
+    )  # fmt: skip
+
+    def __init__(self, k: Keys, s: str, channel: _Channel) -> None:
+        self.channel = channel
+        self.lease, self.pending, self.session = k.lease(s), k.pending(s), k.session(s)
+        self.inbound, self.attempts, self.out = k.inbound(s), k.attempts(s), k.out(s)
+        self.owner, self.journal = k.owner(s), k.journal(s)
+        # S as a stream to select from: seven KEYS (lua/_common.lua)
+        self.stream = (
+            self.inbound, self.attempts, k.control_hint(s), self.owner, channel.ready,
+            self.lease, channel.queued,
+        )  # fmt: skip
+
+
+# sessions whose key names are kept, ~1.5 KB each (a full cache starts again; ~25 MB at
+# most): as many as the session cache holds (session_store.manager.SESSION_CACHE_MAX_SIZE)
+NAMES_CACHED = 16_384
+CHANNELS_CACHED = 1_024
+
+
 class RedisBus(ReadyQueues):
     """The worker's view of the Redis bus: ``RedisBus(redis, prefix="agent")``."""
 
@@ -80,6 +124,28 @@ class RedisBus(ReadyQueues):
         # command would hold up every command behind it on ``fast``)
         self.reader = Multiplexed.for_client(redis) if self.fast is not None else None
         self._raw: Redis | None = None
+        self._names: dict[str, _Names] = {}
+        self._channels: dict[str, _Channel] = {}
+
+    def names(self, session_key: str) -> _Names:
+        """The key names of ``session_key``, built once per session while it is cached
+        (a turn names ~30 keys); bounded: a full cache starts again, a key longer than
+        ``CACHED_KEY_CHARS`` is never kept."""
+        got = self._names.get(session_key)
+        if got is None:
+            c = channel_of(session_key)
+            channel = self._channels.get(c)
+            if channel is None:
+                channel = _Channel(self.keys, c)
+                if len(self._channels) >= CHANNELS_CACHED:
+                    self._channels.clear()
+                self._channels[c] = channel
+            got = _Names(self.keys, session_key, channel)
+            if len(session_key) <= CACHED_KEY_CHARS:
+                if len(self._names) >= NAMES_CACHED:
+                    self._names.clear()
+                self._names[session_key] = got
+        return got
 
     async def aclose(self) -> None:
         """Close what the bus opened itself (the twin client, the multiplexed connection),
@@ -97,10 +163,8 @@ class RedisBus(ReadyQueues):
     def _streams(self, members: Iterable[str]) -> tuple[list[str], list[str]]:
         keys: list[str] = []
         args: list[str] = []
-        k = self.keys
         for m in members:
-            keys += [k.inbound(m), k.attempts(m), k.control_hint(m), k.owner(m)]
-            keys += [k.ready(channel_of(m)), k.lease(m), k.queued(channel_of(m))]
+            keys += self.names(m).stream
             args.append(m)
         return keys, args
 
@@ -120,13 +184,13 @@ class RedisBus(ReadyQueues):
         inside the script, only once it succeeded. With ``cached`` (the worker's copy of
         the durable session), a copy that is behind gets the rows it lacks in the same call
         (``Acquired.ahead``)."""
-        k = self.keys
         skeys, sargs = self._streams([member] if member and select else [])
-        keys = [k.lease(key), k.pending(key), k.session(key), memory_key or k.session(key)]
-        keys += [k.owner(member or key), note.stream if note and note.entry_id else k.lease(key)]
-        keys += [k.leases(channel_of(key)), k.lease(member or key)]
+        n = self.names(key)
+        s = self.names(member) if member else n
+        keys = [n.lease, n.pending, n.session, memory_key or n.session, s.owner]
+        keys += [note.stream if note and note.entry_id else n.lease, n.channel.leases, s.lease]
         args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
-        nonce = secrets.token_hex(8)
+        nonce = fresh_nonce()
         args += [self.owner_ttl_ms, "1" if select else "0", nonce, READY_MAXLEN]
         args += [note.entry_id if note else "", WORKER_GROUP]
         if cached is None:
@@ -200,19 +264,19 @@ class RedisBus(ReadyQueues):
         """Fenced commit; with ``select`` members, also picks the next entry or releases.
         Returns ``(version, generation, step)``; version -1 when nothing was written: the
         lease was lost (``Lost``) or a message arrived after ``spec.late_after`` (``Late``)."""
-        k, r = self.keys, self.retention
+        r = self.retention
         skeys, sargs = self._streams(select or [])
-        m = spec.member
-        keys = [k.lease(key), k.session(key), k.inbound(m), k.attempts(m), k.out(m)]
-        index = k.sessions_index(channel_of(key))
-        keys += [index, k.scope_sessions(spec.scope) if spec.scope else index]
-        keys += [k.owner(m), k.owners(channel_of(m)), k.pending(key), k.dead(channel_of(m))]
-        keys += [k.leases(channel_of(key)), k.journal(key), k.pulse(channel_of(m))]
+        n, m = self.names(key), self.names(spec.member)
+        index = n.channel.sessions_index
+        scope = self.keys.scope_sessions(spec.scope) if spec.scope else index
+        keys = [n.lease, n.session, m.inbound, m.attempts, m.out, index, scope, m.owner]
+        keys += [m.channel.owners, n.pending, m.channel.dead, n.channel.leases, n.journal]
+        keys.append(m.channel.pulse)
         ttl = r.transient_ttl_ms if spec.transient else r.ttl_ms
         args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, r.maxlen, ttl, spec.meta]
         args += [key, spec.owner_op, worker_id, spec.owner_member, self.owner_ttl_ms, spec.dead]
         mode = ("1" if select is not None else "0") + ("j" if spec.journaled else "")
-        args += [mode, secrets.token_hex(8), spec.late_after]
+        args += [mode, fresh_nonce(), spec.late_after]
         args += [len(spec.rows), *spec.rows, *sargs]
         raw = await self.scripts.call("commit", keys + skeys, args)
         parts = texts(raw[:3])

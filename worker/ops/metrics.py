@@ -35,7 +35,9 @@ class WorkerMetrics:
             "agent_queue_wait_seconds", "From publish (the entry's id) to the start of its turn",
             buckets=_TURN_BUCKETS, registry=r,
         )  # fmt: skip
+        self.handling = 0  # entries being handled: read at scrape time, no lock a turn
         self.in_flight = Gauge("agent_turns_in_flight", "Entries being handled", registry=r)
+        self.in_flight.set_function(lambda: self.handling)
         self.oldest_queued_seconds = Gauge(
             "agent_oldest_queued_seconds",
             "Age of the oldest unread notification over the served channels' ready queues",
@@ -65,6 +67,10 @@ class WorkerMetrics:
         self.tokens = Counter(
             "agent_provider_tokens", "Tokens reported by the provider", ["kind"], registry=r
         )
+        self._token_kinds = [
+            (kind, self.tokens.labels(kind.removesuffix("_tokens")))
+            for kind in ("prompt_tokens", "completion_tokens")
+        ]
         self.cancel_seconds = Histogram(
             "agent_cancel_seconds", "From a control reaching the worker to its turn cancelled",
             buckets=_FAST_BUCKETS, registry=r,
@@ -85,10 +91,10 @@ class WorkerMetrics:
         self.dead_letters.labels(reason if reason in DEAD_REASONS else "other").inc()
 
     def usage(self, usage: dict[str, Any]) -> None:
-        for kind in ("prompt_tokens", "completion_tokens"):
+        for kind, child in self._token_kinds:
             value = usage.get(kind)
             if isinstance(value, int) and value > 0:
-                self.tokens.labels(kind.removesuffix("_tokens")).inc(value)
+                child.inc(value)
 
 
 class MeteredProvider:

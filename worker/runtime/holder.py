@@ -128,11 +128,11 @@ class SessionHolder(EntryPolicy):
             metrics.redeliveries.inc()
         waited_ms = time.time() * 1000 - stream_id_ms(entry.entry_id)
         metrics.queue_wait_seconds.observe(max(0.0, waited_ms) / 1000)
-        metrics.in_flight.inc()
+        metrics.handling += 1
         try:
             return await self._process_entry(entry, started)
         finally:
-            metrics.in_flight.dec()
+            metrics.handling -= 1
 
     def _done(self, entry: Entry, spec: CommitSpec, started: float) -> None:
         """A committed entry: its metrics and its one log line (a private session's
