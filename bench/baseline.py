@@ -11,7 +11,9 @@ message in flight each (a session sends its next message when its answer arrives
 the real frontend client, after a warm-up of ``--warm`` turns per session and worker process (so
 that every process's session cache holds every session: a steady state, not the first
 load of each session by each process). Printed per system:
-turns/s and its ratio to the baseline of the same repetition, CPU per turn of the serving
+turns/s and its ratio to the baseline of the same repetition (and, for N processes with
+``--loop-procs`` N, to the loop as N processes, and that ratio over one process's ratio in
+the same repetition: how the worker scales next to the loop), CPU per turn of the serving
 processes, of redis-server (``INFO cpu``) and of the load generator (this process), and
 Redis commands per turn (``INFO commandstats``: every client, commands run inside scripts
 included) with the script calls among them; min / median / max over repetitions. With
@@ -252,6 +254,10 @@ async def main() -> None:
         if system.endswith("proc") and twin in runs:
             same = [r.rate / t.rate for r, t in zip(rs, runs[twin], strict=True)]
             print(f"  ratio to {twin:6}    {_spread(same, '.2f')}")
+            if system != "1 proc" and "1 proc" in runs:  # issue 15's item 3, per repetition
+                one = ratios["1 proc"]
+                scaling = [x / y for x, y in zip(same, one, strict=True)]
+                print(f"  that / 1 proc's    {_spread(scaling, '.2f')} (same repetition)")
         cpu = [loop.serve_ms / r.serve_ms for r, loop in zip(rs, runs["loop"], strict=True)]
         print(f"  loop's CPU / this  {_spread(cpu, '.2f')} (serving CPU per turn)")
         print(f"  serving CPU/turn   {_spread([r.serve_ms * 1000 for r in rs], '.0f')} µs")
