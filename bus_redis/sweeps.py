@@ -26,12 +26,13 @@ from redis.exceptions import NoScriptError, ResponseError
 from bus_redis.codec import safe, stream_id_ms, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, in_channel
 from bus_redis.scripts import script_sha
-from bus_redis.streams import READY_MAXLEN, RedisBus
+from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000  # keys visited per janitor step
 QUEUED_SWEEP = 500  # members of one channel's queued index looked at per call
 IN_FLIGHT_MS = 1000  # a younger queued entry is assumed to have its notification on the way
 RECHECK_MS = 5000  # a served (or just re-notified) session is looked at again after this
+BACKLOG_MS = 60_000  # a notification unread in its ready queue is believed on its way this long
 LEASES_LOOKED_AT = 4096  # lease-registry members read per channel in a takeover
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,30 @@ class _Look:
     empty: list[str]
     stranded: list[str]
     later: dict[str, int]  # session -> when to look again (ms)
+
+
+def _delivered_ms(groups: Any, length: Any) -> int | None:
+    """When the newest notification the workers' group of a ready queue has read was
+    published (ms; ``XINFO GROUPS``); None when unknown (no such group, an error) or when
+    the queue holds nothing (read entries are deleted once taken: nothing waits in it)."""
+    if isinstance(groups, Exception) or not isinstance(length, int) or length == 0:
+        return None
+    for g in groups or []:
+        if text(g.get("name", g.get(b"name"))) == WORKER_GROUP:
+            last = text(g.get("last-delivered-id", g.get(b"last-delivered-id")))
+            return stream_id_ms(last) if last else None
+    return None
+
+
+def _waiting(delivered_ms: int | None, first_ms: int, now: int) -> bool:
+    """Whether a session's oldest entry (published at ``first_ms``) still has its
+    notification in the ready queue, unread: the workers' group has read nothing published
+    since (a backlog: the queue is longer than ``IN_FLIGHT_MS`` of turns). Re-notifying it
+    would only queue a second notification behind the first, and every such duplicate costs
+    a worker an acquire that finds nothing: the sweep would add load where load is already
+    too high. Believed for ``BACKLOG_MS`` at most (a ready queue re-created meanwhile reads
+    from its start, and a notification trimmed from it is never read)."""
+    return delivered_ms is not None and delivered_ms < first_ms and now - first_ms < BACKLOG_MS
 
 
 class Sweeps:
@@ -197,14 +222,22 @@ class Sweeps:
         each of the others again (a young entry's notification is on its way; a held or
         private one is served)."""
         k = self.keys
+        channels = list(dict.fromkeys(channel_of(s) for s in sessions))
         async with self.bus.raw.pipeline(transaction=False) as pipe:
             for s in sessions:
                 pipe.xrange(k.inbound(s), "-", "+", count=1)
                 pipe.exists(k.lease(s))
                 pipe.exists(k.owner(s))
+            for c in channels:
+                pipe.xinfo_groups(k.ready(c))
+                pipe.xlen(k.ready(c))
             pipe.exists(k.lease(f"{UNIFIED_CHANNEL}:default"))
             res: list[Any] = await pipe.execute(raise_on_error=False)
         unified_held = res[-1] == 1
+        queues = res[3 * len(sessions) : -1]
+        delivered = {
+            c: _delivered_ms(queues[2 * j], queues[2 * j + 1]) for j, c in enumerate(channels)
+        }
         look = _Look([], [], {})
         for i, s in enumerate(sessions):
             first, held, private = res[3 * i], res[3 * i + 1] == 1, res[3 * i + 2] == 1
@@ -219,7 +252,9 @@ class Sweeps:
                 look.later[s] = first_ms + in_flight_ms
                 continue
             look.later[s] = now + recheck_ms
-            if not held and (private or not unified or not unified_held):
+            if held or _waiting(delivered[channel_of(s)], first_ms, now):
+                continue
+            if private or not unified or not unified_held:
                 look.stranded.append(s)
         return look
 

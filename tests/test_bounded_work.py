@@ -398,3 +398,47 @@ async def test_channel_discovery_scans_a_bounded_number_of_keys_per_call(
         calls.append([])
         await workers[0].discover_channels(steps=1)
         assert calls[-1][0][0] == 0  # starts over
+
+
+async def test_the_sweep_adds_no_notification_behind_one_that_waits_unread(
+    redis: aioredis.Redis,
+) -> None:
+    """A backlog: notifications wait unread in the ready queue for longer than the sweep's
+    in-flight allowance. Re-notifying them would queue duplicates, each costing a worker an
+    acquire that finds nothing, where load is already too high: the sweep does not. Once the
+    workers have read past a session's entry and nobody holds it, it is stranded and
+    re-notified; so is one whose queue holds nothing, and one waiting past BACKLOG_MS."""
+    from bus_redis.streams import WORKER_GROUP
+    from bus_redis.sweeps import BACKLOG_MS, Sweeps
+
+    bus = RedisBus(redis)
+    sweeps = Sweeps(bus)
+    k = bus.keys
+    seconds, micros = await redis.time()
+    now = int(seconds) * 1000 + int(micros) // 1000
+
+    async def publish(channel: str, chat: str, at_ms: int, *, notify: bool = True) -> str:
+        session = f"{channel}:{chat}"
+        await redis.xadd(k.inbound(session), {"payload": "{}"}, id=f"{at_ms}-0")
+        await redis.zadd(k.queued(channel), {session: 0})
+        if notify:
+            await redis.xadd(k.ready(channel), {"session": session}, id=f"{at_ms}-0")
+        return session
+
+    await bus.ensure_groups([k.ready("web"), k.ready("tg"), k.ready("x")])
+    b0, b1, _b2 = [await publish("web", f"b{i}", now - 5000 + 1000 * i) for i in range(3)]
+    assert await sweeps.queued("web", unified=False, recheck_ms=0) == []  # all waiting
+    assert await redis.xlen(k.ready("web")) == 3  # nothing queued twice
+
+    await redis.xreadgroup(WORKER_GROUP, "gone", {k.ready("web"): ">"}, count=2)  # b0, b1
+    assert sorted(await sweeps.queued("web", unified=False, recheck_ms=0)) == [b0, b1]
+    assert await redis.xlen(k.ready("web")) == 5  # b2 still waits behind its one notification
+
+    old = await publish("tg", "old", now - BACKLOG_MS - 1000)  # unread for too long
+    assert await sweeps.queued("tg", unified=False) == [old]
+    lost = await publish("x", "lost", now - 5000, notify=False)  # nothing in its queue
+    assert await sweeps.queued("x", unified=False) == [lost]
+    # nothing left queued for a worker of a later test on the shared server
+    channels = ("web", "tg", "x")
+    await redis.delete(*(k.ready(c) for c in channels), *(k.queued(c) for c in channels))
+    await redis.delete(*(k.inbound(s) for s in (b0, b1, _b2, old, lost)))
