@@ -18,6 +18,11 @@ processes, of redis-server (``INFO cpu``) and of the load generator (this proces
 Redis commands per turn (``INFO commandstats``: every client, commands run inside scripts
 included) with the script calls among them; min / median / max over repetitions. With
 ``--commandstats N``, each system's N costliest commands by Redis time per turn.
+
+Turns/s counts the answers the load generator read; the serving side's and Redis' costs
+are per turn served (the replies written in the window: the channel pulse's
+``entries-added``), the load generator's per answer read. The two counts differ when the
+reader falls behind for a while (thousands of sessions, a short window): ``served / read``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Run:
     commands: float
     scripts: float
     per_command: dict[str, tuple[float, float]]  # name -> (calls, Redis µs) per turn
+    served: float  # turns served in the window / answers the load generator read in it
 
 
 async def _commandstats(redis: aioredis.Redis) -> dict[str, tuple[int, int]]:
@@ -65,14 +71,18 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _redis_counts(redis: aioredis.Redis) -> tuple[float, int, int]:
+async def _redis_counts(redis: aioredis.Redis) -> tuple[float, int, int, int]:
+    """Redis CPU, commands, script calls, and the replies written so far (both systems add
+    one pulse entry per reply; ``entries-added`` counts those trimmed away too)."""
     cpu = await redis.info("cpu")
     stats = await redis.info("commandstats")
     calls = sum(int(v["calls"]) for v in stats.values())
     scripts = sum(
         int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval")
     )
-    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), calls, scripts
+    pulse = await redis.xinfo_stream(Keys().pulse(CHANNEL))
+    cpu_s = float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+    return cpu_s, calls, scripts, int(pulse["entries-added"])
 
 
 class _Serving:
@@ -143,7 +153,7 @@ async def run(
     procs = 1 if system == "loop" else int(system.split()[0])
     warm = sessions * warm_rounds * procs
     done = 0
-    mark: tuple[float, float, float, float, int, int] | None = None
+    mark: tuple[float, float, float, float, int, int, int] | None = None
     before: dict[str, tuple[int, int]] = {}
     try:
         for s in range(sessions):
@@ -174,19 +184,23 @@ async def run(
         wall = time.perf_counter() - mark[0]
         front = time.process_time() - mark[1]
         serve = serving.cpu_s() - mark[2]
-        redis_cpu, calls, scripts = await _redis_counts(redis)
+        redis_cpu, calls, scripts, replies = await _redis_counts(redis)
         after = await _commandstats(redis)
     finally:
         serving.close()
         await redis.aclose()
-    n = done - warm
+    read = done - warm
+    # costs per turn served (replies written in the window): with many sessions the reader
+    # may fall behind for a while, and a window's turns served and answers read differ
+    n = replies - mark[6]
     return Run(
-        rate=n / wall,
+        rate=read / wall,
         serve_ms=serve / n * 1000,
         redis_us=(redis_cpu - mark[3]) / n * 1e6,
-        front_ms=front / n * 1000,
+        front_ms=front / read * 1000,
         commands=(calls - mark[4]) / n,
         scripts=(scripts - mark[5]) / n,
+        served=n / read,
         per_command={
             name: ((c - before.get(name, (0, 0))[0]) / n, (u - before.get(name, (0, 0))[1]) / n)
             for name, (c, u) in after.items()
@@ -265,6 +279,7 @@ async def main() -> None:
         print(f"  frontend CPU/turn  {_spread([r.front_ms * 1000 for r in rs], '.0f')} µs")
         print(f"  Redis commands     {_spread([r.commands for r in rs], '.1f')} per turn")
         print(f"  of them scripts    {_spread([r.scripts for r in rs], '.1f')} per turn")
+        print(f"  served / read      {_spread([r.served for r in rs], '.2f')}")
         top = sorted(rs[-1].per_command.items(), key=lambda kv: -kv[1][1])[: args.commandstats]
         for name, (calls, usec) in top:
             print(f"    {name:16} {calls:5.2f} calls {usec:7.1f} µs per turn")
