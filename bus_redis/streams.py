@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.client import NEVER_DECODE
 
 from bus_redis.codec import fresh_nonce, payload_text, text, texts
-from bus_redis.keys import CACHED_KEY_CHARS, Keys, channel_of
+from bus_redis.keys import Keys, channel_of
 from bus_redis.mux import Multiplexed
 from bus_redis.queue import READY_MAXLEN, WORKER_GROUP, ReadyQueues
 from bus_redis.results import (
@@ -94,9 +94,12 @@ class _Names:
         )  # fmt: skip
 
 
-# sessions whose key names are kept, ~1.5 KB each (a full cache starts again; ~25 MB at
-# most): as many as the session cache holds (session_store.manager.SESSION_CACHE_MAX_SIZE)
+# sessions whose key names are kept (a full cache starts again), as many as the session
+# cache holds (session_store.manager.SESSION_CACHE_MAX_SIZE); only keys of at most
+# NAMED_KEY_CHARS characters: ~1.5 KB an entry for a 20-character key, ~2.7 KB at 128
+# (~45 MB at most)
 NAMES_CACHED = 16_384
+NAMED_KEY_CHARS = 128
 CHANNELS_CACHED = 1_024
 
 
@@ -130,7 +133,7 @@ class RedisBus(ReadyQueues):
     def names(self, session_key: str) -> _Names:
         """The key names of ``session_key``, built once per session while it is cached
         (a turn names ~30 keys); bounded: a full cache starts again, a key longer than
-        ``CACHED_KEY_CHARS`` is never kept."""
+        ``NAMED_KEY_CHARS`` is never kept."""
         got = self._names.get(session_key)
         if got is None:
             c = channel_of(session_key)
@@ -141,7 +144,7 @@ class RedisBus(ReadyQueues):
                     self._channels.clear()
                 self._channels[c] = channel
             got = _Names(self.keys, session_key, channel)
-            if len(session_key) <= CACHED_KEY_CHARS:
+            if len(session_key) <= NAMED_KEY_CHARS:
                 if len(self._names) >= NAMES_CACHED:
                     self._names.clear()
                 self._names[session_key] = got

@@ -49,11 +49,16 @@ class _Look:
 def _delivered_ms(groups: Any, length: Any) -> int | None:
     """When the newest notification the workers' group of a ready queue has read was
     published (ms; ``XINFO GROUPS``); None when unknown (no such group, an error) or when
-    the queue holds nothing (read entries are deleted once taken: nothing waits in it)."""
-    if isinstance(groups, Exception) or not isinstance(length, int) or length == 0:
+    nothing in the queue waits unread: its length less the group's read but unacknowledged
+    entries (a notification is deleted once acknowledged; ``lag`` is unknown after a
+    deletion)."""
+    if isinstance(groups, Exception) or not isinstance(length, int):
         return None
     for g in groups or []:
         if text(g.get("name", g.get(b"name"))) == WORKER_GROUP:
+            pending = g.get("pending", g.get(b"pending"))
+            if not isinstance(pending, int) or length - pending <= 0:
+                return None
             last = text(g.get("last-delivered-id", g.get(b"last-delivered-id")))
             return stream_id_ms(last) if last else None
     return None

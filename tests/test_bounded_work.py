@@ -425,7 +425,7 @@ async def test_the_sweep_adds_no_notification_behind_one_that_waits_unread(
             await redis.xadd(k.ready(channel), {"session": session}, id=f"{at_ms}-0")
         return session
 
-    await bus.ensure_groups([k.ready("web"), k.ready("tg"), k.ready("x")])
+    await bus.ensure_groups([k.ready(c) for c in ("web", "tg", "x", "y")])
     b0, b1, _b2 = [await publish("web", f"b{i}", now - 5000 + 1000 * i) for i in range(3)]
     assert await sweeps.queued("web", unified=False, recheck_ms=0) == []  # all waiting
     assert await redis.xlen(k.ready("web")) == 3  # nothing queued twice
@@ -438,7 +438,13 @@ async def test_the_sweep_adds_no_notification_behind_one_that_waits_unread(
     assert await sweeps.queued("tg", unified=False) == [old]
     lost = await publish("x", "lost", now - 5000, notify=False)  # nothing in its queue
     assert await sweeps.queued("x", unified=False) == [lost]
+    # what a queue holds may all be read already (a worker's batch, a dead consumer's):
+    # then nothing waits unread in it, and a lost notification is found at once
+    taken = await publish("y", "taken", now - 5000)
+    await redis.xreadgroup(WORKER_GROUP, "busy", {k.ready("y"): ">"}, count=1)
+    also_lost = await publish("y", "also-lost", now - 3000, notify=False)
+    assert sorted(await sweeps.queued("y", unified=False)) == [also_lost, taken]
     # nothing left queued for a worker of a later test on the shared server
-    channels = ("web", "tg", "x")
+    channels = ("web", "tg", "x", "y")
     await redis.delete(*(k.ready(c) for c in channels), *(k.queued(c) for c in channels))
-    await redis.delete(*(k.inbound(s) for s in (b0, b1, _b2, old, lost)))
+    await redis.delete(*(k.inbound(s) for s in (b0, b1, _b2, old, lost, taken, also_lost)))

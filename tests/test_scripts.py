@@ -326,3 +326,39 @@ async def test_an_expired_lease_is_swept_back_onto_its_channels_queue(
     assert isinstance(again, Acquired)
     assert again.step == More((K,))
     assert isinstance(await bus.next(K, again.token, [K]), Entry)
+
+
+@pytest.mark.real_redis
+async def test_a_full_redis_loses_no_event_of_a_private_session_s_commit() -> None:
+    """At maxmemory (noeviction), a private session's commit (no rows: the deletion of the
+    processed entry is its first write, which Redis lets past the limit) keeps the events
+    a reader has not read yet and adds the answer: an out-of-memory error is no junk that
+    ``safe`` may delete."""
+    from servers import RedisServer, require_redis_server
+
+    from bus_redis.results import CommitSpec
+
+    require_redis_server()
+    server = RedisServer(extra=["--maxmemory-policy", "noeviction"]).start()
+    redis = aioredis.from_url(server.url, decode_responses=True)
+    try:
+        bus = RedisBus(redis)
+        await bus.scripts.load_all()
+        s = "web:private"
+        await redis.xadd(bus.keys.out(s), {"payload": "earlier, not yet read"})
+        entry = await redis.xadd(bus.keys.inbound(s), {"payload": "{}"})
+        acquired = await bus.acquire(s, "w1", member=s)
+        assert isinstance(acquired, Acquired)
+        await redis.config_set("maxmemory", 1)
+        spec = CommitSpec(member=s, entry_ids=[entry], reply='{"content":"answer"}', transient=True)
+        version, _, step = await bus.commit(s, acquired.token, "w1", spec, select=[s])
+        await redis.config_set("maxmemory", 0)
+        events = [f["payload"] for _, f in await redis.xrange(bus.keys.out(s))]
+        assert events == ["earlier, not yet read", '{"content":"answer"}']
+        assert version >= 0
+        assert isinstance(step, Released)
+        assert await redis.exists(bus.keys.inbound(s)) == 0
+    finally:
+        await bus.aclose()
+        await redis.aclose()
+        server.cleanup()

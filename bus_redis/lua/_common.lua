@@ -59,10 +59,15 @@ end
 
 -- A key a frontend may write (hint, events, inbound stream) that has another type than the
 -- worker expects is junk: it is deleted instead of failing the script halfway. `safe`
--- runs a command; on a wrong-type error it deletes the key and answers `empty`.
+-- runs a command; on an error it deletes the key and answers `empty` (a wrong type, an
+-- events stream at the last possible id), except on a full Redis: the key is no junk, and
+-- the error is raised (a script's first write is refused past maxmemory).
 local function safe(empty, cmd, key, ...)
   local r = redis.pcall(cmd, key, ...)
   if type(r) == 'table' and r.err then
+    if string.find(tostring(r.err), 'OOM', 1, true) == 1 then
+      return redis.call(cmd, key, ...)  -- raises it
+    end
     redis.call('DEL', key)
     return empty
   end

@@ -75,12 +75,13 @@ if not applied then
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[7])
   end
   -- its one entry was all S held, and S (= K) is the one stream selected below, which
-  -- finds it empty and deletes it with its attempts and hint (try_release): no XDEL +
-  -- HDEL now (a stream the lease keeps is never deleted: its last id must stay, so an
-  -- explicit id never goes back)
+  -- deletes it then anyway: deleted now instead of XDEL + HDEL (a stream the lease keeps
+  -- is never deleted here: its last id must stay, so an explicit id never goes back)
   local sole = string.sub(ARGV[13], 1, 1) == '1' and #KEYS == 21 and KEYS[15] == KEYS[3]
     and ARGV[17 + n] == ARGV[7]
-  if not (emptied and sole) then
+  if emptied and sole then
+    redis.call('DEL', KEYS[3], KEYS[4])
+  else
     for id in string.gmatch(ARGV[2], '%S+') do
       redis.call('XDEL', KEYS[3], id)
       redis.call('HDEL', KEYS[4], id, id .. ':error')
