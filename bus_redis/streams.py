@@ -61,17 +61,13 @@ class _Channel:
     __slots__ = ("dead", "leases", "owners", "pulse", "queued", "ready", "sessions_index")
 
     def __init__(self, k: Keys, c: str) -> None:
-        self.leases, self.sessions_index, self.owners = (
-            k.leases(c),
-            k.sessions_index(c),
-            k.owners(c),
-        )
-        self.dead, self.pulse, self.ready, self.queued = (
-            k.dead(c),
-            k.pulse(c),
-            k.ready(c),
-            k.queued(c),
-        )
+        self.leases = k.leases(c)
+        self.sessions_index = k.sessions_index(c)
+        self.owners = k.owners(c)
+        self.dead = k.dead(c)
+        self.pulse = k.pulse(c)
+        self.ready = k.ready(c)
+        self.queued = k.queued(c)
 
 
 class _Names:
