@@ -187,7 +187,7 @@ def decode_inbound(
     data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
     size = len(data)
     try:
-        data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise MessageRejectedError("invalid_message", "payload is not valid UTF-8") from None
     if size > max_bytes:
@@ -201,33 +201,39 @@ def decode_inbound(
         raise MessageRejectedError(
             "invalid_message", f"payload nests deeper than {MAX_DEPTH}", **origin
         )
-    doc = _try_json(data)
+    # the text already decoded is what json.loads would decode the bytes as, unless they
+    # start with a UTF-8 BOM or a NUL (read as UTF-16 or -32 there): then as it would
+    utf8 = data[:1] != b"\xef" and b"\x00" not in data[:2]
+    doc = _try_json(text if utf8 else data)
     if doc is _INVALID:
         raise MessageRejectedError("invalid_message", "payload is not valid JSON")
     if _LONE_SURROGATE.search(data):
         doc = _without_lone_surrogates(doc)
-    origin = _origin(doc)
     if not isinstance(doc, dict):
         raise MessageRejectedError("invalid_message", "payload is not a JSON object")
     if "v" not in doc:
-        raise MessageRejectedError("invalid_message", 'missing wire version "v" (2)', **origin)
+        raise MessageRejectedError(
+            "invalid_message", 'missing wire version "v" (2)', **_origin(doc)
+        )
     if doc["v"] != WIRE_VERSION or isinstance(doc["v"], bool):
         raise MessageRejectedError(
-            "invalid_message", f"unsupported wire version {doc.get('v')!r}", **origin
+            "invalid_message", f"unsupported wire version {doc.get('v')!r}", **_origin(doc)
         )
     try:
         if doc.get("op") == "open_transient":
             return OpenTransient.model_validate(doc)
         if "op" in doc:
             raise MessageRejectedError(
-                "invalid_message", f"op {doc['op']!r} is not allowed on an inbound stream", **origin
+                "invalid_message",
+                f"op {doc['op']!r} is not allowed on an inbound stream",
+                **_origin(doc),
             )
         return InboundMessage.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "payload"
         raise MessageRejectedError(
-            "invalid_message", f"{where}: {first['msg']}", **origin
+            "invalid_message", f"{where}: {first['msg']}", **_origin(doc)
         ) from None
 
 

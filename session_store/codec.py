@@ -8,9 +8,8 @@ from typing import Any
 
 from session_store.models import Session
 
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+# built once: ``json.dumps`` with any option builds a new encoder on every call
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str).encode
 
 
 def encode_meta(session: Session) -> str:

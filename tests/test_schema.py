@@ -4,6 +4,7 @@ of rejected payloads."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,36 @@ def test_bytes_that_are_not_utf8_are_invalid() -> None:
     with pytest.raises(MessageRejectedError) as info:
         decode_inbound(raw.decode("utf-8", "surrogateescape"))
     assert (info.value.code, info.value.detail) == ("invalid_message", "payload is not valid UTF-8")
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda text: text.encode(),
+        lambda text: b"\xef\xbb\xbf" + text.encode(),  # a UTF-8 byte order mark
+        lambda text: text.encode("utf-16-le"),  # NUL bytes: json reads UTF-16 or -32
+        lambda text: text.encode("utf-16-be"),
+        lambda text: text.encode("utf-32-le"),
+        lambda text: b"\x00" + text.encode(),
+        lambda text: text.encode()[:1],
+    ],
+)
+def test_a_payload_is_parsed_as_json_parses_its_bytes(encode: Any) -> None:
+    """The text decoded while checking UTF-8 is parsed (a second decode saved) only where
+    ``json.loads`` would read the bytes as that text: a byte order mark or leading NULs
+    are read as json reads them."""
+    raw = encode(_doc(content="é"))
+    try:
+        expected: object = json.loads(raw)
+    except ValueError:
+        expected = None
+    try:
+        got: object = decode_inbound(raw).model_dump(include={"content", "channel"})
+    except MessageRejectedError:
+        got = None
+    if isinstance(expected, dict):
+        expected = {"content": expected["content"], "channel": expected["channel"]}
+    assert got == expected
 
 
 @pytest.mark.parametrize(
