@@ -36,6 +36,7 @@ SCRIPT_NAMES = (
     "compact",
     "hint",
     "beat",
+    "claim",
     "dead",
     "takeover",
     "journal",

@@ -222,7 +222,7 @@ def test_a_holder_ends_only_its_own_slot() -> None:
     new = turns.begin("web:k", "web:k", "2-0")  # a newer holder of K began meanwhile
     assert turns.end("web:k", old) is None
     assert turns.running() == {"web:k": ("web:k", "2-0")}
-    turns.cancel_key("web:k", "stop")
+    turns.cancel("web:k", "stop")
     assert turns.end("web:k", new) == "stop"
     assert turns.running() == {}
 

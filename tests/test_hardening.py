@@ -312,6 +312,27 @@ async def test_start_up_checks_refuse_a_live_twin_and_another_mode(redis: aiored
         await check_can_serve(bus, "w2", unified=False, single_owner=True)
 
 
+async def test_of_twins_started_at_once_with_one_worker_id_only_one_serves(
+    redis: aioredis.Redis,
+) -> None:
+    """Both look before either has written a heartbeat: the id is claimed atomically, and
+    the second to claim it is refused with whose it is (else both would serve, beating
+    for each other, and neither's leases would be taken over when one is killed)."""
+    from worker.runtime.registration import WorkerConflictError, check_can_serve
+
+    bus = RedisBus(redis)
+    looked = redis.zscore
+
+    async def twin_claims_meanwhile(*args: Any) -> Any:  # between our look and our claim
+        keys = [bus.keys.worker_info("t"), bus.keys.workers]
+        assert await bus.scripts.call("claim", keys, ["t", "", "twin", "h2", 4242, 30000, 1]) == 1
+        return await looked(*args)
+
+    redis.zscore = twin_claims_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(WorkerConflictError, match="in use by pid 4242 on h2"):
+        await check_can_serve(bus, "t", unified=False)
+
+
 async def test_a_hint_that_is_no_integer_cannot_break_a_discard(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
     """Without an ACL a client can SET the hint to "1.5": the marker is still consumed in
     one piece (the junk hint deleted), the discard applies, the next message runs."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as aioredis
 from replies import until
 
 from bus_redis import Keys, RedisBus
 from bus_redis.results import Acquired
+from worker.ops.metrics import WorkerMetrics
 from worker.runtime.lease import Lease
 
 TTL_MS = 300
@@ -103,3 +105,40 @@ def test_short_ttls_are_looked_at_more_often() -> None:
 
     assert Renewals(10_000).tick_s == 0.05
     assert Renewals(300).tick_s == 0.01  # a tenth of the 100 ms between renewals
+
+
+async def test_a_taken_over_holder_cancels_its_own_entry_not_the_newer_turn_of_its_key() -> None:
+    """A holder whose lease was taken over (its worker was paused) may still be finishing
+    when the same worker takes the key again: its lease loss cancels its own entry, never
+    the newer holder's turn, which holds a valid lease."""
+    from types import SimpleNamespace
+
+    from worker.runtime.holder import SessionHolder
+    from worker.runtime.inflight import TurnRegistry
+
+    turns = TurnRegistry()
+    rt: Any = SimpleNamespace(
+        turns=turns, bus=SimpleNamespace(lock_ttl_ms=10_000), metrics=WorkerMetrics()
+    )
+
+    def holder(entry_id: str) -> tuple[SessionHolder, asyncio.Task[None]]:
+        made = SessionHolder(rt, "web:k", Acquired(f"n{entry_id}|w", 1, "g", 0, None), set())
+        made._slot = turns.begin("web:k", "web:k", entry_id)
+        task = asyncio.create_task(asyncio.Event().wait())  # type: ignore[arg-type]
+        turns.attach("web:k", task)
+        return made, task
+
+    stale, stale_turn = holder("1-0")
+    newer, newer_turn = holder("2-0")
+    stale.lease.mark_lost()
+    assert newer_turn.cancelling() == 0
+    assert turns.reason("web:k") is None
+    assert stale_turn.cancelling() == 1
+    assert stale._slot is not None
+    assert stale._slot.reason == "lease_lost"
+    newer.abort("shutdown")
+    await asyncio.gather(newer_turn, return_exceptions=True)
+    assert newer_turn.cancelled()
+    assert turns.reason("web:k") == "shutdown"
+    stale_turn.cancel()
+    await asyncio.gather(stale_turn, return_exceptions=True)

@@ -42,7 +42,7 @@ async def test_a_control_cancels_the_turn_and_the_execution_goes_on() -> None:
     task = asyncio.create_task(_blocked(started, ended=ended))
     waiting = asyncio.create_task(execution._await_turn(task))
     await started.wait()
-    assert turns.cancel_key(KEY, "stop") == 1
+    assert turns.cancel(KEY, "stop") == 1
     assert await waiting == "stop"  # the reason, not a CancelledError
     assert task.cancelled()
     assert ended == ["cancelled"]

@@ -66,7 +66,10 @@ class SessionHolder(EntryPolicy):
         self.abort("lease_lost")
 
     def abort(self, reason: str) -> None:
-        self.rt.turns.cancel_key(self.key, reason)
+        """Cancel this holder's entry, never a newer holder's of the same key: one whose
+        lease was taken over may still be finishing when this worker takes K again."""
+        if self._slot is not None:
+            self.rt.turns.cancel_slot(self._slot, reason)
 
     # --- the lease-holding loop ----------------------------------------------------------
     async def drain(self) -> None:

@@ -79,9 +79,9 @@ class TurnRegistry:
                 n += self._cancel(slot, reason)
         return n
 
-    def cancel_key(self, key: str, reason: str) -> int:
-        slot = self._slots.get(key)
-        return self._cancel(slot, reason) if slot else 0
+    def cancel_slot(self, slot: Slot, reason: str) -> int:
+        """Cancel the entry of ``slot`` (what :meth:`begin` returned) alone."""
+        return self._cancel(slot, reason)
 
     def cancel_entry(self, key: str, entry_id: str, reason: str) -> int:
         """Cancel K's turn only if it still handles ``entry_id`` (a confirmation that

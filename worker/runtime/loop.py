@@ -365,7 +365,10 @@ class AgentLoop:
         try:
             await holder.drain()
         finally:
-            self.holders.pop(key, None)
+            # ours only: a holder of K whose lease was taken over may end after this
+            # worker took K again (a newer holder is then the one serving K here)
+            if self.holders.get(key) is holder:
+                del self.holders[key]
 
     async def _drain(self) -> None:
         """Let running sessions finish within the grace period, then cancel the rest;

@@ -16,7 +16,7 @@ import socket
 import time
 
 from bus_redis import RedisBus
-from bus_redis.codec import text
+from bus_redis.codec import fresh_nonce, text, texts
 
 log = logging.getLogger(__name__)
 SAFE_POLICIES = frozenset({"noeviction"})
@@ -57,6 +57,13 @@ async def check_redis(bus: RedisBus) -> None:
         )
 
 
+def _in_use(worker_id: str, host: str | None, pid: str | None) -> WorkerConflictError:
+    return WorkerConflictError(
+        f"worker id {worker_id!r} is in use by pid {pid} on {host}: give each worker its "
+        f"own AGENT_WORKER_ID"
+    )
+
+
 def _pid_alive(pid: str) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -81,10 +88,15 @@ async def check_can_serve(
     if alive and info and info.get("host") == me[0] and not _pid_alive(info.get("pid", "")):
         alive = False  # a crashed process of this host: restarting under its id is fine
     if alive and info and (info.get("host"), info.get("pid")) != me:
-        raise WorkerConflictError(
-            f"worker id {worker_id!r} is in use by pid {info.get('pid')} on "
-            f"{info.get('host')}: give each worker its own AGENT_WORKER_ID"
-        )
+        raise _in_use(worker_id, info.get("host"), info.get("pid"))
+    # taken atomically: a twin started at the same moment read no live record either
+    keys = [bus.keys.worker_info(worker_id), bus.keys.workers]
+    ttl_ms, now_ms = 3 * bus.lock_ttl_ms, int(time.time() * 1000)
+    args = [worker_id, info.get("claim", ""), fresh_nonce(), *me, ttl_ms, now_ms]
+    claimed = await bus.scripts.call("claim", keys, args)
+    if claimed != 1:
+        host, pid = texts(claimed)
+        raise _in_use(worker_id, host, pid)
     mode = "unified" if unified else "single-owner" if single_owner else "per-session"
     key = f"{bus.keys.prefix}:mode"
     await bus.redis.set(key, mode, nx=True)
