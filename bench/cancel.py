@@ -7,9 +7,10 @@
    ``cancelled`` error event (pub/sub, cancel, fenced commit, reply stream, read).
 
 3. saturated: one ``agent-worker run`` process kept busy by ``--load`` sessions sending
-   back to back (each sends its next message when its answer arrives), while ``--stops``
-   blocked turns of other sessions are stopped one at a time; from ``stop`` until the
-   frontend holds the ``cancelled`` event.
+   back to back (each sends its next message when its answer arrives; a process of its
+   own), while ``--stops`` blocked turns of other sessions are stopped one at a time by
+   another frontend; from ``stop`` until that frontend holds the ``cancelled`` event, and
+   on Redis' clock until the event is written.
 
     python bench/cancel.py [--turns 200] [--load 60] [--stops 20] [--only saturated]
 """
@@ -129,9 +130,36 @@ _SERVE = (  # a fake LLM in its own process, printing the text of each held requ
 )
 
 
-async def saturated(url: str, load: int, stops: int) -> list[float]:
-    """The server runs in a process of its own so that its threads do not hold the GIL
-    this process' event loop needs to read the `cancelled` event on time."""
+async def keep_busy(url: str, load: int) -> None:
+    """The load: ``load`` sessions, each sending again when answered, until killed; prints
+    ``warm`` once the worker has served 20 turns per session."""
+    redis = aioredis.from_url(url, decode_responses=True)
+    frontend, keys, turns = FrontendClient(redis), Keys(), 0
+    position = {keys.out(f"sat:load{s}"): "0" for s in range(load)}
+    for s in range(load):
+        await frontend.send(
+            InboundMessage(channel="sat", sender_id="u", chat_id=f"load{s}", content="hi")
+        )
+    while True:
+        reply = await redis.xread(position, count=100, block=1000)  # type: ignore[arg-type]
+        for stream, batch in reply or []:
+            position[stream] = batch[-1][0]
+            for _eid, fields in batch:
+                if json.loads(fields["payload"])["type"] in ("message", "error"):
+                    turns += 1
+                    if turns == load * 20:
+                        print("warm", flush=True)
+                    chat = stream.rsplit(":", 1)[1]
+                    await frontend.send(
+                        InboundMessage(channel="sat", sender_id="u", chat_id=chat, content="hi")
+                    )
+
+
+async def saturated(url: str, load: int, stops: int) -> tuple[list[float], list[float]]:
+    """The fake LLM and the load run in processes of their own: the one measuring is a
+    frontend that only stops (as a gateway replica would), not the saturated load's
+    reader. Returns the latencies read by this frontend, and on Redis' clock (its time
+    before the stop to the `cancelled` event's id: ms resolution)."""
     llm = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _SERVE, stdout=asyncio.subprocess.PIPE, cwd=_TESTS
     )
@@ -149,34 +177,17 @@ async def saturated(url: str, load: int, stops: int) -> list[float]:
     redis = aioredis.from_url(url, decode_responses=True)
     worker = WorkerProcess(url, worker_id="cancel-sat", env={**os.environ, **env})
     frontend = FrontendClient(redis)
-    keys = Keys()
-    turns = 0
-
-    async def keep_busy() -> None:  # every load session sends again when answered
-        nonlocal turns
-        position = {keys.out(f"sat:load{s}"): "0" for s in range(load)}
-        for s in range(load):
-            await frontend.send(
-                InboundMessage(channel="sat", sender_id="u", chat_id=f"load{s}", content="hi")
-            )
-        while True:
-            reply = await redis.xread(position, count=100, block=1000)  # type: ignore[arg-type]
-            for stream, batch in reply or []:
-                position[stream] = batch[-1][0]
-                for _eid, fields in batch:
-                    if json.loads(fields["payload"])["type"] in ("message", "error"):
-                        turns += 1
-                        chat = stream.rsplit(":", 1)[1]
-                        await frontend.send(
-                            InboundMessage(channel="sat", sender_id="u", chat_id=chat, content="hi")
-                        )
-
-    busy = asyncio.create_task(keep_busy())
+    busy = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--keep-busy", url, "--load", str(load),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert busy.stdout is not None
+    pulse = Keys().pulse("sat")
     samples: list[float] = []
+    on_redis: list[float] = []
     try:
-        while turns < load * 20:  # warm: the worker is saturated before the first stop
-            await asyncio.sleep(0.05)
-        t_load, turns_before = time.perf_counter(), turns
+        await busy.stdout.readline()  # warm: the worker is saturated before the first stop
+        t_load, served = time.perf_counter(), await _added(redis, pulse)
         for i in range(stops):
             key = f"sat:stop{i}"
             text = f"block {i}"
@@ -186,19 +197,27 @@ async def saturated(url: str, load: int, stops: int) -> list[float]:
             )
             while (await llm.stdout.readline()).decode().strip() != text:
                 pass  # the call is held by the server: the turn is running
+            seconds, micros = await redis.time()
             t0 = time.perf_counter()
             await frontend.stop(key)
             ev = await anext(replies)
             samples.append((time.perf_counter() - t0) * 1000)
             assert ev.code == "cancelled", ev
-        rate = (turns - turns_before) / (time.perf_counter() - t_load)
+            written_ms = int((ev.entry_id or "0-0").split("-")[0])
+            on_redis.append(written_ms - (seconds * 1000 + micros / 1000))
+        rate = (await _added(redis, pulse) - served) / (time.perf_counter() - t_load)
         print(f"saturated: {load} sessions back to back, {rate:.0f} turns/s during the stops")
     finally:
-        busy.cancel()
+        busy.kill()
         worker.close()
         llm.kill()
-        await llm.wait()
-    return samples
+        await asyncio.gather(busy.wait(), llm.wait())
+    return samples, on_redis
+
+
+async def _added(redis: aioredis.Redis, key: str) -> int:
+    """Events written on the channel so far (its pulse's ``entries-added``)."""
+    return int((await redis.xinfo_stream(key))["entries-added"])
 
 
 async def main() -> None:
@@ -209,12 +228,15 @@ async def main() -> None:
     parser.add_argument("--load", type=int, default=60)
     parser.add_argument("--stops", type=int, default=20)
     parser.add_argument("--only", choices=["saturated"])
+    parser.add_argument("--keep-busy", metavar="URL", help=argparse.SUPPRESS)  # the load
     args = parser.parse_args()
+    if args.keep_busy:
+        await keep_busy(args.keep_busy, args.load)
+        return
     server = RedisServer().start()
     try:
         if args.only == "saturated":
-            samples = await saturated(server.url, args.load, args.stops)
-            print(f"  {len(samples)} stops (stop -> `cancelled` event read): {quantiles(samples)}")
+            _print_saturated(*await saturated(server.url, args.load, args.stops))
             return
         samples = await run(server.url, args.turns)
         print(f"in-process, {len(samples)} stops (stop -> turn task cancelled): {summary(samples)}")
@@ -222,10 +244,14 @@ async def main() -> None:
         print(
             f"across processes, {len(samples)} stops (stop -> `cancelled` event read): {summary(samples)}"
         )
-        samples = await saturated(server.url, args.load, args.stops)
-        print(f"  {len(samples)} stops (stop -> `cancelled` event read): {quantiles(samples)}")
+        _print_saturated(*await saturated(server.url, args.load, args.stops))
     finally:
         server.cleanup()
+
+
+def _print_saturated(samples: list[float], on_redis: list[float]) -> None:
+    print(f"  {len(samples)} stops (stop -> `cancelled` event read): {quantiles(samples)}")
+    print(f"  on Redis' clock (stop -> `cancelled` event written): {quantiles(on_redis)}")
 
 
 if __name__ == "__main__":

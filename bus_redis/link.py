@@ -90,18 +90,22 @@ class _Link(asyncio.Protocol):
     def usable(self) -> bool:
         return self.lost is None and self.transport is not None
 
-    def call(self, packed: bytes, replies: int = 1) -> asyncio.Future[Any]:
+    def call(self, packed: bytes, replies: int = 1, *, now: bool = False) -> asyncio.Future[Any]:
+        """Send ``packed`` with this iteration's batch; ``now``: at once (with what is
+        already waiting before it, in order), saving the wait for the iteration's end."""
         if self.lost is not None:
             raise ConnectionError(*self.lost.args)
         fut = self.loop.create_future()
-        if not self.unsent:
+        if not self.unsent and not now:
             self.loop.call_soon(self._flush)
         self.unsent.append((fut if replies == 1 else _Unit(fut, replies), packed))
+        if now:
+            self._flush()  # (a flush scheduled before finds nothing left)
         return fut
 
     def _flush(self) -> None:
         batch, self.unsent = self.unsent, []
-        if self.lost is not None or self.transport is None:
+        if not batch or self.lost is not None or self.transport is None:
             return
         chunks = []
         for item, packed in batch:

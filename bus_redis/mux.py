@@ -101,9 +101,11 @@ class Multiplexed:
             retry=_retry_of(kw),
         )
 
-    async def execute(self, *args: Any) -> Any:
-        """Send one command, return its reply undecoded; retried as the client would."""
-        return await self._send(_pack(args), 1)
+    async def execute(self, *args: Any, now: bool = False) -> Any:
+        """Send one command, return its reply undecoded; retried as the client would.
+        ``now``: written at once instead of at the end of the event loop's iteration
+        (a latency that matters more than a shared write: a stopped turn's commit)."""
+        return await self._send(_pack(args), 1, now=now)
 
     async def transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
         """``MULTI``, the commands, ``EXEC``, sent as one unit (never split, never
@@ -123,18 +125,18 @@ class Multiplexed:
                 raise reply
         return list(done)
 
-    async def _send(self, packed: bytes, replies: int) -> Any:
+    async def _send(self, packed: bytes, replies: int, *, now: bool = False) -> Any:
         """``packed`` (``replies`` commands, one unit) on the connection; its reply, or
         the list of its replies."""
         link = self._link
         if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
             self.commands += replies  # the common case: connected, nothing to retry
-            return await link.call(packed, replies)
+            return await link.call(packed, replies, now=now)
 
         async def once() -> Any:
             link = await self._connected()
             self.commands += replies
-            return await link.call(packed, replies)
+            return await link.call(packed, replies, now=now)
 
         async def failed(_: Exception) -> None:
             return None  # the lost link is replaced by the next attempt

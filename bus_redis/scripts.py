@@ -77,12 +77,13 @@ class Scripts:
         for name in SCRIPT_NAMES:
             await self.redis.script_load(script_source(name))
 
-    async def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run a script; its reply is returned undecoded (bytes)."""
+    async def call(self, name: str, keys: list[str], args: list[Any], *, now: bool = False) -> Any:
+        """Run a script; its reply is returned undecoded (bytes). ``now``: sent at once
+        (``Multiplexed.execute``)."""
         argv = [len(keys), *keys, *args]
         if self.fast is not None:
             try:
-                return await self.fast.execute("EVALSHA", script_sha(name), *argv)
+                return await self.fast.execute("EVALSHA", script_sha(name), *argv, now=now)
             except NoScriptError:
                 return await self.fast.execute("EVAL", script_source(name), *argv)
         try:

@@ -277,7 +277,9 @@ class RedisBus(ReadyQueues):
         mode = ("1" if select is not None else "0") + ("j" if spec.journaled else "")
         args += [mode, fresh_nonce(), spec.late_after]
         args += [len(spec.rows), *spec.rows, *sargs]
-        raw = await self.scripts.call("commit", keys + skeys, args)
+        # a cancelled turn's commit carries the `cancelled` event a stop waits for: sent at
+        # once, not at the end of a busy event loop's iteration
+        raw = await self.scripts.call("commit", keys + skeys, args, now=spec.outcome == "cancelled")
         parts = texts(raw[:3])
         if parts[0] == "lost":
             return -1, "", Lost()

@@ -397,3 +397,30 @@ async def test_the_frontend_publishes_over_its_own_multiplexed_connection(
         assert await real_redis.xlen(keys.ready("web")) == 50
     finally:
         await client.aclose()
+
+
+async def test_a_command_sent_now_leaves_at_once_after_what_waited_before_it() -> None:
+    """``now``: written in the caller's own step (a stopped turn's commit does not wait
+    for the end of a busy loop's iteration), after the commands queued before it, in
+    order; the batch's scheduled write then finds nothing left."""
+    from bus_redis.link import _Link
+
+    class Transport:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+    loop = asyncio.get_running_loop()
+    link, transport = _Link(loop), Transport()
+    link.connection_made(transport)  # type: ignore[arg-type]
+    calls = [link.call(b"first;")]
+    assert transport.writes == []  # with this iteration's batch
+    calls.append(link.call(b"urgent;", now=True))
+    assert transport.writes == [b"first;urgent;"]
+    calls.append(link.call(b"later;"))
+    await asyncio.sleep(0)  # the iteration ends: its batch is written
+    assert transport.writes == [b"first;urgent;", b"later;"]
+    link.data_received(b"+A\r\n+B\r\n+C\r\n")  # replies resolve callers in the order sent
+    assert [call.result() for call in calls] == [b"A", b"B", b"C"]

@@ -39,6 +39,20 @@ async def test_unreachable_server_is_a_provider_error() -> None:
         await provider.chat_with_retry(messages=[{"role": "user", "content": "x"}])
 
 
+async def test_a_cancelled_call_ends_before_its_request_is_cleaned_up(fake_llm: FakeLLM) -> None:
+    """A stop's `cancelled` answer waits for the turn to end: the call ends in the event
+    loop's next step, and the connection pool's clean-up (steps of its own, each long on a
+    busy worker) runs in the background. Counted in loop steps, not time."""
+    provider = _provider(fake_llm)
+    call = asyncio.create_task(
+        provider.chat_with_retry(messages=[{"role": "user", "content": "block"}])
+    )
+    assert await asyncio.to_thread(fake_llm.started.wait, 5)
+    call.cancel()
+    await asyncio.sleep(0)  # one step of the event loop
+    assert call.cancelled()
+
+
 async def test_cancelling_the_turn_cancels_the_http_call(fake_llm: FakeLLM) -> None:
     provider = _provider(fake_llm)
     call = asyncio.create_task(
