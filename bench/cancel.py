@@ -186,7 +186,9 @@ async def saturated(url: str, load: int, stops: int) -> tuple[list[float], list[
     samples: list[float] = []
     on_redis: list[float] = []
     try:
-        await busy.stdout.readline()  # warm: the worker is saturated before the first stop
+        # warm: the worker is saturated before the first stop
+        if (await busy.stdout.readline()).strip() != b"warm":
+            raise RuntimeError("the load process ended before the worker was saturated")
         t_load, served = time.perf_counter(), await _added(redis, pulse)
         for i in range(stops):
             key = f"sat:stop{i}"
@@ -205,7 +207,8 @@ async def saturated(url: str, load: int, stops: int) -> tuple[list[float], list[
             assert ev.code == "cancelled", ev
             written_ms = int((ev.entry_id or "0-0").split("-")[0])
             on_redis.append(written_ms - (seconds * 1000 + micros / 1000))
-        rate = (await _added(redis, pulse) - served) / (time.perf_counter() - t_load)
+        served = await _added(redis, pulse) - served - stops  # (the stops' own events)
+        rate = served / (time.perf_counter() - t_load)
         print(f"saturated: {load} sessions back to back, {rate:.0f} turns/s during the stops")
     finally:
         busy.kill()

@@ -85,7 +85,7 @@ class Scripts:
             try:
                 return await self.fast.execute("EVALSHA", script_sha(name), *argv, now=now)
             except NoScriptError:
-                return await self.fast.execute("EVAL", script_source(name), *argv)
+                return await self.fast.execute("EVAL", script_source(name), *argv, now=now)
         try:
             return await self.redis.execute_command(
                 "EVALSHA", script_sha(name), *argv, **{NEVER_DECODE: True}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from replies import until
 
@@ -123,7 +124,7 @@ async def test_a_taken_over_holder_cancels_its_own_entry_not_the_newer_turn_of_i
 
     def holder(entry_id: str) -> tuple[SessionHolder, asyncio.Task[None]]:
         made = SessionHolder(rt, "web:k", Acquired(f"n{entry_id}|w", 1, "g", 0, None), set())
-        made._slot = turns.begin("web:k", "web:k", entry_id)
+        made.slot = turns.begin("web:k", "web:k", entry_id)
         task = asyncio.create_task(asyncio.Event().wait())  # type: ignore[arg-type]
         turns.attach("web:k", task)
         return made, task
@@ -134,11 +135,37 @@ async def test_a_taken_over_holder_cancels_its_own_entry_not_the_newer_turn_of_i
     assert newer_turn.cancelling() == 0
     assert turns.reason("web:k") is None
     assert stale_turn.cancelling() == 1
-    assert stale._slot is not None
-    assert stale._slot.reason == "lease_lost"
+    assert stale.slot is not None
+    assert stale.slot.reason == "lease_lost"
     newer.abort("shutdown")
     await asyncio.gather(newer_turn, return_exceptions=True)
     assert newer_turn.cancelled()
     assert turns.reason("web:k") == "shutdown"
     stale_turn.cancel()
     await asyncio.gather(stale_turn, return_exceptions=True)
+
+
+async def test_a_lost_lease_cancels_a_turn_of_the_in_process_api(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """``process_message``'s turn is its holder's own entry too: when its lease is taken
+    over, the turn is cancelled at once (its commit would be refused), not run to its end."""
+    from helpers import ScriptedProvider
+
+    from bus_redis import InboundMessage
+    from worker.agent.providers import LLMResponse
+    from worker.runtime.outcomes import TurnAbortedError
+
+    answer = asyncio.Event()
+
+    async def held(**_kw: Any) -> LLMResponse:
+        await answer.wait()
+        return LLMResponse(content="done", usage={})
+
+    provider = ScriptedProvider(handler=held)
+    loop = make_loop(provider, lock_ttl_ms=300)
+    msg = InboundMessage(channel="web", sender_id="u", chat_id="d1", content="hi")
+    call = asyncio.create_task(loop.process_message(msg))
+    await asyncio.wait_for(provider.started.wait(), 5)
+    await redis.set(Keys().lease(loop.effective_key(msg.session_key)), "n|other", px=10_000)
+    with pytest.raises(TurnAbortedError):
+        await asyncio.wait_for(call, 5)  # not answered: the provider still holds the call
+    answer.set()

@@ -20,7 +20,7 @@ KEY = "web:c1"
 
 def _execution() -> tuple[TurnExecution, TurnRegistry]:
     turns = TurnRegistry()
-    holder: Any = SimpleNamespace(rt=SimpleNamespace(turns=turns), key=KEY)
+    holder: Any = SimpleNamespace(rt=SimpleNamespace(turns=turns), key=KEY, slot=None)
     return TurnExecution(holder), turns
 
 

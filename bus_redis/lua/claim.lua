@@ -6,7 +6,8 @@
 -- ARGV[3] this process's claim (unique)  ARGV[4] host  ARGV[5] pid
 -- ARGV[6] ms the info hash is kept without a heartbeat  ARGV[7] heartbeat time (ms)
 -- returns 1 when claimed, else {host, pid} of the process that claimed the id first
-if (redis.call('HGET', KEYS[1], 'claim') or '') ~= ARGV[2] then
+local claim = redis.call('HGET', KEYS[1], 'claim') or ''
+if claim ~= '' and claim ~= ARGV[2] then  -- (a record that expired meanwhile may be taken)
   return redis.call('HMGET', KEYS[1], 'host', 'pid')
 end
 redis.call('HSET', KEYS[1], 'claim', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5])

@@ -20,6 +20,7 @@ from worker.agent.tools import ToolContext
 from worker.agent.tools.base import Origin
 from worker.runtime.context import Runtime
 from worker.runtime.followups import FollowUpPuller
+from worker.runtime.inflight import Slot
 from worker.runtime.journal import TurnJournal
 from worker.runtime.outcomes import (
     ScopeMismatchError,
@@ -53,6 +54,7 @@ class Held(Protocol):
     ahead: Ahead | None
     memory_scope: str
     memory_version: int
+    slot: Slot | None  # the entry it handles (a control or a lost lease cancels that one)
 
     @property
     def transient(self) -> bool: ...
@@ -228,8 +230,8 @@ class TurnExecution:
     async def _await_turn(self, task: asyncio.Task[str]) -> str | None:
         """Wait for the turn; a control that came while the session was loading cancels
         it at once (``TurnRegistry.attach``). Returns the cancel reason, if any."""
-        turns = self.rt.turns
-        turns.attach(self.key, task)
+        turns, slot = self.rt.turns, self.holder.slot  # its own: a newer holder's may be K's
+        turns.attach(self.key, task, slot)
         me = asyncio.current_task()
         before = me.cancelling() if me is not None else 0
         # the turn's own end (a result, its failure, a control's cancel) is read from the
@@ -238,7 +240,7 @@ class TurnExecution:
             await task
         if me is not None and me.cancelling() > before:  # our own task is cancelled (the
             raise asyncio.CancelledError  # turn has ended: awaiting it forwarded the cancel)
-        return turns.reason(self.key)
+        return slot.reason if slot is not None else turns.reason(self.key)
 
     async def _outcome(
         self,

@@ -57,7 +57,7 @@ class SessionHolder(EntryPolicy):
         self.first: Step | None = acquired.step
         self.members = members
         self.pending: Pending | None = None  # the running turn waits for its commit's verdict
-        self._slot: Slot | None = None  # the entry being handled as the running turn of K
+        self.slot: Slot | None = None  # the entry being handled as the running turn of K
         self.lease = Lease(rt.bus, key, acquired.token, on_lost=self._lease_lost)
 
     def _lease_lost(self) -> None:
@@ -68,8 +68,8 @@ class SessionHolder(EntryPolicy):
     def abort(self, reason: str) -> None:
         """Cancel this holder's entry, never a newer holder's of the same key: one whose
         lease was taken over may still be finishing when this worker takes K again."""
-        if self._slot is not None:
-            self.rt.turns.cancel_slot(self._slot, reason)
+        if self.slot is not None:
+            self.rt.turns.cancel_slot(self.slot, reason)
 
     # --- the lease-holding loop ----------------------------------------------------------
     async def drain(self) -> None:
@@ -239,8 +239,8 @@ class SessionHolder(EntryPolicy):
         reach it. An outcome that waits for its commit's verdict (``self.pending``) stays
         the running turn until then. Released: it was aborted (shutdown, lease lost)."""
         turns = self.rt.turns
-        if self._slot is None:
-            self._slot = turns.begin(self.key, entry.member, entry.entry_id)
+        if self.slot is None:
+            self.slot = turns.begin(self.key, entry.member, entry.entry_id)
             if turns.take_recent(entry.member, self.key):  # a control raced the selection
                 running = {self.key: (entry.member, entry.entry_id)}
                 self.rt.spawn(self.rt.confirm(running))
@@ -256,7 +256,7 @@ class SessionHolder(EntryPolicy):
                 self._unregister()
 
     def _unregister(self) -> None:
-        slot, self._slot = self._slot, None
+        slot, self.slot = self.slot, None
         if slot is not None:  # ours only: a newer holder of K may have begun meanwhile
             self.rt.turns.end(self.key, slot)
 

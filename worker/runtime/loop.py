@@ -197,7 +197,7 @@ class AgentLoop:
         holder = SessionHolder(self.rt, key, acquired, set(), scope)
         holder.lease.start()
         now_id = f"{int(time.time() * 1000)}-0"  # only controls published from now on
-        self.rt.turns.begin(key, msg.session_key, now_id)
+        holder.slot = self.rt.turns.begin(key, msg.session_key, now_id)
         try:
             outcome = await holder.run_message(msg, reply_to=msg.id or "", member=msg.session_key)
             spec = CommitSpec(member=msg.session_key, transient=holder.transient)
@@ -206,7 +206,7 @@ class AgentLoop:
             await holder.commit(spec, select=None)
             return outcome.reply
         finally:
-            self.rt.turns.end(key)
+            self.rt.turns.end(key, holder.slot)
             await holder.lease.stop()
             if not holder.lease.lost:
                 await self.bus.release(key, acquired.token)

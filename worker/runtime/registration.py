@@ -89,14 +89,6 @@ async def check_can_serve(
         alive = False  # a crashed process of this host: restarting under its id is fine
     if alive and info and (info.get("host"), info.get("pid")) != me:
         raise _in_use(worker_id, info.get("host"), info.get("pid"))
-    # taken atomically: a twin started at the same moment read no live record either
-    keys = [bus.keys.worker_info(worker_id), bus.keys.workers]
-    ttl_ms, now_ms = 3 * bus.lock_ttl_ms, int(time.time() * 1000)
-    args = [worker_id, info.get("claim", ""), fresh_nonce(), *me, ttl_ms, now_ms]
-    claimed = await bus.scripts.call("claim", keys, args)
-    if claimed != 1:
-        host, pid = texts(claimed)
-        raise _in_use(worker_id, host, pid)
     mode = "unified" if unified else "single-owner" if single_owner else "per-session"
     key = f"{bus.keys.prefix}:mode"
     await bus.redis.set(key, mode, nx=True)
@@ -107,3 +99,12 @@ async def check_can_serve(
             f"(AGENT_UNIFIED_SESSION and AGENT_SINGLE_OWNER must be the same for all; "
             f"`DEL {key}` once all are stopped to change it)"
         )
+    # the id, last (no record is left behind by a refusal above), taken atomically: a twin
+    # started at the same moment read no live record either
+    keys = [bus.keys.worker_info(worker_id), bus.keys.workers]
+    ttl_ms, now_ms = 3 * bus.lock_ttl_ms, int(time.time() * 1000)
+    args = [worker_id, info.get("claim", ""), fresh_nonce(), *me, ttl_ms, now_ms]
+    claimed = await bus.scripts.call("claim", keys, args)
+    if claimed != 1:
+        host, pid = texts(claimed)
+        raise _in_use(worker_id, host, pid)

@@ -205,13 +205,18 @@ async def _left_when_cancelled(call: Coroutine[Any, Any, LLMResponse]) -> LLMRes
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         task.cancel()
+        _LEFT.add(task)  # kept until it ends (the loop holds its tasks weakly)
         task.add_done_callback(_retrieved)
         raise
+
+
+_LEFT: set[asyncio.Task[Any]] = set()
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:
     """A left request's end is read, so that a failure of its clean-up is not reported
     as never retrieved (it has no one to reach: the turn has ended)."""
+    _LEFT.discard(task)
     if not task.cancelled():
         task.exception()
 
