@@ -126,7 +126,7 @@ async def test_a_taken_over_holder_cancels_its_own_entry_not_the_newer_turn_of_i
         made = SessionHolder(rt, "web:k", Acquired(f"n{entry_id}|w", 1, "g", 0, None), set())
         made.slot = turns.begin("web:k", "web:k", entry_id)
         task = asyncio.create_task(asyncio.Event().wait())  # type: ignore[arg-type]
-        turns.attach("web:k", task)
+        turns.attach(made.slot, task)
         return made, task
 
     stale, stale_turn = holder("1-0")

@@ -37,7 +37,7 @@ async def _blocked(started: asyncio.Event, *, swallow: bool = False, ended: list
 
 async def test_a_control_cancels_the_turn_and_the_execution_goes_on() -> None:
     execution, turns = _execution()
-    turns.begin(KEY, KEY, "1-0")
+    execution.holder.slot = turns.begin(KEY, KEY, "1-0")
     started, ended = asyncio.Event(), []
     task = asyncio.create_task(_blocked(started, ended=ended))
     waiting = asyncio.create_task(execution._await_turn(task))
@@ -50,7 +50,7 @@ async def test_a_control_cancels_the_turn_and_the_execution_goes_on() -> None:
 
 async def test_a_failed_turn_is_returned_to_its_outcome() -> None:
     execution, turns = _execution()
-    turns.begin(KEY, KEY, "1-0")
+    execution.holder.slot = turns.begin(KEY, KEY, "1-0")
 
     async def fails() -> str:
         raise ValueError("boom")
@@ -63,7 +63,7 @@ async def test_a_failed_turn_is_returned_to_its_outcome() -> None:
 @pytest.mark.parametrize("swallow", [False, True])
 async def test_cancelling_the_execution_cancels_the_turn_and_propagates(swallow: bool) -> None:
     execution, turns = _execution()
-    turns.begin(KEY, KEY, "1-0")
+    execution.holder.slot = turns.begin(KEY, KEY, "1-0")
     started, ended = asyncio.Event(), []
     task = asyncio.create_task(_blocked(started, swallow=swallow, ended=ended))
     waiting = asyncio.create_task(execution._await_turn(task))
@@ -78,7 +78,7 @@ async def test_cancelling_the_execution_cancels_the_turn_and_propagates(swallow:
 async def test_an_execution_cancelled_before_it_waits_still_cancels_the_turn() -> None:
     """The cancel request arrives while the turn is already over (no suspension)."""
     execution, turns = _execution()
-    turns.begin(KEY, KEY, "1-0")
+    execution.holder.slot = turns.begin(KEY, KEY, "1-0")
 
     async def quick() -> str:
         return "done"

@@ -230,8 +230,9 @@ class TurnExecution:
     async def _await_turn(self, task: asyncio.Task[str]) -> str | None:
         """Wait for the turn; a control that came while the session was loading cancels
         it at once (``TurnRegistry.attach``). Returns the cancel reason, if any."""
-        turns, slot = self.rt.turns, self.holder.slot  # its own: a newer holder's may be K's
-        turns.attach(self.key, task, slot)
+        slot = self.holder.slot  # its own entry: a newer holder's may be K's current one
+        assert slot is not None  # begun before the turn runs (SessionHolder, process_message)
+        self.rt.turns.attach(slot, task)
         me = asyncio.current_task()
         before = me.cancelling() if me is not None else 0
         # the turn's own end (a result, its failure, a control's cancel) is read from the
@@ -240,7 +241,7 @@ class TurnExecution:
             await task
         if me is not None and me.cancelling() > before:  # our own task is cancelled (the
             raise asyncio.CancelledError  # turn has ended: awaiting it forwarded the cancel)
-        return slot.reason if slot is not None else turns.reason(self.key)
+        return slot.reason
 
     async def _outcome(
         self,

@@ -48,12 +48,10 @@ class TurnRegistry:
         self._slots[key] = slot
         return slot
 
-    def attach(self, key: str, task: asyncio.Task[Any], slot: Slot | None = None) -> None:
-        """The turn task of K (of ``slot``, when given) exists; a control that came
-        meanwhile cancels it now."""
-        slot = slot or self._slots.get(key)
-        if slot is None:
-            return
+    @staticmethod
+    def attach(slot: Slot, task: asyncio.Task[Any]) -> None:
+        """The turn task of ``slot``'s entry exists; a control that came meanwhile cancels
+        it now."""
         slot.task = task
         if slot.reason is not None:
             task.cancel()

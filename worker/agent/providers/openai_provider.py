@@ -19,7 +19,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx2 as httpx
@@ -30,6 +30,7 @@ from worker.agent.providers.base import (
     LLMResponse,
     ProviderError,
     ToolCallRequest,
+    left_when_cancelled,
 )
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,8 @@ class OpenAIProvider:
         for attempt in range(self.max_retries + 1):
             try:
                 if on_delta is not None:
-                    return await _left_when_cancelled(self._stream(content, on_delta))
-                return await _left_when_cancelled(self._post(content))
+                    return await left_when_cancelled(self._stream(content, on_delta))
+                return await left_when_cancelled(self._post(content))
             except _RetryableError as exc:
                 if attempt == self.max_retries:
                     raise ProviderError(str(exc)) from exc
@@ -193,32 +194,6 @@ class OpenAIProvider:
                 raise ProviderError(message)
             raise _RetryableError(message)
         return stream.result()
-
-
-async def _left_when_cancelled(call: Coroutine[Any, Any, LLMResponse]) -> LLMResponse:
-    """``call`` in a task of its own: when the turn is cancelled (a stop), it ends at once
-    and the request it leaves is closed in the background. The connection pool's clean-up
-    takes event-loop iterations of its own, each milliseconds long on a busy worker, that a
-    stop's ``cancelled`` answer need not wait for (see docs/PERFORMANCE.md)."""
-    task = asyncio.ensure_future(call)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.cancel()
-        _LEFT.add(task)  # kept until it ends (the loop holds its tasks weakly)
-        task.add_done_callback(_retrieved)
-        raise
-
-
-_LEFT: set[asyncio.Task[Any]] = set()
-
-
-def _retrieved(task: asyncio.Task[Any]) -> None:
-    """A left request's end is read, so that a failure of its clean-up is not reported
-    as never retrieved (it has no one to reach: the turn has ended)."""
-    _LEFT.discard(task)
-    if not task.cancelled():
-        task.exception()
 
 
 async def _read_to_end(lines: AsyncIterator[str]) -> None:
