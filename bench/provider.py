@@ -4,8 +4,8 @@
 
 1. CPU per chat call of ``OpenAIProvider`` (event-loop thread CPU, so the local server's
    threads are not counted), against the openai SDK's ``chat.completions.create`` and a
-   raw ``httpx`` POST of the same request, plain and streamed; ``--history`` messages per
-   request.
+   raw ``httpx`` POST and a raw ``httpcore`` POST of the same request (the provider is
+   built on the latter), plain and streamed; ``--history`` messages per request.
 2. One ``agent-worker run`` process, ``AGENT_CONCURRENCY`` 64, against a local server
    answering every call after ``--latency`` seconds: turns/s against the ideal
    64 / latency (the load keeps 64 sessions with one message in flight).
@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpcore2
 import httpx2
 import redis.asyncio as aioredis
 from _common import RedisServer
@@ -103,6 +104,7 @@ async def client_cpu(base_url: str, calls: int, history: int) -> None:
     provider = OpenAIProvider("m", base_url=base_url, api_key="x")
     sdk = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
     raw = httpx2.AsyncClient(base_url=base_url)
+    core = httpcore2.AsyncConnectionPool()
     body = {"model": "m", "messages": messages, "tools": tools, "max_tokens": 100}
 
     async def ours() -> None:
@@ -121,17 +123,25 @@ async def client_cpu(base_url: str, calls: int, history: int) -> None:
         response = await raw.post("/chat/completions", content=json.dumps(body))
         json.loads(response.content)
 
+    async def core_post() -> None:
+        response = await core.request(
+            "POST", base_url + "/chat/completions", content=json.dumps(body).encode()
+        )
+        json.loads(response.content)
+
     print(f"client CPU per call ({history} history messages, 8 tools; event-loop thread):")
     for name, make in (
         ("OpenAIProvider", ours),
         ("OpenAIProvider, streamed", ours_streamed),
         ("openai SDK chat.completions.create", sdk_create),
         ("raw httpx2 POST + json", raw_post),
+        ("raw httpcore2 POST + json", core_post),
     ):
         print(f"  {name:36} {await _cpu_per_call(make, calls):.3f} ms")
     await provider.aclose()
     await sdk.close()
     await raw.aclose()
+    await core.aclose()
 
 
 def _cpu_s(pid: int) -> float:

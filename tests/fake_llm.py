@@ -8,17 +8,20 @@ answers HTTP 500 to the first ``flaky_failures`` requests with that text, then n
 ``status:<code>`` answers that status once per text (then normally), with
 ``Retry-After: 0`` on a 429 or 503; ``toolcall:<name>`` answers a call of tool ``name`` with arguments
 ``{"a": 1}``, ``toolcall:<name>{...}`` with those (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
-JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``nostream``
+JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``gzipped`` and
+``deflated`` answer a plain body that is (raw deflate for the latter); ``nostream``
 answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
 pieces of a streamed answer; ``stalldone`` holds the body's end after ``[DONE]`` until
 ``release()``; ``chatterdone`` sends 100 KiB of comment lines after ``[DONE]``; ``cutdone``
 drops the connection right after ``[DONE]`` (the body never ends).
-``connections`` counts the TCP connections accepted.
+``connections`` counts the TCP connections accepted; ``paths`` holds each request's target
+(an absolute URL when it came through a proxy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import random
 import re
@@ -27,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -49,6 +53,8 @@ class FakeLLM:
     def __init__(self, *, latency_s: tuple[float, float] = (0.0, 0.0)) -> None:
         self.latency_s = latency_s
         self.requests: list[dict[str, Any]] = []
+        self.paths: list[str] = []
+        self.proxy_auth: list[str | None] = []  # each request's Proxy-Authorization
         self.inflight: dict[str, int] = {}
         self.overlaps = 0
         self.hangups = 0  # held requests whose client closed the connection
@@ -187,6 +193,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.fake.connections += 1
 
     def do_POST(self) -> None:
+        self.server.fake.paths.append(self.path)
+        self.server.fake.proxy_auth.append(self.headers.get("Proxy-Authorization"))
         length = int(self.headers.get("Content-Length", "0"))
         body = json.loads(self.rfile.read(length) or b"{}")
         status, doc = self.server.fake._answer(body, self.connection)
@@ -203,6 +211,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         if "badgzip" in data.decode(errors="replace"):
             self.send_header("Content-Encoding", "gzip")  # the body is not gzip
+        elif "gzipped" in data.decode(errors="replace"):
+            self.send_header("Content-Encoding", "gzip")
+            data = gzip.compress(data)
+        elif "deflated" in data.decode(errors="replace"):
+            self.send_header("Content-Encoding", "deflate")
+            z = zlib.compressobj(wbits=-zlib.MAX_WBITS)  # raw, as some servers send it
+            data = z.compress(data) + z.flush()
         if status in (429, 503):
             self.send_header("Retry-After", "0")
         self.send_header("Content-Length", str(len(data)))

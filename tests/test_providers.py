@@ -247,3 +247,54 @@ async def test_a_server_that_stalls_or_talks_after_done_costs_its_connection_onl
     content, pieces = await _streamed(provider, "cutdone")
     assert content == "".join(pieces) == "re: cutdone"
     assert len(fake_llm.requests) == calls + 1
+
+
+@pytest.mark.parametrize("encoding", ["gzipped", "deflated"])
+async def test_a_compressed_body_is_decoded(fake_llm: FakeLLM, encoding: str) -> None:
+    resp = await _provider(fake_llm).chat_with_retry(
+        messages=[{"role": "user", "content": encoding}]
+    )
+    assert resp.content == f"re: {encoding}"
+
+
+def _no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+async def test_the_environments_proxy_carries_the_call_unless_no_proxy_names_the_host(
+    fake_llm: FakeLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As with httpx's ``trust_env``: HTTP_PROXY (with its credentials) is used for an
+    http:// server, NO_PROXY bypasses it. The fake server is the proxy here; the server
+    named in the URL listens nowhere, so only a proxied call is answered."""
+    import base64
+
+    from servers import free_port
+
+    _no_proxies(monkeypatch)
+    proxy_port = fake_llm.server.server_address[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://bench%3Auser:p%40ss@127.0.0.1:{proxy_port}")
+    upstream = f"http://127.0.0.1:{free_port()}/v1"
+    provider = OpenAIProvider("m", base_url=upstream, backoff_s=0.01, max_retries=0)
+    resp = await provider.chat_with_retry(messages=[{"role": "user", "content": "via proxy"}])
+    assert resp.content == "re: via proxy"
+    assert fake_llm.paths == [upstream + "/chat/completions"]  # the absolute form
+    assert fake_llm.proxy_auth == ["Basic " + base64.b64encode(b"bench:user:p@ss").decode()]
+    await provider.aclose()
+
+    monkeypatch.setenv("NO_PROXY", "example.org,127.0.0.1")
+    direct = OpenAIProvider("m", base_url=upstream, backoff_s=0.01, max_retries=0)
+    with pytest.raises(ProviderError, match="APIConnectionError"):
+        await direct.chat_with_retry(messages=[{"role": "user", "content": "direct"}])
+    assert len(fake_llm.paths) == 1  # the proxy saw nothing more
+    await direct.aclose()
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1/v1", "http:///v1", "http://127.0.0.1:port/v1"])
+async def test_a_url_that_cannot_be_used_fails_at_once(fake_llm: FakeLLM, url: str) -> None:
+    provider = OpenAIProvider("m", base_url=url, backoff_s=0.01, max_retries=3)
+    with pytest.raises(ProviderError, match=r"APIConnectionError: .*URL"):
+        await provider.chat_with_retry(messages=[{"role": "user", "content": "x"}])
+    assert fake_llm.requests == []

@@ -69,7 +69,7 @@ def test_settings_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monke
     assert isinstance(provider, OpenAIProvider)
     assert (provider.generation.temperature, provider.generation.max_tokens) == (0.2, 512)
     assert provider.max_retries == 1
-    assert provider.clients[0].timeout.read == 7.5
+    assert provider.http.timeout["read"] == 7.5
 
 
 def test_the_command_line_takes_what_a_user_tries() -> None:

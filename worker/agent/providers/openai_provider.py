@@ -1,9 +1,10 @@
 """OpenAIProvider: any OpenAI-compatible chat API (OpenAI, vLLM, Ollama, OpenRouter, LiteLLM).
 
-It speaks the chat-completions wire format over one pooled ``httpx.AsyncClient``: the
+It speaks the chat-completions wire format over pooled HTTP connections (``http.py``): the
 request is the JSON the turn built, the answer is read as plain JSON. The openai SDK
 cost 8-20 ms CPU per call (its recursive request transform and response models), more
-than the rest of a turn together; this path costs about what the HTTP exchange does.
+than the rest of a turn together, and httpx's request layers 0.4 ms; this path costs
+about what the HTTP exchange does.
 
 Retries 408, 409, 429, 5xx, timeouts and connection errors with exponential backoff (or
 the server's ``Retry-After``, up to a minute); every other status fails at once, with
@@ -15,14 +16,11 @@ ends the call at once and closes its HTTP request in the background.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
-
-import httpx2 as httpx
 
 from worker.agent.providers.base import (
     DeltaCallback,
@@ -32,6 +30,7 @@ from worker.agent.providers.base import (
     ToolCallRequest,
     left_when_cancelled,
 )
+from worker.agent.providers.http import HTTPClient, HTTPError
 
 log = logging.getLogger(__name__)
 
@@ -81,35 +80,25 @@ class OpenAIProvider:
         self.on_retry: Callable[[], object] | None = None  # counts retries (worker metrics)
         # explicit: an empty OPENAI_BASE_URL in the environment would otherwise win
         self.url = (base_url or DEFAULT_BASE_URL).rstrip("/") + "/chat/completions"
-        # Several small pools, taken in turn: the pool's bookkeeping looks at every one of
-        # its connections on every request, so 64 concurrent calls through one pool of 64
-        # connections cost ~1 ms CPU more each than through 8 pools of 8.
-        shards = max(1, min(POOL_SHARDS, max_connections // CONNECTIONS_PER_SHARD))
-        per_shard = -(-max_connections // shards)
-        tls = httpx.create_ssl_context(trust_env=True)  # one CA load (SSL_CERT_FILE honoured)
-        self.clients = [
-            httpx.AsyncClient(
-                headers={
-                    "Authorization": f"Bearer {api_key or 'not-needed'}",
-                    "Content-Type": "application/json",
-                    "Accept": "application/json",
-                },
-                timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-                limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
-                verify=tls,
-                follow_redirects=False,
-                trust_env=True,  # HTTPS_PROXY / NO_PROXY / SSL_CERT_FILE, as the SDK honoured
-            )
-            for _ in range(shards)
-        ]
-        self._next = itertools.cycle(self.clients).__next__
+        self.http = HTTPClient(
+            self.url,
+            headers={
+                "Authorization": f"Bearer {api_key or 'not-needed'}",
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+                "User-Agent": "redis-agent-worker",
+            },
+            timeout_s=timeout_s,
+            connect_s=min(timeout_s, 10.0),
+            max_connections=max_connections,
+            shards=max(1, min(POOL_SHARDS, max_connections // CONNECTIONS_PER_SHARD)),
+        )
 
     def get_default_model(self) -> str:
         return self.model
 
     async def aclose(self) -> None:
-        for client in self.clients:
-            await client.aclose()
+        await self.http.aclose()
 
     async def chat_with_retry(
         self,
@@ -151,13 +140,13 @@ class OpenAIProvider:
 
     async def _post(self, content: bytes) -> LLMResponse:
         try:
-            response = await self._next().post(self.url, content=content)
-        except (httpx.TimeoutException, httpx.RequestError, httpx.InvalidURL) as exc:
-            raise _request_error(exc) from exc
-        if response.status_code != 200:
-            _fail(response.status_code, response.headers, response.content)
+            status, headers, body = await self.http.post(content)
+        except HTTPError as exc:
+            raise _failure(exc) from exc
+        if status != 200:
+            _fail(status, headers, body)
         try:
-            return _parse(json.loads(response.content))
+            return _parse(json.loads(body))
         except (ValueError, LookupError, TypeError, AttributeError) as exc:
             raise ProviderError(f"APIResponseValidationError: {exc}") from exc
 
@@ -166,23 +155,23 @@ class OpenAIProvider:
         (a retry would send the answer's beginning again): it is a ProviderError."""
         stream = _Stream(on_delta)
         try:
-            async with self._next().stream("POST", self.url, content=content) as response:
-                if response.status_code != 200:
-                    _fail(response.status_code, response.headers, await response.aread())
+            async with self.http.stream(content) as response:
+                if response.status != 200:
+                    _fail(response.status, response.headers, await response.read())
                 if not response.headers.get("content-type", "").startswith("text/event-stream"):
                     # a server that ignored "stream": one answer, one delta
-                    answer = _parse(json.loads(await response.aread()))
+                    answer = _parse(json.loads(await response.read()))
                     if answer.content:
                         await on_delta(answer.content)
                     return answer
-                lines = response.aiter_lines()
+                lines = response.lines()
                 async for line in lines:
                     if not await stream.line(line):
                         break
                 if stream.done:
                     await _read_to_end(lines)
-        except (httpx.TimeoutException, httpx.RequestError, httpx.InvalidURL) as exc:
-            error = _request_error(exc)
+        except HTTPError as exc:
+            error = _failure(exc)
             if stream.started and isinstance(error, _RetryableError):
                 raise ProviderError(f"{error} (after the answer began)") from exc
             raise error from exc
@@ -208,7 +197,7 @@ async def _read_to_end(lines: AsyncIterator[str]) -> None:
                 left -= len(line) + 1
                 if left < 0:
                     return
-    except (TimeoutError, httpx.HTTPError):
+    except (TimeoutError, HTTPError):
         return
 
 
@@ -269,17 +258,13 @@ class _Stream:
         )
 
 
-def _request_error(exc: Exception) -> Exception:
+def _failure(exc: HTTPError) -> Exception:
     """What a failed HTTP exchange becomes: timeouts and transport or decoding failures are
     retried; a URL that cannot be used is not."""
-    if isinstance(exc, httpx.TimeoutException):
-        return _RetryableError(f"APITimeoutError: {exc or 'request timed out'}")
-    if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
-        return ProviderError(f"APIConnectionError: {exc}")
-    return _RetryableError(f"APIConnectionError: {exc or type(exc).__name__}")
+    return _RetryableError(str(exc)) if exc.retryable else ProviderError(str(exc))
 
 
-def _fail(status: int, headers: httpx.Headers, body: bytes) -> None:
+def _fail(status: int, headers: Mapping[str, str], body: bytes) -> None:
     try:
         doc = json.loads(body)
     except ValueError:
@@ -300,7 +285,7 @@ def _message(doc: Any) -> str:
     return str(doc)[:500]
 
 
-def _retry_after(headers: httpx.Headers) -> float | None:
+def _retry_after(headers: Mapping[str, str]) -> float | None:
     for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
         raw = headers.get(name)
         if raw is None:
