@@ -9,13 +9,14 @@ answers HTTP 500 to the first ``flaky_failures`` requests with that text, then n
 ``Retry-After: 0`` on a 429 or 503; ``toolcall:<name>`` answers a call of tool ``name`` with arguments
 ``{"a": 1}``, ``toolcall:<name>{...}`` with those (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
 JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``gzipped`` and
-``deflated`` answer a plain body that is (raw deflate for the latter); ``nostream``
+``deflated`` answer a plain body that is (raw deflate for the latter; gzip in two
+members); ``mislabelled`` says ``Content-Encoding: br`` of a plain body; ``nostream``
 answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
 pieces of a streamed answer; ``stalldone`` holds the body's end after ``[DONE]`` until
 ``release()``; ``chatterdone`` sends 100 KiB of comment lines after ``[DONE]``; ``cutdone``
 drops the connection right after ``[DONE]`` (the body never ends).
 ``connections`` counts the TCP connections accepted; ``paths`` holds each request's target
-(an absolute URL when it came through a proxy).
+(an absolute URL when it came through a proxy), ``headers`` its headers.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class FakeLLM:
         self.latency_s = latency_s
         self.requests: list[dict[str, Any]] = []
         self.paths: list[str] = []
-        self.proxy_auth: list[str | None] = []  # each request's Proxy-Authorization
+        self.headers: list[dict[str, str]] = []  # each request's headers (names in lower case)
         self.inflight: dict[str, int] = {}
         self.overlaps = 0
         self.hangups = 0  # held requests whose client closed the connection
@@ -194,7 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.server.fake.paths.append(self.path)
-        self.server.fake.proxy_auth.append(self.headers.get("Proxy-Authorization"))
+        self.server.fake.headers.append({k.lower(): v for k, v in self.headers.items()})
         length = int(self.headers.get("Content-Length", "0"))
         body = json.loads(self.rfile.read(length) or b"{}")
         status, doc = self.server.fake._answer(body, self.connection)
@@ -213,7 +214,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Encoding", "gzip")  # the body is not gzip
         elif "gzipped" in data.decode(errors="replace"):
             self.send_header("Content-Encoding", "gzip")
-            data = gzip.compress(data)
+            data = gzip.compress(data[:10]) + gzip.compress(data[10:])  # in two members
+        elif "mislabelled" in data.decode(errors="replace"):
+            self.send_header("Content-Encoding", "br")  # the body is plain
         elif "deflated" in data.decode(errors="replace"):
             self.send_header("Content-Encoding", "deflate")
             z = zlib.compressobj(wbits=-zlib.MAX_WBITS)  # raw, as some servers send it

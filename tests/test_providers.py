@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 import pytest
@@ -249,12 +250,15 @@ async def test_a_server_that_stalls_or_talks_after_done_costs_its_connection_onl
     assert len(fake_llm.requests) == calls + 1
 
 
-@pytest.mark.parametrize("encoding", ["gzipped", "deflated"])
+@pytest.mark.parametrize("encoding", ["gzipped", "deflated", "mislabelled"])
 async def test_a_compressed_body_is_decoded(fake_llm: FakeLLM, encoding: str) -> None:
+    """gzip (here in two members) and deflate are asked for and decoded; a coding the
+    client does not know leaves the body as it is, as httpx does."""
     resp = await _provider(fake_llm).chat_with_retry(
         messages=[{"role": "user", "content": encoding}]
     )
     assert resp.content == f"re: {encoding}"
+    assert fake_llm.headers[0]["accept-encoding"] == "gzip, deflate"
 
 
 def _no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,8 +273,6 @@ async def test_the_environments_proxy_carries_the_call_unless_no_proxy_names_the
     """As with httpx's ``trust_env``: HTTP_PROXY (with its credentials) is used for an
     http:// server, NO_PROXY bypasses it. The fake server is the proxy here; the server
     named in the URL listens nowhere, so only a proxied call is answered."""
-    import base64
-
     from servers import free_port
 
     _no_proxies(monkeypatch)
@@ -281,18 +283,36 @@ async def test_the_environments_proxy_carries_the_call_unless_no_proxy_names_the
     resp = await provider.chat_with_retry(messages=[{"role": "user", "content": "via proxy"}])
     assert resp.content == "re: via proxy"
     assert fake_llm.paths == [upstream + "/chat/completions"]  # the absolute form
-    assert fake_llm.proxy_auth == ["Basic " + base64.b64encode(b"bench:user:p@ss").decode()]
+    basic = "Basic " + base64.b64encode(b"bench:user:p@ss").decode()
+    assert fake_llm.headers[0]["proxy-authorization"] == basic
     await provider.aclose()
 
-    monkeypatch.setenv("NO_PROXY", "example.org,127.0.0.1")
-    direct = OpenAIProvider("m", base_url=upstream, backoff_s=0.01, max_retries=0)
-    with pytest.raises(ProviderError, match="APIConnectionError"):
-        await direct.chat_with_retry(messages=[{"role": "user", "content": "direct"}])
-    assert len(fake_llm.paths) == 1  # the proxy saw nothing more
-    await direct.aclose()
+    for no_proxy in ("example.org,127.0.0.1", "127.0.0.0/8"):  # httpx's rules: CIDR too
+        monkeypatch.setenv("NO_PROXY", no_proxy)
+        direct = OpenAIProvider("m", base_url=upstream, backoff_s=0.01, max_retries=0)
+        with pytest.raises(ProviderError, match="APIConnectionError"):
+            await direct.chat_with_retry(messages=[{"role": "user", "content": "direct"}])
+        assert len(fake_llm.paths) == 1  # the proxy saw nothing more
+        await direct.aclose()
 
 
-@pytest.mark.parametrize("url", ["ftp://127.0.0.1/v1", "http:///v1", "http://127.0.0.1:port/v1"])
+async def test_the_url_is_sent_as_httpx_would_send_it(fake_llm: FakeLLM) -> None:
+    """Percent-encoded, the Host with its port, and credentials in it as Basic auth."""
+    port = fake_llm.server.server_address[1]
+    url = f"http://us%3Aer:p%40ss@localhost:{port}/my models/v1"
+    provider = OpenAIProvider("m", base_url=url, api_key="k", backoff_s=0.01)
+    resp = await provider.chat_with_retry(messages=[{"role": "user", "content": "hi"}])
+    assert resp.content == "re: hi"
+    assert fake_llm.paths == ["/my%20models/v1/chat/completions"]
+    headers = fake_llm.headers[0]
+    assert headers["host"] == f"localhost:{port}"
+    assert headers["authorization"] == "Basic " + base64.b64encode(b"us:er:p@ss").decode()
+    await provider.aclose()
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://127.0.0.1/v1", "http:///v1", "http://127.0.0.1:port/v1", "http://[::1]:99999/v1"]
+)
 async def test_a_url_that_cannot_be_used_fails_at_once(fake_llm: FakeLLM, url: str) -> None:
     provider = OpenAIProvider("m", base_url=url, backoff_s=0.01, max_retries=3)
     with pytest.raises(ProviderError, match=r"APIConnectionError: .*URL"):

@@ -5,26 +5,29 @@ Built on httpcore (the connection layer under httpx) directly: httpx's per-reque
 hooks) cost about 0.4 ms CPU a call, as much as the exchange itself (bench/provider.py).
 What of httpx a provider relies on is kept here:
 
-- proxies from the environment (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``,
-  ``NO_PROXY``), chosen once: every call goes to the same URL;
+- the URL parsed and normalised by httpx (percent-encoding, IDNA host names, IPv6
+  literals, default ports; credentials in it become Basic auth, as httpx sends them);
+- the proxy the environment names for that URL, matched by httpx's own rules
+  (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, ``NO_PROXY`` with CIDR ranges, IPv6
+  and wildcards): decided once, every call goes to the same URL;
 - TLS with the system's CAs, ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` honoured;
 - a connect timeout and a read / write / pool timeout;
-- bodies sent with ``Content-Encoding`` gzip or deflate are decoded (none is asked for);
+- ``Accept-Encoding: gzip, deflate``; those codings decoded, others left as they are;
 - every failure of the exchange is one ``HTTPError``: retryable or not, with a message
   named as the openai SDK names it (``APITimeoutError``, ``APIConnectionError``).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
-import urllib.parse
-import urllib.request
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpcore2 as httpcore
 import httpx2
+from httpx2._utils import URLPattern, get_environment_proxies  # httpx's NO_PROXY rules
 
 KEEPALIVE_S = 5.0  # an idle connection is closed after this (httpx's default)
 _FAILURES = (
@@ -49,10 +52,10 @@ def failure(exc: BaseException) -> HTTPError:
     if isinstance(exc, HTTPError):
         return exc
     if isinstance(exc, httpcore.TimeoutException):
-        return HTTPError(f"APITimeoutError: {exc or 'request timed out'}", retryable=True)
-    if isinstance(exc, httpcore.UnsupportedProtocol):
-        return HTTPError(f"APIConnectionError: {exc}", retryable=False)
-    return HTTPError(f"APIConnectionError: {exc or type(exc).__name__}", retryable=True)
+        return HTTPError(f"APITimeoutError: {str(exc) or 'request timed out'}", retryable=True)
+    # a request this client cannot send: sending it again would not help
+    retryable = not isinstance(exc, (httpcore.UnsupportedProtocol, httpcore.LocalProtocolError))
+    return HTTPError(f"APIConnectionError: {str(exc) or type(exc).__name__}", retryable=retryable)
 
 
 class Response:
@@ -78,15 +81,23 @@ class Response:
         return b"".join([chunk async for chunk in self.chunks()])
 
     async def lines(self) -> AsyncIterator[str]:
-        """The body's lines (ends: \\n, \\r\\n or \\r), without their ends."""
-        rest = b""
+        """The body's lines (ends: \\n, \\r\\n or \\r), without their ends; a line that
+        comes in many chunks is joined once (linear in its length)."""
+        partial: list[bytes] = []
         async for chunk in self.chunks():
-            parts = (rest + chunk).splitlines(keepends=True)
-            rest = parts.pop() if parts and not parts[-1].endswith((b"\n", b"\r")) else b""
+            if b"\n" not in chunk and b"\r" not in chunk:
+                partial.append(chunk)
+                continue
+            if partial:
+                partial.append(chunk)
+                chunk, partial = b"".join(partial), []
+            parts = chunk.splitlines(keepends=True)
+            if not parts[-1].endswith((b"\n", b"\r")):
+                partial.append(parts.pop())
             for part in parts:
                 yield part.rstrip(b"\r\n").decode("utf-8", "replace")
-        if rest:
-            yield rest.decode("utf-8", "replace")
+        if partial:
+            yield b"".join(partial).decode("utf-8", "replace")
 
 
 class HTTPClient:
@@ -101,14 +112,22 @@ class HTTPClient:
         shards: int,
     ) -> None:
         self.url = url
-        self._invalid = _invalid(url)
-        self._url = httpcore.URL(url) if self._invalid is None else None
+        self._invalid: str | None = None
         self._headers = [(k.encode(), v.encode()) for k, v in headers.items()]
-        if self._url is not None:
-            host = self._url.host
-            if self._url.port is not None:
-                host += b":%d" % self._url.port
-            self._headers.insert(0, (b"Host", host))
+        self._headers.append((b"Accept-Encoding", b"gzip, deflate"))
+        try:
+            parsed = _parse_url(url)
+        except ValueError as exc:
+            self._invalid = str(exc)
+            parsed = httpx2.URL("http://invalid/")  # never sent to
+        self._url = httpcore.URL(
+            scheme=parsed.raw_scheme, host=parsed.raw_host, port=parsed.port, target=parsed.raw_path
+        )
+        self._headers.insert(0, (b"Host", parsed.netloc))
+        if parsed.username or parsed.password:  # as httpx: the URL's credentials, Basic auth
+            basic = base64.b64encode(f"{parsed.username}:{parsed.password}".encode())
+            self._headers = [(k, v) for k, v in self._headers if k.lower() != b"authorization"]
+            self._headers.append((b"Authorization", b"Basic " + basic))
         self.timeout = {
             "connect": connect_s,
             "read": timeout_s,
@@ -118,14 +137,14 @@ class HTTPClient:
         self._extensions = {"timeout": self.timeout}
         per_shard = -(-max_connections // shards)
         tls = httpx2.create_ssl_context(trust_env=True)  # one CA load (SSL_CERT_FILE honoured)
-        self.pools = [_pool(url, tls, per_shard) for _ in range(shards)]
+        proxy = _proxy_for(parsed) if self._invalid is None else None
+        self.pools = [_pool(proxy, tls, per_shard) for _ in range(shards)]
         self._turn = 0
 
     def _request(self, content: bytes) -> httpcore.Request:
         if self._invalid is not None:
             raise HTTPError(f"APIConnectionError: {self._invalid}", retryable=False)
         headers = [*self._headers, (b"Content-Length", b"%d" % len(content))]
-        assert self._url is not None
         return httpcore.Request(
             b"POST", self._url, headers=headers, content=content, extensions=self._extensions
         )
@@ -161,83 +180,102 @@ class HTTPClient:
             await pool.aclose()
 
 
-def _invalid(url: str) -> str | None:
-    """Why ``url`` cannot be posted to, or None."""
+def _parse_url(url: str) -> httpx2.URL:
+    """``url`` as httpx reads it; ValueError says why it cannot be posted to."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (raises on a port that is no number)
-    except ValueError as exc:
-        return f"invalid URL {url!r}: {exc}"
-    if parts.scheme not in ("http", "https"):
-        return f"unsupported URL scheme in {url!r} (http or https)"
-    if not parts.hostname:
-        return f"no host in URL {url!r}"
+        parsed = httpx2.URL(url)
+    except (httpx2.InvalidURL, TypeError, ValueError) as exc:
+        raise ValueError(f"invalid URL {url!r}: {exc}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise ValueError(f"unsupported URL scheme in {url!r} (http or https)")
+    if not parsed.host:
+        raise ValueError(f"no host in URL {url!r}")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"invalid port in URL {url!r}")
+    return parsed
+
+
+def _proxy_for(url: httpx2.URL) -> httpx2.Proxy | None:
+    """The proxy the environment names for ``url``, as httpx's ``trust_env`` picks it."""
+    patterns = sorted(
+        ((URLPattern(key), proxy) for key, proxy in get_environment_proxies().items()),
+        key=lambda item: item[0],
+    )
+    for pattern, proxy in patterns:
+        if pattern.matches(url):
+            return None if proxy is None else httpx2.Proxy(proxy)  # ValueError: its scheme
     return None
 
 
-def _pool(url: str, tls: Any, connections: int) -> httpcore.AsyncConnectionPool:
-    """A pool to ``url``'s origin: directly, or through the proxy the environment names
-    for it (as httpx does with ``trust_env``)."""
+def _pool(proxy: httpx2.Proxy | None, tls: Any, connections: int) -> httpcore.AsyncConnectionPool:
+    """A pool to the URL's origin: directly, or through ``proxy`` (built as httpx does)."""
     common: dict[str, Any] = {
         "ssl_context": tls,
         "max_connections": connections,
         "max_keepalive_connections": connections,
         "keepalive_expiry": KEEPALIVE_S,
     }
-    proxy = _proxy_for(url)
     if proxy is None:
         return httpcore.AsyncConnectionPool(**common)
-    parts = urllib.parse.urlsplit(proxy)
-    auth = None
-    if parts.username is not None:
-        auth = (urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""))
-        parts = parts._replace(netloc=parts.netloc.rpartition("@")[2])
-    if parts.scheme in ("socks5", "socks5h"):
-        return httpcore.AsyncSOCKSProxy(proxy_url=parts.geturl(), proxy_auth=auth, **common)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"unsupported proxy scheme in {proxy!r} (http, https, socks5)")
-    return httpcore.AsyncHTTPProxy(proxy_url=parts.geturl(), proxy_auth=auth, **common)
-
-
-def _proxy_for(url: str) -> str | None:
-    proxies = urllib.request.getproxies_environment()
-    parts = urllib.parse.urlsplit(url)
-    proxy = proxies.get(parts.scheme) or proxies.get("all")
-    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
-    if not proxy or bypass(parts.netloc, proxies):
-        return None
-    return proxy if "://" in proxy else "http://" + proxy
+    u = proxy.url
+    where = httpcore.URL(scheme=u.raw_scheme, host=u.raw_host, port=u.port, target=u.raw_path)
+    if u.scheme in ("socks5", "socks5h"):
+        return httpcore.AsyncSOCKSProxy(proxy_url=where, proxy_auth=proxy.raw_auth, **common)
+    return httpcore.AsyncHTTPProxy(
+        proxy_url=where,
+        proxy_auth=proxy.raw_auth,
+        proxy_headers=proxy.headers.raw,
+        proxy_ssl_context=proxy.ssl_context,
+        **common,
+    )
 
 
 class _Decoder:
-    """A body's ``Content-Encoding`` undone, chunk by chunk (``None``: the end)."""
+    """A body's ``Content-Encoding`` undone, chunk by chunk (``None``: the end): gzip and
+    deflate, also chained; a body with a coding it does not know is left as it is (as
+    httpx does: the status and what can be read of it still count)."""
 
     def __init__(self, encoding: str) -> None:
         names = [e.strip().lower() for e in encoding.split(",") if e.strip()]
-        self.name = names[0] if len(names) == 1 else encoding
-        self.z: Any = None
-        if names in ([], ["identity"]):
+        names = [n for n in names if n != "identity"]
+        self.name = encoding
+        self.stages: list[Any] = []
+        if not names or any(n not in ("gzip", "x-gzip", "deflate") for n in names):
             return
-        if self.name not in ("gzip", "x-gzip", "deflate"):
-            raise HTTPError(
-                f"APIConnectionError: unsupported Content-Encoding {encoding!r}", retryable=False
-            )
-        self.deflate = self.name == "deflate"  # zlib-wrapped, or raw as some servers send it
-        self.z = zlib.decompressobj(zlib.MAX_WBITS if self.deflate else zlib.MAX_WBITS | 16)
+        for name in reversed(names):  # the last applied is undone first
+            wbits = _WBITS[name]
+            stage: list[Any] = [zlib.decompressobj(wbits), name == "deflate", wbits]
+            self.stages.append(stage)
 
     def __call__(self, chunk: bytes | None) -> bytes:
-        if self.z is None:
+        if not self.stages:
             return chunk or b""
+        end, data = chunk is None, chunk or b""
         try:
-            if chunk is None:
-                return bytes(self.z.flush())
-            if self.deflate:
-                self.deflate = False
-                try:
-                    return bytes(self.z.decompress(chunk))
-                except zlib.error:
-                    self.z = zlib.decompressobj(-zlib.MAX_WBITS)
-            return bytes(self.z.decompress(chunk))
+            for stage in self.stages:
+                data = self._stage(stage, data, end)
         except zlib.error as exc:
             message = f"APIConnectionError: the body is not {self.name}: {exc}"
             raise HTTPError(message, retryable=True) from exc
+        return data
+
+    @staticmethod
+    def _stage(stage: list[Any], data: bytes, end: bool) -> bytes:
+        z, deflate_first, wbits = stage
+        if deflate_first and data:  # deflate: zlib-wrapped, or raw as some servers send it
+            stage[1] = False
+            try:
+                out = z.decompress(data)
+            except zlib.error:
+                stage[0] = z = zlib.decompressobj(-zlib.MAX_WBITS)
+                out = z.decompress(data)
+        else:
+            out = z.decompress(data) if data else b""
+        while wbits & 16 and z.eof and z.unused_data:  # gzip: the next member follows
+            rest = z.unused_data
+            stage[0] = z = zlib.decompressobj(wbits)
+            out += z.decompress(rest)
+        return bytes(out + z.flush()) if end else bytes(out)
+
+
+_WBITS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
