@@ -318,3 +318,26 @@ async def test_a_url_that_cannot_be_used_fails_at_once(fake_llm: FakeLLM, url: s
     with pytest.raises(ProviderError, match=r"APIConnectionError: .*URL"):
         await provider.chat_with_retry(messages=[{"role": "user", "content": "x"}])
     assert fake_llm.requests == []
+
+
+async def test_a_body_past_the_bound_fails_the_call_not_the_workers_memory(
+    fake_llm: FakeLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small gzip body may inflate to anything: what is read of a body, decoded, is
+    bounded, plain and streamed; past it the call fails, unretried."""
+    import worker.agent.providers.http as http
+
+    monkeypatch.setattr(http, "MAX_BODY_BYTES", 200)
+    provider = _provider(fake_llm, max_retries=3)
+    for text, on_delta in (("gzipped " + "x" * 300, None), ("chatterdone", _sink)):
+        with pytest.raises(ProviderError, match="larger than 200 bytes"):
+            await provider.chat_with_retry(
+                messages=[{"role": "user", "content": text}], on_delta=on_delta
+            )
+    assert len(fake_llm.requests) == 2  # neither was retried
+    monkeypatch.setattr(http, "MAX_BODY_BYTES", 1 << 20)
+    assert (await _streamed(provider, "after"))[0] == "re: after"
+
+
+async def _sink(_piece: str) -> None:
+    return None

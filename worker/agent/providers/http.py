@@ -30,6 +30,9 @@ import httpx2
 from httpx2._utils import URLPattern, get_environment_proxies  # httpx's NO_PROXY rules
 
 KEEPALIVE_S = 5.0  # an idle connection is closed after this (httpx's default)
+# what of a body is read, decoded (an answer is kilobytes; a server that sends more, or a
+# small gzip body that inflates to more, fails the call instead of the worker's memory)
+MAX_BODY_BYTES = 32 * 1024 * 1024
 _FAILURES = (
     httpcore.TimeoutException,
     httpcore.NetworkError,
@@ -68,14 +71,27 @@ class Response:
         self._decode = _Decoder(self.headers.get("content-encoding", ""))
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The decoded body, chunk by chunk: at most ``MAX_BODY_BYTES`` (and one chunk)."""
+        left = MAX_BODY_BYTES
         try:
             async for chunk in self._raw.aiter_stream():
                 if data := self._decode(chunk):
+                    left -= len(data)
+                    if left < 0:
+                        break
                     yield data
-            if tail := self._decode(None):
-                yield tail
+            else:
+                if tail := self._decode(None):
+                    left -= len(tail)
+                    if left >= 0:
+                        yield tail
         except _FAILURES as exc:
             raise failure(exc) from exc
+        if left < 0:
+            raise HTTPError(
+                f"APIConnectionError: the response body is larger than {MAX_BODY_BYTES} bytes",
+                retryable=False,
+            )
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
