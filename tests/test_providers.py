@@ -341,3 +341,30 @@ async def test_a_body_past_the_bound_fails_the_call_not_the_workers_memory(
 
 async def _sink(_piece: str) -> None:
     return None
+
+
+async def test_a_request_leaves_in_one_write() -> None:
+    """httpcore writes a request's head and body apart; they reach the socket in one
+    write, at the connection's next read (one system call and one segment, not two)."""
+    from worker.agent.providers.http import _Corked
+
+    class Recording:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, bytes]] = []
+
+        async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+            self.calls.append(("write", buffer))
+
+        async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+            self.calls.append(("read", b""))
+            return b"answer"
+
+    inner = Recording()
+    stream = _Corked(inner)  # type: ignore[arg-type]
+    await stream.write(b"HEAD\r\n\r\n")
+    await stream.write(b"BODY")
+    assert inner.calls == []
+    assert await stream.read(100) == b"answer"
+    assert inner.calls == [("write", b"HEAD\r\n\r\nBODY"), ("read", b"")]
+    assert await stream.read(100) == b"answer"  # nothing held: nothing written
+    assert inner.calls[2:] == [("read", b"")]

@@ -223,9 +223,67 @@ def _proxy_for(url: httpx2.URL) -> httpx2.Proxy | None:
     return None
 
 
+class _Corked(httpcore.AsyncNetworkStream):
+    """A connection whose writes wait for its next read: a request's head and body (which
+    httpcore writes apart) leave in one send, not two system calls and two segments."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+        self._inner = inner
+        self._held: list[bytes] = []
+        self._timeout: float | None = None
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        self._held.append(buffer)
+        self._timeout = timeout
+
+    async def _flush(self) -> None:
+        if self._held:
+            data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+            self._held = []
+            # as httpcore does: a server that refuses a request (a 413) may close before
+            # reading it all; its answer is still read
+            with contextlib.suppress(httpcore.WriteError):
+                await self._inner.write(data, self._timeout)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        await self._flush()
+        return await self._inner.read(max_bytes, timeout)
+
+    async def aclose(self) -> None:
+        self._held = []
+        await self._inner.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> httpcore.AsyncNetworkStream:
+        await self._flush()
+        return _Corked(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _CorkedBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self) -> None:
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        return _Corked(await self._inner.connect_tcp(*args, **kwargs))
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        return _Corked(await self._inner.connect_unix_socket(*args, **kwargs))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
 def _pool(proxy: httpx2.Proxy | None, tls: Any, connections: int) -> httpcore.AsyncConnectionPool:
     """A pool to the URL's origin: directly, or through ``proxy`` (built as httpx does)."""
     common: dict[str, Any] = {
+        "network_backend": _CorkedBackend(),
         "ssl_context": tls,
         "max_connections": connections,
         "max_keepalive_connections": connections,
