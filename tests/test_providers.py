@@ -346,7 +346,7 @@ async def _sink(_piece: str) -> None:
 async def test_a_request_leaves_in_one_write() -> None:
     """httpcore writes a request's head and body apart; they reach the socket in one
     write, at the connection's next read (one system call and one segment, not two)."""
-    from worker.agent.providers.http import _Corked
+    from worker.agent.providers.wire import HeldWrites
 
     class Recording:
         def __init__(self) -> None:
@@ -360,7 +360,7 @@ async def test_a_request_leaves_in_one_write() -> None:
             return b"answer"
 
     inner = Recording()
-    stream = _Corked(inner)  # type: ignore[arg-type]
+    stream = HeldWrites(inner)  # type: ignore[arg-type]
     await stream.write(b"HEAD\r\n\r\n")
     await stream.write(b"BODY")
     assert inner.calls == []

@@ -2,7 +2,7 @@
 
 Built on httpcore (the connection layer under httpx) directly: httpx's per-request layers
 (request and response models, header merging, cookies, auth and redirect flows, event
-hooks) cost about 0.4 ms CPU a call, as much as the exchange itself (bench/provider.py).
+hooks) cost about 0.3 ms CPU a call, as much as the exchange itself (bench/provider.py).
 What of httpx a provider relies on is kept here:
 
 - the URL parsed and normalised by httpx (percent-encoding, IDNA host names, IPv6
@@ -28,6 +28,8 @@ from typing import Any
 import httpcore2 as httpcore
 import httpx2
 from httpx2._utils import URLPattern, get_environment_proxies  # httpx's NO_PROXY rules
+
+from worker.agent.providers.wire import Decoder, HeldWritesBackend
 
 KEEPALIVE_S = 5.0  # an idle connection is closed after this (httpx's default)
 # what of a body is read, decoded (an answer is kilobytes; a server that sends more, or a
@@ -68,7 +70,7 @@ class Response:
         self.status = raw.status
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw.headers}
         self._raw = raw
-        self._decode = _Decoder(self.headers.get("content-encoding", ""))
+        self._decode = Decoder(self.headers.get("content-encoding", ""))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The decoded body, chunk by chunk: at most ``MAX_BODY_BYTES`` (and one chunk)."""
@@ -87,6 +89,9 @@ class Response:
                         yield tail
         except _FAILURES as exc:
             raise failure(exc) from exc
+        except zlib.error as exc:
+            message = f"APIConnectionError: the body is not {self._decode.name}: {exc}"
+            raise HTTPError(message, retryable=True) from exc
         if left < 0:
             raise HTTPError(
                 f"APIConnectionError: the response body is larger than {MAX_BODY_BYTES} bytes",
@@ -223,67 +228,10 @@ def _proxy_for(url: httpx2.URL) -> httpx2.Proxy | None:
     return None
 
 
-class _Corked(httpcore.AsyncNetworkStream):
-    """A connection whose writes wait for its next read: a request's head and body (which
-    httpcore writes apart) leave in one send, not two system calls and two segments."""
-
-    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
-        self._inner = inner
-        self._held: list[bytes] = []
-        self._timeout: float | None = None
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        self._held.append(buffer)
-        self._timeout = timeout
-
-    async def _flush(self) -> None:
-        if self._held:
-            data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
-            self._held = []
-            # as httpcore does: a server that refuses a request (a 413) may close before
-            # reading it all; its answer is still read
-            with contextlib.suppress(httpcore.WriteError):
-                await self._inner.write(data, self._timeout)
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
-        await self._flush()
-        return await self._inner.read(max_bytes, timeout)
-
-    async def aclose(self) -> None:
-        self._held = []
-        await self._inner.aclose()
-
-    async def start_tls(
-        self,
-        ssl_context: Any,
-        server_hostname: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109
-    ) -> httpcore.AsyncNetworkStream:
-        await self._flush()
-        return _Corked(await self._inner.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
-
-
-class _CorkedBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self) -> None:
-        self._inner = httpcore.AnyIOBackend()
-
-    async def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
-        return _Corked(await self._inner.connect_tcp(*args, **kwargs))
-
-    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
-        return _Corked(await self._inner.connect_unix_socket(*args, **kwargs))
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
 def _pool(proxy: httpx2.Proxy | None, tls: Any, connections: int) -> httpcore.AsyncConnectionPool:
     """A pool to the URL's origin: directly, or through ``proxy`` (built as httpx does)."""
     common: dict[str, Any] = {
-        "network_backend": _CorkedBackend(),
+        "network_backend": HeldWritesBackend(),
         "ssl_context": tls,
         "max_connections": connections,
         "max_keepalive_connections": connections,
@@ -302,54 +250,3 @@ def _pool(proxy: httpx2.Proxy | None, tls: Any, connections: int) -> httpcore.As
         proxy_ssl_context=proxy.ssl_context,
         **common,
     )
-
-
-class _Decoder:
-    """A body's ``Content-Encoding`` undone, chunk by chunk (``None``: the end): gzip and
-    deflate, also chained; a body with a coding it does not know is left as it is (as
-    httpx does: the status and what can be read of it still count)."""
-
-    def __init__(self, encoding: str) -> None:
-        names = [e.strip().lower() for e in encoding.split(",") if e.strip()]
-        names = [n for n in names if n != "identity"]
-        self.name = encoding
-        self.stages: list[Any] = []
-        if not names or any(n not in ("gzip", "x-gzip", "deflate") for n in names):
-            return
-        for name in reversed(names):  # the last applied is undone first
-            wbits = _WBITS[name]
-            stage: list[Any] = [zlib.decompressobj(wbits), name == "deflate", wbits]
-            self.stages.append(stage)
-
-    def __call__(self, chunk: bytes | None) -> bytes:
-        if not self.stages:
-            return chunk or b""
-        end, data = chunk is None, chunk or b""
-        try:
-            for stage in self.stages:
-                data = self._stage(stage, data, end)
-        except zlib.error as exc:
-            message = f"APIConnectionError: the body is not {self.name}: {exc}"
-            raise HTTPError(message, retryable=True) from exc
-        return data
-
-    @staticmethod
-    def _stage(stage: list[Any], data: bytes, end: bool) -> bytes:
-        z, deflate_first, wbits = stage
-        if deflate_first and data:  # deflate: zlib-wrapped, or raw as some servers send it
-            stage[1] = False
-            try:
-                out = z.decompress(data)
-            except zlib.error:
-                stage[0] = z = zlib.decompressobj(-zlib.MAX_WBITS)
-                out = z.decompress(data)
-        else:
-            out = z.decompress(data) if data else b""
-        while wbits & 16 and z.eof and z.unused_data:  # gzip: the next member follows
-            rest = z.unused_data
-            stage[0] = z = zlib.decompressobj(wbits)
-            out += z.decompress(rest)
-        return bytes(out + z.flush()) if end else bytes(out)
-
-
-_WBITS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}

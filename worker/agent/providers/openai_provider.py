@@ -3,7 +3,7 @@
 It speaks the chat-completions wire format over pooled HTTP connections (``http.py``): the
 request is the JSON the turn built, the answer is read as plain JSON. The openai SDK
 cost 8-20 ms CPU per call (its recursive request transform and response models), more
-than the rest of a turn together, and httpx's request layers 0.4 ms; this path costs
+than the rest of a turn together, and httpx's request layers ~0.3 ms; this path costs
 about what the HTTP exchange does.
 
 Retries 408, 409, 429, 5xx, timeouts and connection errors with exponential backoff (or

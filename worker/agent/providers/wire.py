@@ -1,0 +1,118 @@
+"""Bytes on the provider's connections, below HTTP: writes held until the next read (a
+request leaves in one send), and a body's ``Content-Encoding`` undone."""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any
+
+import httpcore2 as httpcore
+
+_WBITS = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+
+
+class HeldWrites(httpcore.AsyncNetworkStream):
+    """A connection whose writes wait for its next read: a request's head and body (which
+    httpcore writes apart) leave in one send, not two system calls and two segments."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+        self._inner = inner
+        self._held: list[bytes] = []
+        self._timeout: float | None = None
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        self._held.append(buffer)
+        self._timeout = timeout
+
+    async def _flush(self) -> None:
+        if self._held:
+            data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+            self._held = []
+            # as httpcore does: a server that refuses a request (a 413) may close before
+            # reading it all; its answer is still read
+            with contextlib.suppress(httpcore.WriteError):
+                await self._inner.write(data, self._timeout)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        await self._flush()
+        return await self._inner.read(max_bytes, timeout)
+
+    async def aclose(self) -> None:
+        self._held = []
+        await self._inner.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> httpcore.AsyncNetworkStream:
+        await self._flush()
+        return HeldWrites(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class HeldWritesBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's own backend, its connections wrapped in :class:`HeldWrites`."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        return HeldWrites(await self._inner.connect_tcp(*args, **kwargs))
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        return HeldWrites(await self._inner.connect_unix_socket(*args, **kwargs))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _Inflate:
+    """One coding undone: gzip (member after member) or deflate (zlib-wrapped, or raw as
+    some servers send it: decided by the first bytes)."""
+
+    def __init__(self, name: str) -> None:
+        self.wbits = _WBITS[name]
+        self.z = zlib.decompressobj(self.wbits)
+        self.guess_raw = name == "deflate"
+
+    def __call__(self, data: bytes, end: bool) -> bytes:
+        if self.guess_raw and data:
+            self.guess_raw = False
+            try:
+                out = self.z.decompress(data)
+            except zlib.error:
+                self.z = zlib.decompressobj(-zlib.MAX_WBITS)
+                out = self.z.decompress(data)
+        else:
+            out = self.z.decompress(data) if data else b""
+        while self.wbits & 16 and self.z.eof and self.z.unused_data:  # the next gzip member
+            rest = self.z.unused_data
+            self.z = zlib.decompressobj(self.wbits)
+            out += self.z.decompress(rest)
+        return bytes(out + self.z.flush()) if end else bytes(out)
+
+
+class Decoder:
+    """A body's ``Content-Encoding`` undone, chunk by chunk (``None``: the end): gzip and
+    deflate, also chained; a body with a coding it does not know is left as it is (as
+    httpx does: the status and what can be read of it still count). A body that is not
+    what its coding says raises ``zlib.error``."""
+
+    def __init__(self, encoding: str) -> None:
+        names = [e.strip().lower() for e in encoding.split(",") if e.strip()]
+        names = [n for n in names if n != "identity"]
+        self.name = encoding
+        self.stages: list[_Inflate] = []
+        if names and all(n in _WBITS for n in names):
+            self.stages = [_Inflate(n) for n in reversed(names)]  # the last applied first
+
+    def __call__(self, chunk: bytes | None) -> bytes:
+        end, data = chunk is None, chunk or b""
+        for stage in self.stages:
+            data = stage(data, end)
+        return data
