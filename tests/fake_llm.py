@@ -10,7 +10,7 @@ answers HTTP 500 to the first ``flaky_failures`` requests with that text, then n
 ``{"a": 1}``, ``toolcall:<name>{...}`` with those (plain or streamed in pieces); ``garbage`` answers 200 with a body that is not
 JSON; ``badgzip`` says ``Content-Encoding: gzip`` of a body that is not; ``gzipped`` and
 ``deflated`` answer a plain body that is (raw deflate for the latter; gzip in two
-members); ``mislabelled`` says ``Content-Encoding: br`` of a plain body; ``nostream``
+members; ``emptystored``: raw deflate after 1,000 empty stored blocks); ``mislabelled`` says ``Content-Encoding: br`` of a plain body; ``nostream``
 answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
 pieces of a streamed answer; ``stalldone`` holds the body's end after ``[DONE]`` until
 ``release()``; ``chatterdone`` sends 100 KiB of comment lines after ``[DONE]``; ``cutdone``
@@ -215,6 +215,11 @@ class _Handler(BaseHTTPRequestHandler):
         elif "gzipped" in data.decode(errors="replace"):
             self.send_header("Content-Encoding", "gzip")
             data = gzip.compress(data[:10]) + gzip.compress(data[10:])  # in two members
+        elif "emptystored" in data.decode(errors="replace"):
+            self.send_header("Content-Encoding", "deflate")
+            z = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+            empty = b"\x00\x00\x00\xff\xff" * 1000  # stored, not final, no bytes
+            data = empty + z.compress(data) + z.flush()
         elif "mislabelled" in data.decode(errors="replace"):
             self.send_header("Content-Encoding", "br")  # the body is plain
         elif "deflated" in data.decode(errors="replace"):

@@ -329,14 +329,19 @@ async def test_a_body_past_the_bound_fails_the_call_not_the_workers_memory(
 
     monkeypatch.setattr(http, "MAX_BODY_BYTES", 200)
     provider = _provider(fake_llm, max_retries=3)
-    for text, on_delta in (("gzipped " + "x" * 300, None), ("chatterdone", _sink)):
+    # inflates past the bound; a body that inflates to (nearly) nothing counts its bytes
+    # sent; a stream
+    cases = (("gzipped " + "x" * 300, None), ("emptystored", None), ("chatterdone", _sink))
+    for text, on_delta in cases:
         with pytest.raises(ProviderError, match="larger than 200 bytes"):
             await provider.chat_with_retry(
                 messages=[{"role": "user", "content": text}], on_delta=on_delta
             )
-    assert len(fake_llm.requests) == 2  # neither was retried
+    assert len(fake_llm.requests) == 3  # none was retried
     monkeypatch.setattr(http, "MAX_BODY_BYTES", 1 << 20)
     assert (await _streamed(provider, "after"))[0] == "re: after"
+    answer = await provider.chat_with_retry(messages=[{"role": "user", "content": "emptystored"}])
+    assert answer.content == "re: emptystored"  # within the bound it decodes
 
 
 async def _sink(_piece: str) -> None:
@@ -368,3 +373,29 @@ async def test_a_request_leaves_in_one_write() -> None:
     assert inner.calls == [("write", b"HEAD\r\n\r\nBODY"), ("read", b"")]
     assert await stream.read(100) == b"answer"  # nothing held: nothing written
     assert inner.calls[2:] == [("read", b"")]
+
+
+def test_no_coding_makes_more_than_the_bound() -> None:
+    """A gzip body of gzip (1,827 bytes for 1 GiB) never inflates past the limit in any
+    stage; raw deflate is told from zlib-wrapped by its first two bytes, however the body
+    is cut; bytes after a gzip member that start no other are ignored."""
+    import gzip
+    import zlib
+
+    from worker.agent.providers.wire import BodyTooLargeError, Decoder
+
+    zeros = gzip.compress(b"\0" * (64 << 20))
+    bomb = gzip.compress(zeros)
+    with pytest.raises(BodyTooLargeError):
+        Decoder("gzip, gzip", 1 << 20)(bomb)
+    with pytest.raises(BodyTooLargeError):
+        Decoder("gzip", 1 << 20)(zeros)
+    body = b'{"answer": "' + b"ok " * 50 + b'"}'
+    z = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    raw = z.compress(body) + z.flush()
+    for cut in (1, 2, 7):
+        decode = Decoder("deflate", 1 << 20)
+        out = b"".join(decode(raw[i : i + cut]) for i in range(0, len(raw), cut))
+        assert out + decode(None) == body
+    decode = Decoder("gzip", 1 << 20)
+    assert decode(gzip.compress(body) + b"\0" * 8) + decode(None) == body

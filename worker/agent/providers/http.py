@@ -29,7 +29,7 @@ import httpcore2 as httpcore
 import httpx2
 from httpx2._utils import URLPattern, get_environment_proxies  # httpx's NO_PROXY rules
 
-from worker.agent.providers.wire import Decoder, HeldWritesBackend
+from worker.agent.providers.wire import BodyTooLargeError, Decoder, HeldWritesBackend
 
 KEEPALIVE_S = 5.0  # an idle connection is closed after this (httpx's default)
 # what of a body is read, decoded (an answer is kilobytes; a server that sends more, or a
@@ -70,55 +70,48 @@ class Response:
         self.status = raw.status
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw.headers}
         self._raw = raw
-        self._decode = Decoder(self.headers.get("content-encoding", ""))
+        self._decode = Decoder(self.headers.get("content-encoding", ""), MAX_BODY_BYTES)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The decoded body, chunk by chunk: at most ``MAX_BODY_BYTES`` (and one chunk)."""
+        """The decoded body, chunk by chunk. At most ``MAX_BODY_BYTES`` are read, and no
+        coding makes more of them (a body of empty compressed blocks, or a gzip bomb,
+        fails the call like a body too long)."""
         left = MAX_BODY_BYTES
         try:
             async for chunk in self._raw.aiter_stream():
+                left -= len(chunk)
+                if left < 0:
+                    raise BodyTooLargeError
                 if data := self._decode(chunk):
-                    left -= len(data)
-                    if left < 0:
-                        break
                     yield data
-            else:
-                if tail := self._decode(None):
-                    left -= len(tail)
-                    if left >= 0:
-                        yield tail
+            if tail := self._decode(None):
+                yield tail
         except _FAILURES as exc:
             raise failure(exc) from exc
+        except BodyTooLargeError:
+            message = f"APIConnectionError: the response body is larger than {MAX_BODY_BYTES} bytes"
+            raise HTTPError(message, retryable=False) from None
         except zlib.error as exc:
             message = f"APIConnectionError: the body is not {self._decode.name}: {exc}"
             raise HTTPError(message, retryable=True) from exc
-        if left < 0:
-            raise HTTPError(
-                f"APIConnectionError: the response body is larger than {MAX_BODY_BYTES} bytes",
-                retryable=False,
-            )
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
 
     async def lines(self) -> AsyncIterator[str]:
         """The body's lines (ends: \\n, \\r\\n or \\r), without their ends; a line that
-        comes in many chunks is joined once (linear in its length)."""
-        partial: list[bytes] = []
+        comes in many chunks grows in place (linear in its length)."""
+        partial = bytearray()
         async for chunk in self.chunks():
+            partial += chunk
             if b"\n" not in chunk and b"\r" not in chunk:
-                partial.append(chunk)
                 continue
-            if partial:
-                partial.append(chunk)
-                chunk, partial = b"".join(partial), []
-            parts = chunk.splitlines(keepends=True)
-            if not parts[-1].endswith((b"\n", b"\r")):
-                partial.append(parts.pop())
+            parts = partial.splitlines(keepends=True)
+            partial = parts.pop() if not parts[-1].endswith((b"\n", b"\r")) else bytearray()
             for part in parts:
                 yield part.rstrip(b"\r\n").decode("utf-8", "replace")
         if partial:
-            yield b"".join(partial).decode("utf-8", "replace")
+            yield partial.decode("utf-8", "replace")
 
 
 class HTTPClient:

@@ -237,18 +237,19 @@ class _Stream:
                 self.started = True
                 await self.on_delta(delta["content"])
             for tc in delta.get("tool_calls") or ():
-                slot = self.calls.setdefault(
-                    tc.get("index", 0), {"id": "", "name": "", "arguments": ""}
-                )
+                # pieces kept in lists, joined once: appending to a string held in a dict
+                # copies it every time (quadratic in a call's arguments)
+                slot = self.calls.setdefault(tc.get("index", 0), {"id": "", "name": [], "args": []})
                 slot["id"] = tc.get("id") or slot["id"]
                 function = tc.get("function") or {}
-                slot["name"] += function.get("name") or ""
-                slot["arguments"] += function.get("arguments") or ""
+                slot["name"].append(function.get("name") or "")
+                slot["args"].append(function.get("arguments") or "")
         return True
 
     def result(self) -> LLMResponse:
         tool_calls = [
-            ToolCallRequest(c["id"], c["name"], _args(c["arguments"])) for c in self.calls.values()
+            ToolCallRequest(c["id"], "".join(c["name"]), _args("".join(c["args"])))
+            for c in self.calls.values()
         ]
         return LLMResponse(
             content="".join(self.parts),

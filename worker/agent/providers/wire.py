@@ -71,45 +71,71 @@ class HeldWritesBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
-class _Inflate:
-    """One coding undone: gzip (member after member) or deflate (zlib-wrapped, or raw as
-    some servers send it: decided by the first bytes)."""
+class BodyTooLargeError(ValueError):
+    """A coding would inflate the body past the decoder's limit."""
 
-    def __init__(self, name: str) -> None:
-        self.wbits = _WBITS[name]
-        self.z = zlib.decompressobj(self.wbits)
-        self.guess_raw = name == "deflate"
+
+def _zlib_header(two: bytes) -> bool:
+    """Whether a deflate body starts with a zlib header (RFC 1950), not raw deflate."""
+    return (two[0] & 0x0F) == 8 and ((two[0] << 8) | two[1]) % 31 == 0
+
+
+class _Inflate:
+    """One coding undone, its output bounded by ``limit`` over the whole body (a small
+    body may inflate to gigabytes: nothing past the limit is ever made). gzip goes on
+    member after member (bytes after a member that start no other are ignored, as httpx
+    does); deflate is zlib-wrapped or raw, as the first two bytes say."""
+
+    def __init__(self, name: str, limit: int) -> None:
+        self.gzip = name != "deflate"
+        self.limit = limit
+        self.made = 0
+        self.z: Any = zlib.decompressobj(_WBITS[name]) if self.gzip else None
+        self.head = b""  # deflate: the first bytes, until two tell its kind
+        self.over = False  # gzip: trailing bytes that start no member are ignored
+
+    def _take(self, z: Any, data: bytes) -> bytes:
+        out = z.decompress(data, self.limit - self.made + 1)
+        self.made += len(out)
+        if self.made > self.limit or z.unconsumed_tail:
+            raise BodyTooLargeError(f"the body inflates past {self.limit} bytes")
+        return bytes(out)
 
     def __call__(self, data: bytes, end: bool) -> bytes:
-        if self.guess_raw and data:
-            self.guess_raw = False
-            try:
-                out = self.z.decompress(data)
-            except zlib.error:
-                self.z = zlib.decompressobj(-zlib.MAX_WBITS)
-                out = self.z.decompress(data)
-        else:
-            out = self.z.decompress(data) if data else b""
-        while self.wbits & 16 and self.z.eof and self.z.unused_data:  # the next gzip member
+        if self.z is None:  # deflate of unknown kind yet
+            self.head += data
+            if len(self.head) < 2 and not end:
+                return b""
+            raw = len(self.head) < 2 or not _zlib_header(self.head)
+            self.z = zlib.decompressobj(-zlib.MAX_WBITS if raw else zlib.MAX_WBITS)
+            data, self.head = self.head, b""
+        out = b"" if self.over or not data else self._take(self.z, data)
+        while self.gzip and not self.over and self.z.eof and self.z.unused_data:
             rest = self.z.unused_data
-            self.z = zlib.decompressobj(self.wbits)
-            out += self.z.decompress(rest)
-        return bytes(out + self.z.flush()) if end else bytes(out)
+            if not rest.startswith(b"\x1f\x8b"):
+                self.over = True
+                break
+            self.z = zlib.decompressobj(_WBITS["gzip"])
+            out += self._take(self.z, rest)
+        if end:
+            out += self.z.flush()
+        return out
 
 
 class Decoder:
     """A body's ``Content-Encoding`` undone, chunk by chunk (``None``: the end): gzip and
-    deflate, also chained; a body with a coding it does not know is left as it is (as
-    httpx does: the status and what can be read of it still count). A body that is not
-    what its coding says raises ``zlib.error``."""
+    deflate, also chained, each stage's output bounded by ``limit`` (BodyTooLargeError);
+    a body with a coding it does not know is left as it is (as httpx does: the status and
+    what can be read of it still count). A body that is not what its coding says raises
+    ``zlib.error``."""
 
-    def __init__(self, encoding: str) -> None:
+    def __init__(self, encoding: str, limit: int) -> None:
         names = [e.strip().lower() for e in encoding.split(",") if e.strip()]
         names = [n for n in names if n != "identity"]
         self.name = encoding
         self.stages: list[_Inflate] = []
         if names and all(n in _WBITS for n in names):
-            self.stages = [_Inflate(n) for n in reversed(names)]  # the last applied first
+            self.stages = [_Inflate(n, limit) for n in reversed(names)]  # the last applied first
 
     def __call__(self, chunk: bytes | None) -> bytes:
         end, data = chunk is None, chunk or b""
