@@ -14,7 +14,10 @@ members; ``emptystored``: raw deflate after 1,000 empty stored blocks); ``mislab
 answers plain JSON to a streaming request; ``cutstream`` drops the connection after two
 pieces of a streamed answer; ``stalldone`` holds the body's end after ``[DONE]`` until
 ``release()``; ``chatterdone`` sends 100 KiB of comment lines after ``[DONE]``; ``cutdone``
-drops the connection right after ``[DONE]`` (the body never ends).
+drops the connection right after ``[DONE]`` (the body never ends); ``trickle`` sends a
+plain answer's body a byte every 20 ms, a streamed answer's pieces after the first one
+every 50 ms (each within any read timeout, the whole far longer than a short deadline);
+``continues`` sends a ``100 Continue`` head every 20 ms for 10 s before its answer.
 ``connections`` counts the TCP connections accepted; ``paths`` holds each request's target
 (an absolute URL when it came through a proxy), ``headers`` its headers.
 """
@@ -208,6 +211,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply(self, status: int, doc: dict[str, Any]) -> None:
         data = b"<html>not json" if "garbage" in doc else json.dumps(doc).encode()
+        if b"continues" in data:
+            for _ in range(500):  # interim heads, each within any read timeout
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.wfile.flush()
+                time.sleep(0.02)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         if "badgzip" in data.decode(errors="replace"):
@@ -230,6 +238,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Retry-After", "0")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        if b"trickle" in data:
+            for i in range(len(data)):
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.02)  # a slow server (an OSError ends it: the client left)
+            return
         self.wfile.write(data)
         self.wfile.flush()
 
@@ -246,6 +260,8 @@ class _Handler(BaseHTTPRequestHandler):
             if "cutstream" in text and n == 2:
                 self.close_connection = True  # the connection drops mid-answer
                 return
+            if "trickle" in text and n >= 1:
+                time.sleep(0.05)  # a slow server
             if midway and n == 2:
                 self.wfile.flush()
                 self.server.fake.started.set()

@@ -180,6 +180,46 @@ async def test_a_stream_cut_after_its_first_pieces_is_not_retried(fake_llm: Fake
     assert len(fake_llm.requests) == 1
 
 
+async def test_an_answer_trickled_past_the_deadline_is_a_timeout_and_retried(
+    fake_llm: FakeLLM,
+) -> None:
+    """Each byte comes well within the read timeout, the whole body (~5 s) not within the
+    call's deadline: the call is a timeout, retried like one, never a wait until the
+    server is done."""
+    provider = _provider(fake_llm, timeout_s=5.0, deadline_s=0.3, max_retries=1)
+    with pytest.raises(ProviderError, match=r"APITimeoutError: no complete answer within 0\.3 s"):
+        await provider.chat_with_retry(messages=[{"role": "user", "content": "trickle"}])
+    assert len(fake_llm.requests) == 2
+    # endless interim heads (100 Continue) the same
+    with pytest.raises(ProviderError, match=r"APITimeoutError: no complete answer within 0\.3 s"):
+        await provider.chat_with_retry(messages=[{"role": "user", "content": "continues"}])
+    assert len(fake_llm.requests) == 4
+    await provider.aclose()
+
+
+async def test_a_stream_trickled_past_the_deadline_ends_as_begun(fake_llm: FakeLLM) -> None:
+    """A streamed answer that began keeps its first pieces and is not retried (a retry
+    would send its beginning again); one that is complete is never failed."""
+    provider = _provider(fake_llm, timeout_s=5.0, deadline_s=0.3, max_retries=1)
+    deltas: list[str] = []
+
+    async def on_delta(text: str) -> None:
+        deltas.append(text)
+
+    with pytest.raises(ProviderError, match=r"within 0\.3 s .*after the answer began"):
+        await provider.chat_with_retry(
+            messages=[{"role": "user", "content": "trickle " + "x" * 200}], on_delta=on_delta
+        )
+    assert deltas  # the answer began
+    assert "".join(deltas) != "re: trickle " + "x" * 200  # and did not end
+    assert len(fake_llm.requests) == 1
+    answer = await _provider(fake_llm, deadline_s=30).chat_with_retry(
+        messages=[{"role": "user", "content": "trickle"}], on_delta=on_delta
+    )
+    assert answer.content == "re: trickle"
+    await provider.aclose()
+
+
 async def test_a_body_that_cannot_be_decoded_is_retried_then_reported(fake_llm: FakeLLM) -> None:
     with pytest.raises(ProviderError, match="APIConnectionError"):
         await _provider(fake_llm, max_retries=1).chat_with_retry(

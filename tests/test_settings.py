@@ -54,6 +54,7 @@ def test_settings_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monke
         "AGENT_TEMPERATURE": "0.2",
         "AGENT_MAX_TOKENS": "512",
         "AGENT_PROVIDER_TIMEOUT_S": "7.5",
+        "AGENT_PROVIDER_DEADLINE_S": "90",
         "AGENT_PROVIDER_RETRIES": "1",
         "AGENT_TOOLS_ALLOW": "read_session, search_sessions",
         "AGENT_HISTORY_TOKENS": "2000",
@@ -70,6 +71,7 @@ def test_settings_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monke
     assert (provider.generation.temperature, provider.generation.max_tokens) == (0.2, 512)
     assert provider.max_retries == 1
     assert provider.http.timeout["read"] == 7.5
+    assert provider.deadline_s == 90
 
 
 def test_the_command_line_takes_what_a_user_tries() -> None:

@@ -45,6 +45,7 @@ def make_provider(settings: Settings) -> LLMProvider:
         base_url=os.environ.get("OPENAI_BASE_URL", "").strip() or None,  # '' = the default
         api_key=os.environ.get("OPENAI_API_KEY") or None,
         timeout_s=settings.provider_timeout_s,
+        deadline_s=settings.provider_deadline_s,
         max_retries=settings.provider_retries,
         generation=generation,
     )

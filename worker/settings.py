@@ -34,7 +34,8 @@ class Settings(BaseSettings, LoopConfig):
     system_prompt_file: Path | None = None  # the system prompt from a file (wins over text)
     temperature: float = Field(default=0.7, ge=0, le=2)
     max_tokens: int = Field(default=4096, ge=1)  # per model reply
-    provider_timeout_s: float = Field(default=120.0, gt=0)  # per model request
+    provider_timeout_s: float = Field(default=120.0, gt=0)  # a model request's longest silence
+    provider_deadline_s: float = Field(default=600.0, gt=0)  # one model request, start to end
     provider_retries: int = Field(default=3, ge=0, le=10)
     metrics_host: str = "127.0.0.1"
     # after a wake-up with one ready socket, wait this long for more (0 = off)

@@ -6,6 +6,11 @@ cost 8-20 ms CPU per call (its recursive request transform and response models),
 than the rest of a turn together, and httpx's request layers ~0.3 ms; this path costs
 about what the HTTP exchange does.
 
+A request has ``timeout_s`` for each step (connect, each read and write: the longest
+silence) and ``deadline_s`` from its start to the answer's end: a server that trickles its
+answer a byte at a time, or sends endless interim heads, is a timeout too, not a call
+that runs until the body bound (32 MiB) is read.
+
 Retries 408, 409, 429, 5xx, timeouts and connection errors with exponential backoff (or
 the server's ``Retry-After``, up to a minute); every other status fails at once, with
 the server's error message. Error names follow the openai SDK's (``RateLimitError``,
@@ -68,6 +73,7 @@ class OpenAIProvider:
         base_url: str | None = None,
         api_key: str | None = None,
         timeout_s: float = 120.0,
+        deadline_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
         generation: GenerationSettings | None = None,
@@ -75,6 +81,7 @@ class OpenAIProvider:
     ) -> None:
         self.model = model
         self.generation = generation or GenerationSettings()
+        self.deadline_s = deadline_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.on_retry: Callable[[], object] | None = None  # counts retries (worker metrics)
@@ -138,11 +145,20 @@ class OpenAIProvider:
                 await asyncio.sleep(delay)
         raise ProviderError("unreachable")
 
+    def _overdue(self) -> str:
+        return f"APITimeoutError: no complete answer within {self.deadline_s:g} s (the deadline)"
+
     async def _post(self, content: bytes) -> LLMResponse:
+        deadline = asyncio.timeout(self.deadline_s)
         try:
-            status, headers, body = await self.http.post(content)
+            async with deadline:
+                status, headers, body = await self.http.post(content)
         except HTTPError as exc:
             raise _failure(exc) from exc
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            raise _RetryableError(self._overdue()) from exc
         if status != 200:
             _fail(status, headers, body)
         try:
@@ -154,35 +170,51 @@ class OpenAIProvider:
         """Deltas reach ``on_delta`` as they come. Once one has, a failure is not retried
         (a retry would send the answer's beginning again): it is a ProviderError."""
         stream = _Stream(on_delta)
+        deadline = asyncio.timeout(self.deadline_s)
         try:
-            async with self.http.stream(content) as response:
-                if response.status != 200:
-                    _fail(response.status, response.headers, await response.read())
-                if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                    # a server that ignored "stream": one answer, one delta
-                    answer = _parse(json.loads(await response.read()))
-                    if answer.content:
-                        await on_delta(answer.content)
-                    return answer
-                lines = response.lines()
-                async for line in lines:
-                    if not await stream.line(line):
-                        break
-                if stream.done:
-                    await _read_to_end(lines)
-        except HTTPError as exc:
-            error = _failure(exc)
+            async with deadline:
+                answer = await self._read_stream(content, stream)
+        except (HTTPError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                if not deadline.expired():
+                    raise
+                if stream.complete:  # it ran out while the body's end was read
+                    return stream.result()
+            error = (
+                _failure(exc) if isinstance(exc, HTTPError) else _RetryableError(self._overdue())
+            )
             if stream.started and isinstance(error, _RetryableError):
                 raise ProviderError(f"{error} (after the answer began)") from exc
             raise error from exc
         except (ValueError, LookupError, AttributeError, TypeError) as exc:
             raise ProviderError(f"APIResponseValidationError: {exc}") from exc
+        if answer is not None:
+            return answer
         if not stream.complete:
             message = "APIConnectionError: the stream ended before the answer did"
             if stream.started:
                 raise ProviderError(message)
             raise _RetryableError(message)
         return stream.result()
+
+    async def _read_stream(self, content: bytes, stream: _Stream) -> LLMResponse | None:
+        """One streamed exchange into ``stream``; the answer when the server sent it whole."""
+        async with self.http.stream(content) as response:
+            if response.status != 200:
+                _fail(response.status, response.headers, await response.read())
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                # a server that ignored "stream": one answer, one delta
+                answer = _parse(json.loads(await response.read()))
+                if answer.content:
+                    await stream.on_delta(answer.content)
+                return answer
+            lines = response.lines()
+            async for line in lines:
+                if not await stream.line(line):
+                    break
+            if stream.done:
+                await _read_to_end(lines)
+        return None
 
 
 async def _read_to_end(lines: AsyncIterator[str]) -> None:
