@@ -27,12 +27,12 @@ import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from worker.agent.providers.answers import StreamedAnswer, error_message, parse_answer
 from worker.agent.providers.base import (
     DeltaCallback,
     GenerationSettings,
     LLMResponse,
     ProviderError,
-    ToolCallRequest,
     left_when_cancelled,
 )
 from worker.agent.providers.http import HTTPClient, HTTPError
@@ -162,14 +162,14 @@ class OpenAIProvider:
         if status != 200:
             _fail(status, headers, body)
         try:
-            return _parse(json.loads(body))
+            return parse_answer(json.loads(body))
         except (ValueError, LookupError, TypeError, AttributeError) as exc:
             raise ProviderError(f"APIResponseValidationError: {exc}") from exc
 
     async def _stream(self, content: bytes, on_delta: DeltaCallback) -> LLMResponse:
         """Deltas reach ``on_delta`` as they come. Once one has, a failure is not retried
         (a retry would send the answer's beginning again): it is a ProviderError."""
-        stream = _Stream(on_delta)
+        stream = StreamedAnswer(on_delta)
         deadline = asyncio.timeout(self.deadline_s)
         try:
             async with deadline:
@@ -197,14 +197,14 @@ class OpenAIProvider:
             raise _RetryableError(message)
         return stream.result()
 
-    async def _read_stream(self, content: bytes, stream: _Stream) -> LLMResponse | None:
+    async def _read_stream(self, content: bytes, stream: StreamedAnswer) -> LLMResponse | None:
         """One streamed exchange into ``stream``; the answer when the server sent it whole."""
         async with self.http.stream(content) as response:
             if response.status != 200:
                 _fail(response.status, response.headers, await response.read())
             if not response.headers.get("content-type", "").startswith("text/event-stream"):
                 # a server that ignored "stream": one answer, one delta
-                answer = _parse(json.loads(await response.read()))
+                answer = parse_answer(json.loads(await response.read()))
                 if answer.content:
                     await stream.on_delta(answer.content)
                 return answer
@@ -233,64 +233,6 @@ async def _read_to_end(lines: AsyncIterator[str]) -> None:
         return
 
 
-class _Stream:
-    """The answer being assembled from server-sent chunks."""
-
-    def __init__(self, on_delta: DeltaCallback) -> None:
-        self.on_delta = on_delta
-        self.parts: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.finish = ""
-        self.usage: dict[str, Any] = {}
-        self.done = False
-        self.started = False  # a delta reached on_delta
-
-    @property
-    def complete(self) -> bool:
-        return self.done or bool(self.finish)
-
-    async def line(self, line: str) -> bool:
-        """Take one SSE line; False at ``[DONE]``."""
-        if not line.startswith("data:"):
-            return True
-        data = line[5:].strip()
-        if data == "[DONE]":
-            self.done = True
-            return False
-        chunk = json.loads(data)
-        if chunk.get("error"):
-            raise ProviderError(f"APIError: {_message(chunk)}")
-        self.usage = chunk.get("usage") or self.usage
-        for choice in chunk.get("choices") or ():
-            self.finish = choice.get("finish_reason") or self.finish
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.parts.append(delta["content"])
-                self.started = True
-                await self.on_delta(delta["content"])
-            for tc in delta.get("tool_calls") or ():
-                # pieces kept in lists, joined once: appending to a string held in a dict
-                # copies it every time (quadratic in a call's arguments)
-                slot = self.calls.setdefault(tc.get("index", 0), {"id": "", "name": [], "args": []})
-                slot["id"] = tc.get("id") or slot["id"]
-                function = tc.get("function") or {}
-                slot["name"].append(function.get("name") or "")
-                slot["args"].append(function.get("arguments") or "")
-        return True
-
-    def result(self) -> LLMResponse:
-        tool_calls = [
-            ToolCallRequest(c["id"], "".join(c["name"]), _args("".join(c["args"])))
-            for c in self.calls.values()
-        ]
-        return LLMResponse(
-            content="".join(self.parts),
-            tool_calls=tool_calls,
-            usage=self.usage,
-            finish_reason=self.finish or "stop",
-        )
-
-
 def _failure(exc: HTTPError) -> Exception:
     """What a failed HTTP exchange becomes: timeouts and transport or decoding failures are
     retried; a URL that cannot be used is not."""
@@ -303,19 +245,10 @@ def _fail(status: int, headers: Mapping[str, str], body: bytes) -> None:
     except ValueError:
         doc = body.decode("utf-8", "replace")[:500]
     name = _STATUS_NAMES.get(status, "InternalServerError" if status >= 500 else "APIStatusError")
-    message = f"{name}: HTTP {status}: {_message(doc)}"
+    message = f"{name}: HTTP {status}: {error_message(doc)}"
     if status in (408, 409, 429) or status >= 500:
         raise _RetryableError(message, _retry_after(headers))
     raise ProviderError(message)
-
-
-def _message(doc: Any) -> str:
-    if isinstance(doc, dict):
-        error = doc.get("error", doc)
-        if isinstance(error, dict):
-            return str(error.get("message") or error)[:500]
-        return str(error)[:500]
-    return str(doc)[:500]
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
@@ -330,27 +263,3 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         if 0 <= value <= MAX_RETRY_AFTER_S:
             return value
     return None
-
-
-def _args(raw: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _parse(doc: dict[str, Any]) -> LLMResponse:
-    choice = doc["choices"][0]
-    message = choice.get("message") or {}
-    calls = [
-        ToolCallRequest(tc.get("id") or "", function["name"], _args(function.get("arguments")))
-        for tc in (message.get("tool_calls") or ())
-        if isinstance(function := tc.get("function"), dict) and function.get("name")
-    ]
-    return LLMResponse(
-        content=message.get("content"),
-        tool_calls=calls,
-        usage=doc.get("usage") or {},
-        finish_reason=choice.get("finish_reason") or "stop",
-    )
