@@ -14,12 +14,14 @@ from typing import Any
 
 from bus_redis import RedisBus
 from bus_redis.registry import Registry
-from session_store import OWNER_SCOPE, MemoryStore, Session, SessionManager
+from session_store import OWNER_SCOPE, MemoryStore, RedisSessionStore, Session, SessionManager
+from worker.agent.prompt import IDENTITY, ContextBuilder
 from worker.agent.providers import LLMProvider
 from worker.agent.runner import TurnRunner
+from worker.agent.tools import ToolRegistry, default_registry
 from worker.agent.tools.base import Services
 from worker.config import LoopConfig
-from worker.jobs import JobQueue
+from worker.jobs import JobQueue, LocalJobQueue
 from worker.ops.metrics import WorkerMetrics
 from worker.runtime.inflight import TurnRegistry
 
@@ -45,6 +47,56 @@ class Runtime:
     services: Services | None = None  # subagents and schedules (worker.jobs)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+
+    @classmethod
+    def build(
+        cls,
+        config: LoopConfig,
+        bus: RedisBus,
+        provider: LLMProvider,
+        *,
+        sessions: SessionManager | None,
+        memory: MemoryStore | None,
+        model: str | None,
+        tools: ToolRegistry | None,
+        jobs: JobQueue | None,
+    ) -> Runtime:
+        """A worker's runtime from its config; each part given is used as it is (tests,
+        embedding), each other one made from the config: Redis-backed sessions with the
+        bus' fast connection, the tools the config allows, the prompt built once for them."""
+        chosen = (tools or default_registry()).chosen(config.tools_allow, config.tools_deny)
+        context = ContextBuilder(
+            chosen.names,
+            identity=config.system_prompt or IDENTITY,
+            history_tokens=config.history_tokens,
+        )
+        model = model or provider.get_default_model()
+        if sessions is None:
+            store = RedisSessionStore(
+                bus.redis, bus.keys, lock_ttl_ms=bus.lock_ttl_ms, fast=bus.fast
+            )
+            sessions = SessionManager(
+                store,
+                cache_size=config.session_cache_sessions,
+                cache_rows=config.session_cache_rows,
+            )
+        return cls(
+            config=config,
+            bus=bus,
+            registry=Registry(bus),
+            sessions=sessions,
+            memory=memory or MemoryStore(bus.redis, bus.keys),
+            provider=provider,
+            runner=TurnRunner(provider, chosen, context, model, config.max_iterations),
+            jobs=jobs or LocalJobQueue(),
+            model=model,
+            turns=TurnRegistry(),
+        )
+
+    @property
+    def tools(self) -> ToolRegistry:
+        """The tools this worker offers (those the config allows)."""
+        return self.runner.tools
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run ``coro`` in the background, keeping a reference until it is done."""

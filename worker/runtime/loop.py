@@ -24,16 +24,13 @@ from redis.exceptions import RedisError
 from bus_redis import SESSION_NOT_ACTIVE, ControlMessage, InboundMessage, OutboundMessage, RedisBus
 from bus_redis.codec import safe
 from bus_redis.keys import UNIFIED_CHANNEL
-from bus_redis.registry import Registry
 from bus_redis.results import Acquired, CommitSpec, Forward, Notification
 from bus_redis.streams import Retention
-from session_store import MemoryStore, RedisSessionStore, SessionManager
-from worker.agent.prompt import IDENTITY, ContextBuilder
+from session_store import MemoryStore, SessionManager
 from worker.agent.providers import LLMProvider
-from worker.agent.runner import TurnRunner
-from worker.agent.tools import ToolRegistry, default_registry
+from worker.agent.tools import ToolRegistry
 from worker.config import LoopConfig
-from worker.jobs import JobQueue, LocalJobQueue
+from worker.jobs import JobQueue
 from worker.jobs.consolidation import JOB_NAME as CONSOLIDATE_JOB
 from worker.jobs.consolidation import Consolidator
 from worker.jobs.schedules import JOB_NAME as CRON_JOB
@@ -86,30 +83,17 @@ class AgentLoop:
             config.reply_maxlen, config.reply_ttl_ms, config.transient_reply_ttl_ms
         )
         self.worker_id = config.worker_id
-        self.tools = (tools or default_registry()).chosen(config.tools_allow, config.tools_deny)
-        context = ContextBuilder(
-            self.tools.names,
-            identity=config.system_prompt or IDENTITY,
-            history_tokens=config.history_tokens,
-        )
-        model = model or provider.get_default_model()
-        self.rt = Runtime(
-            config=config,
-            bus=bus,
-            registry=Registry(bus),
-            sessions=sessions
-            or SessionManager(
-                RedisSessionStore(bus.redis, bus.keys, lock_ttl_ms=bus.lock_ttl_ms, fast=bus.fast),
-                cache_size=config.session_cache_sessions,
-                cache_rows=config.session_cache_rows,
-            ),
-            memory=memory or MemoryStore(bus.redis, bus.keys),
-            provider=provider,
-            runner=TurnRunner(provider, self.tools, context, model, config.max_iterations),
-            jobs=jobs or LocalJobQueue(),
+        self.rt = Runtime.build(
+            config,
+            bus,
+            provider,
+            sessions=sessions,
+            memory=memory,
             model=model,
-            turns=TurnRegistry(),
+            tools=tools,
+            jobs=jobs,
         )
+        self.tools = self.rt.tools
         self.consolidator = Consolidator(self.rt)
         self.rt.maybe_consolidate = lambda s: self.consolidator.maybe_consolidate_by_tokens(s)
         self.controls = Controls(self.rt)
@@ -387,9 +371,6 @@ class AgentLoop:
     def on_control(self, control: ControlMessage) -> None:
         self.controls.on_control(control)
         self.subagents.on_control(control)
-
-    async def _confirm_and_cancel(self, running: dict[str, tuple[str, str]]) -> None:
-        await self.controls.confirm_and_cancel(running)
 
     async def check_flags(self) -> None:
         await self.controls.check_missed()
