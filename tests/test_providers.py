@@ -187,11 +187,17 @@ async def test_an_answer_trickled_past_the_deadline_is_a_timeout_and_retried(
     call's deadline: the call is a timeout, retried like one, never a wait until the
     server is done."""
     provider = _provider(fake_llm, timeout_s=5.0, deadline_s=0.3, max_retries=1)
-    with pytest.raises(ProviderError, match=r"APITimeoutError: no complete answer within 0\.3 s"):
+    with pytest.raises(
+        ProviderError,
+        match=r"APITimeoutError: the deadline passed, no complete answer within 0\.3 s \(2 attempts\)",
+    ):
         await provider.chat_with_retry(messages=[{"role": "user", "content": "trickle"}])
     assert len(fake_llm.requests) == 2
     # endless interim heads (100 Continue) the same
-    with pytest.raises(ProviderError, match=r"APITimeoutError: no complete answer within 0\.3 s"):
+    with pytest.raises(
+        ProviderError,
+        match=r"APITimeoutError: the deadline passed, no complete answer within 0\.3 s \(2 attempts\)",
+    ):
         await provider.chat_with_retry(messages=[{"role": "user", "content": "continues"}])
     assert len(fake_llm.requests) == 4
     await provider.aclose()
@@ -213,10 +219,34 @@ async def test_a_stream_trickled_past_the_deadline_ends_as_begun(fake_llm: FakeL
     assert deltas  # the answer began
     assert "".join(deltas) != "re: trickle " + "x" * 200  # and did not end
     assert len(fake_llm.requests) == 1
-    answer = await _provider(fake_llm, deadline_s=30).chat_with_retry(
+    patient = _provider(fake_llm, deadline_s=30)
+    answer = await patient.chat_with_retry(
         messages=[{"role": "user", "content": "trickle"}], on_delta=on_delta
     )
     assert answer.content == "re: trickle"
+    await provider.aclose()
+    await patient.aclose()
+
+
+async def test_a_whole_answer_to_a_stream_is_given_once_the_exchange_is_over(
+    fake_llm: FakeLLM,
+) -> None:
+    """A server that ignored ``stream`` answered whole: its one delta goes out after the
+    exchange, outside the deadline, so a slow delivery never times the answer out and
+    has it asked for (and given) again."""
+    provider = _provider(fake_llm, deadline_s=0.3, max_retries=2)
+    deltas: list[str] = []
+
+    async def slow_delivery(text: str) -> None:
+        await asyncio.sleep(0.5)  # longer than the deadline (a slow sink, not a sync)
+        deltas.append(text)
+
+    answer = await provider.chat_with_retry(
+        messages=[{"role": "user", "content": "nostream please"}], on_delta=slow_delivery
+    )
+    assert answer.content == "re: nostream please"
+    assert deltas == ["re: nostream please"]
+    assert len(fake_llm.requests) == 1
     await provider.aclose()
 
 

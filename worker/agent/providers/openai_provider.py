@@ -6,10 +6,11 @@ cost 8-20 ms CPU per call (its recursive request transform and response models),
 than the rest of a turn together, and httpx's request layers ~0.3 ms; this path costs
 about what the HTTP exchange does.
 
-A request has ``timeout_s`` for each step (connect, each read and write: the longest
-silence) and ``deadline_s`` from its start to the answer's end: a server that trickles its
-answer a byte at a time, or sends endless interim heads, is a timeout too, not a call
-that runs until the body bound (32 MiB) is read.
+A request has ``timeout_s`` for each step (each read and write: the longest silence;
+connecting, at most 10 s) and ``deadline_s`` from its start to the answer's end: a server
+that trickles its answer a byte at a time, or sends endless interim heads, is a timeout
+too, not a call that runs until the body bound (32 MiB) is read. The deadline is each
+attempt's: with retries, a call takes at most (retries + 1) x deadline plus the backoffs.
 
 Retries 408, 409, 429, 5xx, timeouts and connection errors with exponential backoff (or
 the server's ``Retry-After``, up to a minute); every other status fails at once, with
@@ -135,7 +136,8 @@ class OpenAIProvider:
                 return await left_when_cancelled(self._post(content))
             except _RetryableError as exc:
                 if attempt == self.max_retries:
-                    raise ProviderError(str(exc)) from exc
+                    tries = f" ({attempt + 1} attempts)" if attempt else ""
+                    raise ProviderError(f"{exc}{tries}") from exc
                 delay = exc.retry_after_s
                 if delay is None:
                     delay = self.backoff_s * 2**attempt * (0.5 + random.random())
@@ -146,7 +148,9 @@ class OpenAIProvider:
         raise ProviderError("unreachable")
 
     def _overdue(self) -> str:
-        return f"APITimeoutError: no complete answer within {self.deadline_s:g} s (the deadline)"
+        return (
+            f"APITimeoutError: the deadline passed, no complete answer within {self.deadline_s:g} s"
+        )
 
     async def _post(self, content: bytes) -> LLMResponse:
         deadline = asyncio.timeout(self.deadline_s)
@@ -174,6 +178,10 @@ class OpenAIProvider:
         try:
             async with deadline:
                 answer = await self._read_stream(content, stream)
+            if answer is not None:  # the server ignored "stream": one answer, one delta,
+                if answer.content:  # given once the exchange is over (never retried after)
+                    await on_delta(answer.content)
+                return answer
         except (HTTPError, TimeoutError) as exc:
             if isinstance(exc, TimeoutError):
                 if not deadline.expired():
@@ -188,8 +196,6 @@ class OpenAIProvider:
             raise error from exc
         except (ValueError, LookupError, AttributeError, TypeError) as exc:
             raise ProviderError(f"APIResponseValidationError: {exc}") from exc
-        if answer is not None:
-            return answer
         if not stream.complete:
             message = "APIConnectionError: the stream ended before the answer did"
             if stream.started:
@@ -198,16 +204,13 @@ class OpenAIProvider:
         return stream.result()
 
     async def _read_stream(self, content: bytes, stream: StreamedAnswer) -> LLMResponse | None:
-        """One streamed exchange into ``stream``; the answer when the server sent it whole."""
+        """One streamed exchange into ``stream``; the answer when the server sent it whole
+        (not given to ``on_delta`` yet)."""
         async with self.http.stream(content) as response:
             if response.status != 200:
                 _fail(response.status, response.headers, await response.read())
             if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                # a server that ignored "stream": one answer, one delta
-                answer = parse_answer(json.loads(await response.read()))
-                if answer.content:
-                    await stream.on_delta(answer.content)
-                return answer
+                return parse_answer(json.loads(await response.read()))  # "stream" ignored
             lines = response.lines()
             async for line in lines:
                 if not await stream.line(line):
