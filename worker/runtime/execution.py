@@ -14,8 +14,9 @@ from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
 from bus_redis.codec import safe
 from bus_redis.results import Ahead, owner_member
 from session_store import UNIFIED_SESSION_KEY, Session
+from worker.agent.messages import is_duplicate, is_unanswered_retry, message_key, user_row
 from worker.agent.providers import ProviderError
-from worker.agent.runner import TurnState, is_duplicate, is_unanswered_retry, message_key, user_row
+from worker.agent.runner import TurnState
 from worker.agent.tools import ToolContext
 from worker.agent.tools.base import Origin
 from worker.runtime.context import Runtime

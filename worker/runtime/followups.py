@@ -20,7 +20,7 @@ from typing import Any
 
 from bus_redis import InboundMessage, MessageRejectedError, RedisBus, decode_inbound
 from session_store import Session
-from worker.agent.runner import is_duplicate, message_key, user_row
+from worker.agent.messages import is_duplicate, message_key, user_row
 
 
 class FollowUpPuller:
