@@ -19,6 +19,12 @@ Redis commands per turn (``INFO commandstats``: every client, commands run insid
 included) with the script calls among them; min / median / max over repetitions. With
 ``--commandstats N``, each system's N costliest commands by Redis time per turn.
 
+With ``--apart``, N worker processes run as N deployments on the one redis-server (key
+prefixes ``w0`` .. ``wN-1``, the sessions dealt among them, one frontend client each): no
+session, queue or session cache is shared, so what N processes on the cores cost shows
+apart from what sharing the sessions costs (every system then reads its answers through
+one merged feed, 1 process too).
+
 Turns/s counts the answers the load generator read; the serving side's and Redis' costs
 are per turn served (the replies written in the window: the channel pulse's
 ``entries-added``), the load generator's per answer read. The two counts differ when the
@@ -35,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +49,7 @@ import redis.asyncio as aioredis
 from _common import RedisServer
 from workers import WorkerProcess  # tests/ is on sys.path (see _common)
 
-from bus_redis import FrontendClient, InboundMessage, Keys
+from bus_redis import FrontendClient, InboundMessage, Keys, OutboundMessage
 from session_store import RedisSessionStore, Session
 
 BENCH = Path(__file__).resolve().parent
@@ -71,7 +78,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _redis_counts(redis: aioredis.Redis) -> tuple[float, int, int, int]:
+async def _redis_counts(redis: aioredis.Redis, prefixes: list[str]) -> tuple[float, int, int, int]:
     """Redis CPU, commands, script calls, and the replies written so far (both systems add
     one pulse entry per reply; ``entries-added`` counts those trimmed away too)."""
     cpu = await redis.info("cpu")
@@ -80,15 +87,17 @@ async def _redis_counts(redis: aioredis.Redis) -> tuple[float, int, int, int]:
     scripts = sum(
         int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval")
     )
-    pulse = await redis.xinfo_stream(Keys().pulse(CHANNEL))
+    replies = 0
+    for prefix in prefixes:
+        replies += int((await redis.xinfo_stream(Keys(prefix).pulse(CHANNEL)))["entries-added"])
     cpu_s = float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
-    return cpu_s, calls, scripts, int(pulse["entries-added"])
+    return cpu_s, calls, scripts, replies
 
 
 class _Serving:
     """The processes that answer: the baseline loop, or ``agent-worker run`` x n."""
 
-    def __init__(self, url: str, system: str) -> None:
+    def __init__(self, url: str, system: str, prefixes: list[str]) -> None:
         self.system = system
         if system.endswith("loop"):  # "loop", or "N loop": N copies sharing the queue
             n = 1 if system == "loop" else int(system.split()[0])
@@ -109,7 +118,14 @@ class _Serving:
                 "AGENT_CHANNELS": CHANNEL,
             }
             n = int(system.split()[0])
-            self.workers = [WorkerProcess(url, worker_id=f"b{i}", env=env) for i in range(n)]
+            self.workers = [
+                WorkerProcess(
+                    url,
+                    worker_id=f"b{i}",
+                    env={**env, "AGENT_KEY_PREFIX": prefixes[i % len(prefixes)]},
+                )
+                for i in range(n)
+            ]
             self.procs = [w.proc for w in self.workers]
 
     def cpu_s(self) -> float:
@@ -124,10 +140,10 @@ class _Serving:
                 p.wait()
 
 
-async def _preload(redis: aioredis.Redis, sessions: int, rows: int) -> None:
+async def _preload(redis: aioredis.Redis, sessions: int, rows: int, prefixes: list[str]) -> None:
     """Every session starts with ``rows`` rows of history (both systems' own formats)."""
-    store = RedisSessionStore(redis, Keys())
     for s in range(sessions):
+        store = RedisSessionStore(redis, Keys(prefixes[s % len(prefixes)]))
         key = f"{CHANNEL}:c{s}"
         session = Session(key=key, scope=f"{CHANNEL}/sender:u")
         for i in range(rows):
@@ -137,32 +153,69 @@ async def _preload(redis: aioredis.Redis, sessions: int, rows: int) -> None:
         await redis.rpush(history, *(json.dumps(m) for m in session.messages))
 
 
+async def _merged(
+    fronts: list[FrontendClient], chats: list[str]
+) -> AsyncGenerator[tuple[int, OutboundMessage], None]:
+    """Every frontend's events of its share of ``chats`` (session i is frontend i mod n's),
+    as one feed: (which frontend, event)."""
+    feed: asyncio.Queue[tuple[int, OutboundMessage]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        mine = chats[i :: len(fronts)]
+        async for ev in fronts[i].events(mine, after="0", block_ms=2000):
+            await feed.put((i, ev))
+
+    pumps = [asyncio.create_task(pump(i)) for i in range(len(fronts))]
+    try:
+        while True:
+            yield await feed.get()
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _single(
+    front: FrontendClient, chats: list[str]
+) -> AsyncGenerator[tuple[int, OutboundMessage], None]:
+    async for ev in front.events(chats, after="0", block_ms=2000):
+        yield 0, ev
+
+
 async def run(
-    url: str, system: str, sessions: int, turns: int, history: int = 0, warm_rounds: int = 5
+    url: str,
+    system: str,
+    sessions: int,
+    turns: int,
+    history: int = 0,
+    warm_rounds: int = 5,
+    apart: bool = False,
 ) -> Run:
     redis = aioredis.from_url(url, decode_responses=True)
     await redis.flushall()
+    procs = 1 if system.endswith("loop") else int(system.split()[0])
+    prefixes = [f"w{i}" for i in range(procs)] if apart and system.endswith("proc") else ["agent"]
     if history:
-        await _preload(redis, sessions, history)
+        await _preload(redis, sessions, history, prefixes)
     await redis.config_resetstat()
-    frontend = FrontendClient(redis)
-    serving = _Serving(url, system)
+    fronts = [FrontendClient(redis, prefix) for prefix in prefixes]
+    serving = _Serving(url, system, prefixes)
     chats = [f"{CHANNEL}:c{s}" for s in range(sessions)]
     # warm: every worker process has served every session (its cache holds it) with all
     # but ~0.3% odds at 5 turns per session and process; the loop keeps no cache
-    procs = 1 if system == "loop" else int(system.split()[0])
     warm = sessions * warm_rounds * procs
     done = 0
     mark: tuple[float, float, float, float, int, int, int] | None = None
     before: dict[str, tuple[int, int]] = {}
     try:
         for s in range(sessions):
-            await frontend.send(
+            await fronts[s % len(fronts)].send(
                 InboundMessage(channel=CHANNEL, sender_id="u", chat_id=f"c{s}", content="q")
             )
         # as a frontend following many sessions reads: blocked on the channel's pulse,
         # reading the streams it names (bus_redis.pulse)
-        async for ev in frontend.events(chats, after="0", block_ms=2000):
+        feed = _merged(fronts, chats) if apart else _single(fronts[0], chats)
+        async for i, ev in feed:
             if ev.type not in ("message", "error"):
                 continue
             done += 1
@@ -171,20 +224,21 @@ async def run(
                     time.perf_counter(),
                     time.process_time(),
                     serving.cpu_s(),
-                    *await _redis_counts(redis),
+                    *await _redis_counts(redis, prefixes),
                 )
                 before = await _commandstats(redis)
             if done >= turns + warm:
                 break
             chat = ev.session_key.partition(":")[2]
-            await frontend.send(
+            await fronts[i].send(
                 InboundMessage(channel=CHANNEL, sender_id="u", chat_id=chat, content="q")
             )
         assert mark is not None
         wall = time.perf_counter() - mark[0]
         front = time.process_time() - mark[1]
         serve = serving.cpu_s() - mark[2]
-        redis_cpu, calls, scripts, replies = await _redis_counts(redis)
+        await feed.aclose()
+        redis_cpu, calls, scripts, replies = await _redis_counts(redis, prefixes)
         after = await _commandstats(redis)
     finally:
         serving.close()
@@ -228,6 +282,11 @@ async def main() -> None:
         "--warm", type=int, default=5, help="warm-up turns per session and worker process"
     )
     parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="N worker processes as N deployments sharing nothing but redis-server",
+    )
+    parser.add_argument(
         "--commandstats",
         type=int,
         default=0,
@@ -247,7 +306,13 @@ async def main() -> None:
         for rep in range(args.repeat):
             for system in systems:  # alternating, same server, fresh database
                 r = await run(
-                    server.url, system, args.sessions, args.turns, args.history, args.warm
+                    server.url,
+                    system,
+                    args.sessions,
+                    args.turns,
+                    args.history,
+                    args.warm,
+                    apart=args.apart,
                 )
                 runs[system].append(r)
                 ratios[system].append(r.rate / runs["loop"][rep].rate)
