@@ -80,6 +80,44 @@ async def test_resent_id_is_answered_again_without_a_second_turn(running) -> Non
     assert [m["content"] for m in stored["messages"] if m["role"] == "user"] == ["once", "next"]
 
 
+async def test_an_id_sent_again_while_its_turn_runs_joins_it_as_nothing(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A frontend that re-sends a message (a replica died, the page retried) while its turn
+    is still answering it: the copy is consumed by that turn, never asked of the model
+    again nor stored twice, and the one answer covers both."""
+    gate = asyncio.Event()
+
+    async def held(**kw: object) -> LLMResponse:
+        await gate.wait()  # until the copy is queued behind the running turn
+        return await _echo(**kw)
+
+    provider = ScriptedProvider(handler=held)
+    loop = AgentLoop(RedisBus(redis_factory()), provider, config=LoopConfig(read_block_ms=100))
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    try:
+        first = await client.send(_m("r", "slow"))
+        await provider.started.wait()
+        again = await client.send(_m("r", "slow"))
+        gate.set()
+        got = await collect(client, "web", {first})
+        later = await client.send(_m("r", "next"))  # after the answer: a turn of its own
+        await collect(client, "web", {later})
+    finally:
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+
+    assert again == first
+    assert [ev.content for ev in got[first] if ev.is_terminal] == ["re: slow"]
+    assert [c["messages"][-1]["content"] for c in provider.calls] == ["slow", "next"]
+    stored = await loop.sessions.read_session("web:r")
+    assert [(m["role"], m["content"]) for m in stored["messages"]] == [
+        ("user", "slow"),
+        ("assistant", "re: slow"),
+        ("user", "next"),
+        ("assistant", "re: next"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("payload", "code"),
     [

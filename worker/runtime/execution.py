@@ -179,7 +179,7 @@ class TurnExecution:
         if entry_id:
             ctx.turn_id = f"{self.member}|{entry_id}"
         row = user_row(msg, row_id)
-        puller = self._puller(session, entry_id)
+        puller = self._puller(session, entry_id, row_id)
         on_delta = None
         if self.rt.config.stream_deltas:
             on_delta = lambda text: self._emit(msg, reply_to, text, kind="delta")  # noqa: E731
@@ -206,10 +206,11 @@ class TurnExecution:
         if puller is not None and puller.injected:
             outcome.injected = list(puller.injected)
             if outcome.reply is not None:
-                outcome.reply.covers = [turn.reply_to, *(r for _, r in puller.injected)]
+                covers = [turn.reply_to, *(r for _, r in puller.injected)]
+                outcome.reply.covers = list(dict.fromkeys(covers))  # (an id sent again: once)
         return outcome
 
-    def _puller(self, session: Session, entry_id: str) -> FollowUpPuller | None:
+    def _puller(self, session: Session, entry_id: str, row_id: str) -> FollowUpPuller | None:
         cfg = self.rt.config
         if not entry_id or cfg.followup_mode != "inject":
             # joining costs a read of the stream at every model boundary: a queue
@@ -226,6 +227,7 @@ class TurnExecution:
             folded=self.member != self.key,
             stopping=lambda: self.rt.turns.stopping,
             default_mode=cfg.followup_mode,
+            seen={row_id},
         )
 
     async def _await_turn(self, task: asyncio.Task[str]) -> str | None:

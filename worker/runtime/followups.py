@@ -37,6 +37,7 @@ class FollowUpPuller:
         folded: bool = False,
         stopping: Callable[[], bool] = lambda: False,
         default_mode: str = "inject",
+        seen: set[str] | None = None,
     ) -> None:
         self.bus = bus
         self.session = session
@@ -49,6 +50,9 @@ class FollowUpPuller:
         self.stopping = stopping  # a worker shutting down takes no new work into a turn
         self.default_mode = default_mode  # AGENT_FOLLOWUP_MODE; a message may name its own
         self.injected: list[tuple[str, str]] = []  # (entry id, reply_to), consumed by the turn
+        # the user rows of this turn so far (its own, those joined): not in the session
+        # until the commit, so a message sent again meanwhile is known by these
+        self.seen = set(seen or ())
         self._closed = False
         self._deferred = False  # the commit reads at the last model boundary
 
@@ -74,8 +78,11 @@ class FollowUpPuller:
             self.injected.append((entry_id, reply_to))
             self.after_id = entry_id
             row_id = message_key(msg, reply_to, folded=self.folded)
+            if msg.id and row_id in self.seen:
+                continue  # sent again while this turn answers it: consumed, no new row
             if not is_duplicate(msg, self.session, row_id):
                 rows.append(user_row(msg, row_id))
+                self.seen.add(row_id)
         return rows
 
     def _joinable(self, payload: str | None) -> InboundMessage | None:
