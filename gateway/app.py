@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import secrets
 from collections import Counter
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
@@ -191,6 +194,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     app.include_router(api.router)
     app.include_router(ws.router)
     app.include_router(openai_compat.router)
+    app.add_exception_handler(RequestValidationError, _invalid)
 
     @app.get("/", include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -223,6 +227,17 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         return JSONResponse({"ready": True})
 
     return app
+
+
+async def _invalid(_request: Request, exc: Exception) -> Response:
+    """422 with what failed where (``type``, ``loc``, ``msg``), never what was sent: a
+    message's text stays out of answers and logs. ASCII-escaped: a lone surrogate (valid
+    JSON, not UTF-8) in a value or a key cannot fail the answer (FastAPI's own handler
+    then raised, and the traceback logged the text)."""
+    assert isinstance(exc, RequestValidationError)
+    detail = [{k: e.get(k) for k in ("type", "loc", "msg")} for e in exc.errors()]
+    body = json.dumps({"detail": jsonable_encoder(detail)}, ensure_ascii=True)
+    return Response(body, 422, media_type="application/json")
 
 
 def _may_scrape(request: Request, networks: list[str]) -> bool:

@@ -150,6 +150,23 @@ async def test_bad_input_is_refused_with_a_reason(redis_factory) -> None:  # typ
         assert status["state"] == "idle"
 
 
+async def test_invalid_input_is_refused_without_echoing_it(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A lone surrogate is valid JSON but no UTF-8: refused (422) like any bad input, in a
+    value, and what was sent is never repeated in the answer."""
+    async with _client(redis_factory) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        json_type = {**ALICE, "content-type": "application/json"}
+        for path, body in [
+            (f"/api/sessions/{sid}/messages", b'{"content": "PRIVATE \\ud800"}'),
+            (f"/api/sessions/{sid}/messages", b'{"content": "PRIVATE", "client_id": "a b"}'),
+            ("/api/sessions", b'{"title": "t\\ud800"}'),
+        ]:
+            r = await http.post(path, content=body, headers=json_type)
+            assert r.status_code == 422, (path, body)
+            assert "PRIVATE" not in r.text
+            assert {"type", "loc", "msg"} == set(r.json()["detail"][0])
+
+
 async def test_the_openapi_schema_describes_the_api(redis_factory) -> None:  # type: ignore[no-untyped-def]
     async with _client(redis_factory) as http:
         doc = (await http.get("/openapi.json")).json()
