@@ -155,15 +155,18 @@ async def _stream(
         return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode()
 
     yield chunk({"role": "assistant", "content": ""})
-    sent = ""
+    sent = ""  # what the client has (never taken back)
+    attempt = _Attempt()
     try:
         async with contextlib.aclosing(_events(g, user, chat, ids, cursor, deadline)) as events:
             async for ev in events:
                 if ev is None:
                     yield b": keep-alive\n\n"
-                elif ev.type == "delta" and ev.content:
-                    sent += ev.content
-                    yield chunk({"content": ev.content})
+                elif ev.type in ("delta", "progress"):
+                    piece = attempt.add(ev, sent)
+                    if piece:
+                        sent += piece
+                        yield chunk({"content": piece})
                 elif ev.type == "message":
                     rest = ev.content[len(sent) :] if ev.content.startswith(sent) else ev.content
                     if rest:
@@ -181,6 +184,34 @@ async def _stream(
         err = {"error": {"message": "too many open streams", "type": "rate_limit_exceeded"}}
         yield f"data: {json.dumps(err)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+class _Attempt:
+    """The text of the answer's current attempt, from its deltas. A worker lost mid-answer
+    leaves it to another, whose events number from 1 again (``seq``): its deltas are
+    taken from there, and only what goes past what the client already has is sent (the
+    same answer goes on where it stopped; one that differs is not sent in pieces: the
+    final message brings it whole)."""
+
+    __slots__ = ("last_seq", "text")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.last_seq = 0
+
+    def add(self, ev: OutboundMessage, sent: str) -> str:
+        """What of ``ev`` (a delta or a progress event) to send after ``sent``."""
+        seq = ev.metadata.get("seq")
+        if isinstance(seq, int) and not isinstance(seq, bool):
+            if seq <= self.last_seq:  # numbered from 1 again: another attempt
+                self.text = ""
+            self.last_seq = seq
+        if ev.type != "delta" or not ev.content:
+            return ""
+        self.text += ev.content
+        if len(self.text) > len(sent) and self.text.startswith(sent):
+            return self.text[len(sent) :]
+        return ""
 
 
 async def _events(

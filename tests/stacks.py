@@ -30,6 +30,14 @@ class Stack:
     workers: list[WorkerProcess]
     lb: LoadBalancer | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    worker_url: str = ""
+    worker_env: dict[str, str] = field(default_factory=dict)
+
+    def start_worker(self, worker_id: str) -> WorkerProcess:
+        """One more worker process as the stack's own (stopped with the stack)."""
+        proc = WorkerProcess(self.worker_url, worker_id=worker_id, env=self.worker_env)
+        self.workers.append(proc)
+        return proc
 
     @property
     def a(self) -> str:
@@ -62,6 +70,7 @@ def running_stack(*, gateways: int, workers: int, failover_lb: bool = False) -> 
     ]
     gws: list[GatewayProcess] = []
     st = Stack(server, admin, llm, gws, procs)
+    st.worker_url, st.worker_env = f"redis://agent-worker:{WK_PW}@{host}", worker_env
     try:
         for i in range(gateways):
             gws.append(

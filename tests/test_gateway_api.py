@@ -6,13 +6,16 @@ what needs one is in test_gateway_e2e.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
 from gateway.app import Gateway, create_app
 from gateway.settings import GatewaySettings
@@ -427,3 +430,59 @@ async def test_a_reject_message_to_a_busy_chat_is_409_and_sends_nothing(redis_fa
     async with _client(redis_factory, followup="reject") as http:  # AGENT_GATEWAY_FOLLOWUP
         again = await http.post(path, json={"content": "four"}, headers=ALICE)
         assert again.status_code == 409
+
+
+def _event(kind: str, text: str, seq: int | None = None) -> OutboundMessage:
+    meta = {"seq": seq} if seq is not None else {}
+    return OutboundMessage(
+        type=kind, channel="web", chat_id="c", session_key="web:c", content=text, metadata=meta
+    )  # type: ignore[arg-type]
+
+
+async def _streamed(events: list[OutboundMessage], monkeypatch: pytest.MonkeyPatch) -> str:
+    """What an OpenAI client puts together from the gateway's stream of ``events``."""
+    from gateway import openai_compat
+
+    async def replay(*_args: Any) -> AsyncIterator[OutboundMessage]:
+        for ev in events:
+            yield ev
+
+    monkeypatch.setattr(openai_compat, "_events", replay)
+    g = SimpleNamespace(settings=SimpleNamespace(wait_max_s=60))
+    text = ""
+    async for raw in openai_compat._stream(g, None, None, set(), "0-0", "id", "agent"):  # type: ignore[arg-type]
+        line = raw.decode()
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                text += choice["delta"].get("content") or ""
+    return text
+
+
+async def test_an_openai_stream_goes_on_where_a_lost_worker_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker lost mid-answer: the next attempt's events number from 1 again. The client
+    gets each piece of the answer once; an attempt that says something else is not sent
+    in pieces after what the client has, its final message comes whole."""
+    answer = "re: midway openai answer"
+    first = [
+        _event("delta", "re: ", 1),
+        _event("progress", "working", 2),
+        _event("delta", "midw", 3),
+    ]
+    again = [
+        _event("delta", "re: ", 1),
+        _event("delta", "midw", 2),
+        _event("delta", "ay openai", 3),
+    ]
+    end = [_event("delta", " answer", 4), _event("message", answer)]
+    assert await _streamed([*first, *again, *end], monkeypatch) == answer
+    # a duplicated event (seq not higher) is taken as an attempt again: nothing doubled
+    once = [_event("delta", "re: ", 1), _event("delta", "re: ", 1), _event("delta", "midway", 2)]
+    assert await _streamed([*once, _event("message", "re: midway")], monkeypatch) == "re: midway"
+    # workers without sequence numbers: every delta as it comes
+    plain = [_event("delta", "a"), _event("delta", "b"), _event("message", "ab")]
+    assert await _streamed(plain, monkeypatch) == "ab"
+    other = [_event("delta", "re: ", 1), _event("delta", "Hello", 2), _event("delta", "re: ", 1)]
+    other += [_event("delta", "Howdy", 2), _event("message", "re: Howdy")]
+    assert await _streamed(other, monkeypatch) == "re: Hello" + "re: Howdy"

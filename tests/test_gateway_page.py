@@ -253,3 +253,53 @@ def test_slash_new_starts_a_fresh_conversation(browser: Any, stack: Stack) -> No
     assert "my name is Ada" not in str(requests[-1]["messages"][1:])  # the old rows are gone
     _shot(page, "page-new-conversation")
     page.context.close()
+
+
+def _second_attempts_last_delta(stack: Stack, piece: str) -> str:
+    """The entry id of the second ``piece`` delta on any session's event stream (the
+    attempt that took over streamed it again), once it is there."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while time.monotonic() < deadline:
+        for key in stack.admin.scan_iter(match="*:out:*", count=1000):
+            ids = [
+                eid
+                for eid, fields in stack.admin.xrange(key)
+                if f'"content":"{piece}"' in fields.get("payload", "")
+                and '"type":"delta"' in fields.get("payload", "")
+            ]
+            if len(ids) >= 2:
+                return str(ids[1])
+        time.sleep(0.02)  # polled: the worker writes it on its own time
+    raise AssertionError(f"no second {piece!r} delta")
+
+
+def test_an_answer_begun_by_a_lost_worker_is_not_shown_twice(browser: Any, stack: Stack) -> None:
+    """kill -9 of the workers mid-answer: another takes the turn over and streams it again
+    from its start (its events number from 1 again); the page shows that attempt's text,
+    not the lost one's followed by it, and then the answer once. (Last in the module: the
+    stack's workers are replaced.)"""
+    page = _page(browser, stack, ALICE_TOKEN)
+    page.click("#new")
+    stack.llm.rearm()
+    stack.llm.started.clear()
+    _say(page, "midway while its worker dies")
+    assert stack.llm.started.wait(20)
+    shown = "[...document.querySelectorAll('.msg.assistant')].at(-1)?.firstChild?.textContent"
+    _until(page, f"{shown} === 're: midw'")  # the lost attempt's first pieces
+    stack.llm.started.clear()
+    for worker in list(stack.workers):
+        worker.kill()
+    stack.start_worker("gw-w-after")
+    assert stack.llm.started.wait(30)  # the new attempt streams its first pieces again
+    second = _second_attempts_last_delta(stack, "midw")
+    marker = f'"cursor":"{second}"'
+    seen = f"Object.values(sessionStorage).some((v) => v.includes('{marker}'))"
+    _until(page, seen)  # the page has taken the new attempt's pieces
+    assert page.evaluate(shown) == "re: midw"  # that attempt's, not the lost one's and it
+    stack.llm.release()
+    final = "re: midway while its worker dies"
+    _assistant(page, final).wait_for()
+    assert _assistant(page, final).count() == 1
+    assert page.locator(".msg.assistant").last.inner_text().strip() == final
+    _shot(page, "page-after-worker-death")
+    page.context.close()
