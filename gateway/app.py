@@ -187,7 +187,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         summary="HTTP, SSE and WebSocket front door of redis-agent-worker (wire v2).",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     metrics = gateway.metrics if gateway is not None else GatewayMetrics()
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.state.metrics = metrics
@@ -252,11 +252,13 @@ def _may_scrape(request: Request, networks: list[str]) -> bool:
 
 
 class BodyLimit:
-    """Refuses a request body over ``limit`` bytes (413): by its Content-Length, or, when
-    it comes in chunks without one, by reading at most ``limit`` bytes of it first."""
+    """Every request body is read here, whole, before a route sees it: at most ``limit``
+    bytes (413: by its Content-Length, or, in chunks without one, once more has come) and
+    within ``timeout_s`` (408: a client that declares a body and trickles it, or stops,
+    holds nothing past that). A request without a body passes as it is."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0) -> None:
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -264,28 +266,24 @@ class BodyLimit:
             return
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
-        if length is not None:
-            if not length.isdigit() or int(length) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await self._refuse(scope, receive, send, 413, f"request body over {self.limit} bytes")
+            return
+        if length in (None, b"0") and b"transfer-encoding" not in headers:  # no body
             await self.app(scope, receive, send)
             return
-        if b"transfer-encoding" not in headers:  # no body at all
-            await self.app(scope, receive, send)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._read(receive)
+        except TimeoutError:
+            detail = f"request body not received within {self.timeout_s:g} s"
+            await self._refuse(scope, receive, send, 408, detail)
             return
-        chunks: list[bytes] = []
-        size, more = 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = bool(message.get("more_body"))
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-        body = b"".join(chunks)
+        if body is None:  # the client went away
+            return
+        if len(body) > self.limit:
+            await self._refuse(scope, receive, send, 413, f"request body over {self.limit} bytes")
+            return
         sent = False
 
         async def replay() -> Message:
@@ -297,9 +295,25 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        detail = f"request body over {self.limit} bytes"
-        await JSONResponse({"detail": detail}, 413)(scope, receive, send)
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The body; past the limit, what came so far (no more is read); None when the
+        client went away."""
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more and size <= self.limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = bool(message.get("more_body"))
+        return b"".join(chunks)
+
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, status: int, detail: str
+    ) -> None:
+        headers = {"Connection": "close"} if status == 408 else None
+        await JSONResponse({"detail": detail}, status, headers=headers)(scope, receive, send)
 
 
 # the page is self-contained: its own script and style only, no outside origin

@@ -60,6 +60,7 @@ class GatewaySettings(BaseSettings):
     max_streams: int = Field(default=10_000, ge=1)  # followed event streams per process
     max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route
+    body_timeout_s: float = Field(default=30.0, gt=0)  # to receive a request body, whole
     redis_connections: int = Field(default=16, ge=2, le=1024)
     readers: int = Field(default=8, ge=1, le=64)  # blocking connections sharing the streams
     keepalive_s: float = Field(default=15.0, gt=0)

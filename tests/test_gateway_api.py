@@ -5,6 +5,7 @@ what needs one is in test_gateway_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -221,6 +222,36 @@ async def test_bodies_over_the_limit_are_refused_before_they_are_read(redis_fact
         assert r.status_code == 413
         status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).json()
         assert status["queued"] == 0  # nothing was sent
+
+
+async def test_a_body_that_stops_coming_is_refused_when_its_time_is_up(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client that declares a body and sends part of it (or trickles it) holds nothing
+    past ``body_timeout_s``: 408, the connection closed, nothing queued; a whole body in
+    time is served as ever."""
+    never = asyncio.Event()
+    async with _client(redis_factory, body_timeout_s=0.2) as http:
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield b'{"content": "hal'
+            await never.wait()  # the rest never comes
+            yield b'f"}'
+
+        for extra in ({}, {"Content-Length": "20"}):  # chunked, or a declared length
+            async with asyncio.timeout(10):  # (a gateway that waits on fails here)
+                r = await http.post(
+                    f"/api/sessions/{sid}/messages",
+                    content=stalled(),
+                    headers={**ALICE, "content-type": "application/json", **extra},
+                )
+            assert r.status_code == 408
+            assert r.headers["connection"] == "close"
+        status = (await http.get(f"/api/sessions/{sid}", headers=ALICE)).json()
+        assert status["queued"] == 0
+        sent = await http.post(
+            f"/api/sessions/{sid}/messages", json={"content": "x"}, headers=ALICE
+        )
+        assert sent.status_code == 202
 
 
 async def test_temporary_chats_are_only_those_opened_and_a_few_per_user(redis_factory) -> None:  # type: ignore[no-untyped-def]
