@@ -40,6 +40,7 @@ from bus_redis.pulse import PulseWatch
 
 log = logging.getLogger(__name__)
 BUFFER_MAX = 256  # entries buffered per subscriber before it re-reads from Redis instead
+BUFFER_BYTES = 1 << 20  # ... or bytes of their text (long answers, a reader that stalls)
 
 
 class TooManyStreamsError(Exception):
@@ -73,16 +74,24 @@ class Subscription:
     catch_up: bool = True
     missed_from: str = ""  # set when the buffer overflowed
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    buffered_bytes: int = 0  # of the buffered events' text
 
     def push(self, ev: HubEvent) -> None:
-        if len(self.buffer) >= BUFFER_MAX:  # a slow reader: read again from Redis instead
+        size = _size(ev)
+        if len(self.buffer) >= BUFFER_MAX or self.buffered_bytes + size > BUFFER_BYTES:
+            # a slow reader: read again from Redis instead
             if not self.missed_from:  # the oldest event it has not been given
                 self.missed_from = self.buffer[0].entry_id if self.buffer else ev.entry_id
-            self.buffer.clear()
+            self._drop()
             self.catch_up = True
         else:
             self.buffer.append(ev)
+            self.buffered_bytes += size
         self.wake.set()
+
+    def _drop(self) -> None:
+        self.buffer.clear()
+        self.buffered_bytes = 0
 
     async def events(self, keepalive_s: float) -> AsyncIterator[HubEvent | None]:
         """Events after the cursor, in order, forever; ``None`` every ``keepalive_s``
@@ -93,7 +102,7 @@ class Subscription:
             still_wanted()
             if self.catch_up:
                 self.catch_up = False
-                self.buffer.clear()
+                self._drop()
                 if self.missed_from:  # so far behind that Redis may have trimmed what it missed
                     missed, self.missed_from = self.missed_from, ""
                     first = await self.hub.first_id(self.stream)
@@ -115,6 +124,7 @@ class Subscription:
                     yield None
                 continue
             ev = self.buffer.popleft()
+            self.buffered_bytes -= _size(ev)
             if id_key(ev.entry_id) > id_key(self.cursor):
                 self.cursor = ev.entry_id
                 yield ev
@@ -387,6 +397,11 @@ class EventHub:
         except ResponseError:
             return []
         return [ev for _s, batch in reply or [] for ev in _decode(batch)]
+
+
+def _size(ev: HubEvent) -> int:
+    """What an event holds, near enough: its text (an answer, a delta, an error)."""
+    return len(ev.event.content) if ev.event is not None else 0
 
 
 def _decode(batch: list[Any]) -> list[HubEvent]:

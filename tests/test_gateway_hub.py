@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
-from gateway.hub import BUFFER_MAX, EventHub, HubEvent, Subscription
+from gateway.hub import BUFFER_BYTES, BUFFER_MAX, EventHub, HubEvent, Subscription
 
 pytestmark = pytest.mark.frontend
 K = Keys()
@@ -106,6 +106,23 @@ async def test_a_subscriber_that_falls_behind_reads_the_rest_from_redis(redis_fa
         ids = [await _add(r, "web:slow", n) for n in range(BUFFER_MAX + 50)]
         got = await _take(sub, len(ids), timeout_s=30)  # nothing read until all were added
         assert [e.entry_id for e in got] == ids
+
+
+def test_a_subscriber_buffers_at_most_its_bytes_then_reads_from_redis() -> None:
+    """Long answers to a reader that stalls: the buffer holds at most ``BUFFER_BYTES`` of
+    text, however few the events; past that it is dropped and read again from Redis."""
+    sub = Subscription(hub=None, stream="s", cursor="0-0")  # type: ignore[arg-type]
+    sub.catch_up = False
+    big = "x" * (BUFFER_BYTES // 4)
+    for n in range(1, 10):
+        event = OutboundMessage(
+            type="message", channel="web", chat_id="c", session_key="web:c", content=big
+        )
+        sub.push(HubEvent("event", f"{n}-0", event))
+        assert sub.buffered_bytes <= BUFFER_BYTES
+        assert len(sub.buffer) <= 4
+    assert sub.catch_up  # it overflowed: the rest comes from Redis
+    assert sub.missed_from == "1-0"
 
 
 async def test_any_interleaving_of_subscribing_and_adding_loses_and_doubles_nothing(
