@@ -30,6 +30,7 @@ router = APIRouter()
 MAX_SUBSCRIPTIONS = 64  # per socket
 MAX_FRAME = 4096  # bytes of a client frame
 OUTBOX = 512  # frames queued for a slow client before it is disconnected
+OUTBOX_BYTES = 4 << 20  # ... or bytes of the events' text they carry
 
 
 @router.websocket("/api/ws")
@@ -54,7 +55,8 @@ class Connection:
 
     def __init__(self, gw: Gateway, user: User, ws: WebSocket) -> None:
         self.gw, self.user, self.ws = gw, user, ws
-        self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue(OUTBOX)
+        self.outbox: asyncio.Queue[tuple[dict[str, Any], int]] = asyncio.Queue(OUTBOX)
+        self.queued_bytes = 0  # of the queued events' text
         self.pumps: dict[str, asyncio.Task[None]] = {}
         self.overflowed = False
         self.ended = asyncio.Event()
@@ -72,12 +74,22 @@ class Connection:
                 with contextlib.suppress(Exception):
                     await self.ws.close(code=1013, reason="too slow: reconnect and resume")
 
-    def put(self, frame: dict[str, Any]) -> None:
+    def put(self, frame: dict[str, Any], size: int = 0) -> None:
+        """Queue ``frame`` (``size``: the bytes of event text it carries); a client this
+        far behind is let go."""
+        if self.queued_bytes + size > OUTBOX_BYTES:
+            self._overflow()
+            return
         try:
-            self.outbox.put_nowait(frame)
+            self.outbox.put_nowait((frame, size))
         except asyncio.QueueFull:
-            self.overflowed = True
-            self.ended.set()
+            self._overflow()
+            return
+        self.queued_bytes += size
+
+    def _overflow(self) -> None:
+        self.overflowed = True
+        self.ended.set()
 
     async def _receive(self) -> None:
         try:
@@ -100,7 +112,9 @@ class Connection:
     async def _write(self) -> None:
         try:
             while True:
-                await self.ws.send_text(json.dumps(await self.outbox.get(), ensure_ascii=False))
+                frame, size = await self.outbox.get()
+                self.queued_bytes -= size
+                await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.ended.set()
 
@@ -155,7 +169,8 @@ class Connection:
                                 "session_id": chat.id,
                                 "id": ev.entry_id,
                                 "event": public_event(chat, ev.event),
-                            }
+                            },
+                            len(ev.event.content),
                         )
         except TooManyStreamsError as exc:
             self.put({"type": "error", "session_id": chat.id, "message": str(exc)})

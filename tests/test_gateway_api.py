@@ -517,3 +517,20 @@ async def test_an_openai_stream_goes_on_where_a_lost_worker_stopped(
     other = [_event("delta", "re: ", 1), _event("delta", "Hello", 2), _event("delta", "re: ", 1)]
     other += [_event("delta", "Howdy", 2), _event("message", "re: Howdy")]
     assert await _streamed(other, monkeypatch) == "re: Hello" + "re: Howdy"
+
+
+def test_a_websocket_client_that_stops_reading_is_let_go_by_bytes_too() -> None:
+    """Its outbox holds at most ``OUTBOX`` frames and ``OUTBOX_BYTES`` of event text: long
+    answers to a client that stopped reading end its socket (it reconnects and resumes)
+    before they pile up, however few they are."""
+    from gateway.ws import OUTBOX_BYTES, Connection
+
+    conn = Connection(None, None, None)  # type: ignore[arg-type]
+    for _ in range(4):
+        conn.put({"type": "event"}, OUTBOX_BYTES // 4)
+    assert not conn.overflowed
+    assert conn.queued_bytes == OUTBOX_BYTES
+    conn.put({"type": "event"}, 1)
+    assert conn.overflowed
+    assert conn.ended.is_set()
+    assert conn.outbox.qsize() == 4  # the frame that went past was not queued
