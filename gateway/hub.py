@@ -77,7 +77,7 @@ class Subscription:
     buffered_bytes: int = 0  # of the buffered events' text
 
     def push(self, ev: HubEvent) -> None:
-        size = _size(ev)
+        size = event_size(ev)
         if len(self.buffer) >= BUFFER_MAX or self.buffered_bytes + size > BUFFER_BYTES:
             # a slow reader: read again from Redis instead
             if not self.missed_from:  # the oldest event it has not been given
@@ -124,7 +124,7 @@ class Subscription:
                     yield None
                 continue
             ev = self.buffer.popleft()
-            self.buffered_bytes -= _size(ev)
+            self.buffered_bytes -= event_size(ev)
             if id_key(ev.entry_id) > id_key(self.cursor):
                 self.cursor = ev.entry_id
                 yield ev
@@ -399,7 +399,7 @@ class EventHub:
         return [ev for _s, batch in reply or [] for ev in _decode(batch)]
 
 
-def _size(ev: HubEvent) -> int:
+def event_size(ev: HubEvent) -> int:
     """What an event holds, near enough: its text (an answer, a delta, an error)."""
     return len(ev.event.content) if ev.event is not None else 0
 

@@ -24,7 +24,7 @@ from gateway.api import public_event, valid_cursor
 from gateway.app import Gateway
 from gateway.auth import User
 from gateway.chats import Chat
-from gateway.hub import TooManyStreamsError
+from gateway.hub import TooManyStreamsError, event_size
 
 router = APIRouter()
 MAX_SUBSCRIPTIONS = 64  # per socket
@@ -170,7 +170,7 @@ class Connection:
                                 "id": ev.entry_id,
                                 "event": public_event(chat, ev.event),
                             },
-                            len(ev.event.content),
+                            event_size(ev),
                         )
         except TooManyStreamsError as exc:
             self.put({"type": "error", "session_id": chat.id, "message": str(exc)})
