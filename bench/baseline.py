@@ -16,7 +16,10 @@ turns/s and its ratio to the baseline of the same repetition (and, for N process
 the same repetition: how the worker scales next to the loop), CPU per turn of the serving
 processes, of redis-server (``INFO cpu``) and of the load generator (this process), and
 Redis commands per turn (``INFO commandstats``: every client, commands run inside scripts
-included) with the script calls among them; min / median / max over repetitions. With
+included) with the script calls among them, and the cores the three kept busy (their CPU
+seconds over the window's wall seconds: a system already near the machine's core count
+cannot gain from another process, one that leaves cores idle can); min / median / max over
+repetitions. With
 ``--commandstats N``, each system's N costliest commands by Redis time per turn.
 
 With ``--apart``, N worker processes run as N deployments on the one redis-server (key
@@ -66,6 +69,7 @@ class Run:
     scripts: float
     per_command: dict[str, tuple[float, float]]  # name -> (calls, Redis µs) per turn
     served: float  # turns served in the window / answers the load generator read in it
+    cores: float  # CPU seconds of serving, Redis and the load generator per second of wall
 
 
 async def _commandstats(redis: aioredis.Redis) -> dict[str, tuple[int, int]]:
@@ -255,6 +259,7 @@ async def run(
         commands=(calls - mark[4]) / n,
         scripts=(scripts - mark[5]) / n,
         served=n / read,
+        cores=(serve + redis_cpu - mark[3] + front) / wall,
         per_command={
             name: ((c - before.get(name, (0, 0))[0]) / n, (u - before.get(name, (0, 0))[1]) / n)
             for name, (c, u) in after.items()
@@ -343,6 +348,8 @@ async def main() -> None:
         print(f"  Redis CPU/turn     {_spread([r.redis_us for r in rs], '.0f')} µs")
         print(f"  frontend CPU/turn  {_spread([r.front_ms * 1000 for r in rs], '.0f')} µs")
         print(f"  Redis commands     {_spread([r.commands for r in rs], '.1f')} per turn")
+        busy = _spread([r.cores for r in rs], ".2f")
+        print(f"  cores busy         {busy} of {os.cpu_count()} (all three together)")
         print(f"  of them scripts    {_spread([r.scripts for r in rs], '.1f')} per turn")
         print(f"  served / read      {_spread([r.served for r in rs], '.2f')}")
         top = sorted(rs[-1].per_command.items(), key=lambda kv: -kv[1][1])[: args.commandstats]
