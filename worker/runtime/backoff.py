@@ -1,9 +1,13 @@
-"""Exponential backoff for the reconnect loops (queue reads, the control subscription)."""
+"""Exponential backoff for the reconnect loops (queue reads, the control subscription,
+starting the job queue)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
 
 
 class Backoff:
@@ -26,3 +30,16 @@ class Backoff:
         )
         await asyncio.sleep(self.delay_s)
         self.delay_s = min(self.delay_s * 2, self.cap_s)
+
+    async def until_done(
+        self, action: Callable[[], Awaitable[object]], stopping: asyncio.Event
+    ) -> None:
+        """Run ``action`` until it returns, waiting with backoff after each Redis or
+        connection error (e.g. Redis refusing a connection at ``maxclients``), or until
+        ``stopping`` is set."""
+        while not stopping.is_set():
+            try:
+                await action()
+                return
+            except (RedisError, OSError) as exc:
+                await self.after(exc)

@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from bus_redis import SESSION_NOT_ACTIVE, ControlMessage, InboundMessage, OutboundMessage, RedisBus
+from bus_redis import ControlMessage, InboundMessage, OutboundMessage, RedisBus
 from bus_redis.codec import safe
 from bus_redis.keys import UNIFIED_CHANNEL
-from bus_redis.results import Acquired, CommitSpec, Forward, Notification
+from bus_redis.results import Acquired, Forward, Notification
 from bus_redis.streams import Retention
 from session_store import MemoryStore, SessionManager
 from worker.agent.providers import LLMProvider
@@ -42,12 +41,12 @@ from worker.runtime.acquiring import Acquirer
 from worker.runtime.backoff import Backoff
 from worker.runtime.context import Runtime
 from worker.runtime.controls import Controls
+from worker.runtime.direct import process_message
 from worker.runtime.faults import crash_point
 from worker.runtime.holder import SessionHolder
 from worker.runtime.inflight import TurnRegistry
 from worker.runtime.liveness import Liveness
 from worker.runtime.maintenance import Maintenance
-from worker.runtime.outcomes import SessionNotActiveError
 from worker.runtime.registration import check_can_serve
 from worker.runtime.subscription import ControlListener
 
@@ -169,31 +168,9 @@ class AgentLoop:
 
     # --- in-process API ------------------------------------------------------------
     async def process_message(self, msg: InboundMessage) -> OutboundMessage | None:
-        """Run one turn for ``msg`` under the session's Redis lease and commit it.
-
-        Raises ``RuntimeError("required session is not active")`` when the message
-        requires a live session this worker does not hold.
-        """
-        key = self.effective_key(msg.session_key)
-        if msg.require_existing_session and not self.sessions.is_transient(key):
-            raise SessionNotActiveError(SESSION_NOT_ACTIVE)
-        acquired, scope = await self.acquirer.acquire_blocking(key)
-        holder = SessionHolder(self.rt, key, acquired, set(), scope)
-        holder.lease.start()
-        now_id = f"{int(time.time() * 1000)}-0"  # only controls published from now on
-        holder.slot = self.rt.turns.begin(key, msg.session_key, now_id)
-        try:
-            outcome = await holder.run_message(msg, reply_to=msg.id or "", member=msg.session_key)
-            spec = CommitSpec(member=msg.session_key, transient=holder.transient)
-            holder.fill_spec(spec, outcome)
-            spec.reply = ""  # returned to the caller, as the reference loop does
-            await holder.commit(spec, select=None)
-            return outcome.reply
-        finally:
-            self.rt.turns.end(key, holder.slot)
-            await holder.lease.stop()
-            if not holder.lease.lost:
-                await self.bus.release(key, acquired.token)
+        """Run one turn for ``msg`` under the session's Redis lease, commit it, return the
+        reply (``worker.runtime.direct``)."""
+        return await process_message(self.rt, self.acquirer, msg)
 
     # --- the worker ------------------------------------------------------------------
     async def run(self) -> None:
@@ -227,7 +204,9 @@ class AgentLoop:
             asyncio.create_task(self.maintenance.run(), name="maintenance"),
         ]
         try:
-            await self._start_jobs()
+            # the job queue's connection may be refused for a while (e.g. at maxclients)
+            starting = Backoff("starting the job queue", log, first_s=0.2, cap_s=5.0)
+            await starting.until_done(self.rt.jobs.start, self._stopping)
             await asyncio.wait_for(listener.subscribed.wait(), timeout=30)
             self._consumer = asyncio.create_task(self._consume(), name="consume")
             with contextlib.suppress(asyncio.CancelledError):
@@ -244,17 +223,6 @@ class AgentLoop:
                 await self.rt.registry.sweeps.forget_dead(self.worker_id)
             await self.bus.aclose()
             log.info("worker %s stopped", safe(self.worker_id))
-
-    async def _start_jobs(self) -> None:
-        """Start the background-job queue, waiting with backoff while Redis refuses the
-        connection it needs (e.g. at ``maxclients``) instead of ending the worker."""
-        backoff = Backoff("starting the job queue", log, first_s=0.2, cap_s=5.0)
-        while not self._stopping.is_set():
-            try:
-                await self.rt.jobs.start()
-                return
-            except (RedisError, OSError) as exc:
-                await backoff.after(exc)
 
     @property
     def stopping(self) -> bool:
