@@ -39,7 +39,7 @@ def frontend_acl(
 def gateway_acl(channel: str, password: str, *, prefix: str = "agent", user: str = "") -> list[str]:
     """A gateway (``agent-gateway``) of ``channel``: everything a frontend may do, plus
     read-only looks at its channel's sessions (queued count, whether a turn runs, stored
-    rows) and its own keys ``P:{C}:gw:*`` (users' chat lists, tickets, a wake stream)."""
+    rows) and its own keys ``P:{C}:gw:*`` (users' chat lists, the key tickets are signed with, a wake stream)."""
     lines = frontend_acl(channel, password, prefix=prefix, user=user or f"gateway-{channel}")
     tag = f"{prefix}:{{{channel}}}"
     extra = [
@@ -50,7 +50,7 @@ def gateway_acl(channel: str, password: str, *, prefix: str = "agent", user: str
         f"(+xread +xrevrange +xrange +type ~{tag}:out:* ~{tag}:gw:wake:* ~{tag}:pulse)",
         f"(+xadd +pexpire ~{tag}:gw:wake:*)",
         f"(+zadd +zrem +zscore +zcard +zrevrange +zrangebyscore +zpopmin +hset +hsetnx +hget +hmget +hdel ~{tag}:gw:user:*)",
-        f"(+set +get ~{tag}:gw:ticket:*)",
+        f"(+set ~{tag}:gw:ticket:secret)",
     ]
     return [f"{lines[0]} {' '.join(extra)}", *lines[1:]]
 

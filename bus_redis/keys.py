@@ -153,9 +153,9 @@ class Keys:
         """Hash: a gateway user's chat id -> title."""
         return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:titles"
 
-    def gw_ticket(self, channel: str, ticket: str) -> str:
-        """A short-lived ticket (EventSource / WebSocket auth) -> user id."""
-        return f"{self.prefix}:{{{channel}}}:gw:ticket:{ticket}"
+    def gw_ticket_secret(self, channel: str) -> str:
+        """The key the channel's gateway replicas sign tickets with (string, no TTL)."""
+        return f"{self.prefix}:{{{channel}}}:gw:ticket:secret"
 
     def gw_wake(self, channel: str, replica: str) -> str:
         """Stream a gateway replica adds to, to wake its own blocked event read."""

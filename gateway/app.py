@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from bus_redis.keys import Keys
-from gateway.auth import Authenticator, User
+from gateway.auth import Authenticator, RedactTickets, User
 from gateway.chats import Chat, Chats
 from gateway.hub import EventHub, Subscription, TooManyStreamsError
 from gateway.metrics import GatewayMetrics, RequestMetrics
@@ -195,6 +195,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     app.include_router(ws.router)
     app.include_router(openai_compat.router)
     app.add_exception_handler(RequestValidationError, _invalid)
+    RedactTickets.install()
 
     @app.get("/", include_in_schema=False)
     async def page() -> HTMLResponse:

@@ -2,16 +2,22 @@
 
 Default deny: a request with none of them is answered 401. Tickets exist because
 ``EventSource`` and browser WebSockets cannot send headers: an authenticated call mints
-one (kept in Redis, so any replica accepts it) and the stream URL carries it.
+one and the stream URL carries it. A ticket is signed, not stored (``Tickets``): minting
+any number of them holds no memory anywhere, checking one (or a forged one) costs no
+Redis call, and any replica accepts it (the key is the channel's, in Redis).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
+import logging
 import re
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request, WebSocket
@@ -22,7 +28,10 @@ from bus_redis.keys import Keys
 from gateway.settings import GatewaySettings
 
 USER_RE = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
-TICKET_RE = re.compile(r"[A-Za-z0-9_-]{20,64}")
+# <expiry, epoch s in base 36>.<user id, base64url>.<HMAC-SHA256, 16 bytes, base64url>;
+# a user id is 256 characters at most (USER_RE): 1,024 bytes of UTF-8, 1,366 in base64url
+TICKET_RE = re.compile(r"([0-9a-z]{1,12})\.([A-Za-z0-9_-]{2,1366})\.([A-Za-z0-9_-]{22})")
+KEY_REFRESH_S = 1.0  # an unknown signature re-reads the channel's key at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +53,9 @@ class Authenticator:
         self.keys = Keys(settings.key_prefix)
         # compared by digest: a lookup never depends on how much of a token matched
         self._tokens = {_digest(t): u for t, u in settings.all_tokens().items()}
+        self._users = set(self._tokens.values())
         self._proxies = [ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies]
+        self.tickets = Tickets(redis, self.keys.gw_ticket_secret(settings.channel), settings)
 
     @property
     def configured(self) -> bool:
@@ -76,17 +87,109 @@ class Authenticator:
         return self._tokens.get(_digest(token.strip()))
 
     async def mint_ticket(self, user: User) -> str:
-        ticket = secrets.token_urlsafe(24)
-        key = self.keys.gw_ticket(self.settings.channel, ticket)
-        await self.redis.set(key, user.id, ex=self.settings.ticket_ttl_s)
-        return ticket
+        return await self.tickets.mint(user.id)
 
     async def _from_ticket(self, ticket: str) -> str | None:
-        """A ticket is good for its lifetime (an EventSource may reconnect with it)."""
-        if not TICKET_RE.fullmatch(ticket):
+        """The ticket's user while it is good: signed by this channel's key, not expired,
+        and (when users come from tokens only) still one of the configured users, so a
+        ticket does not outlive its user's token."""
+        user = await self.tickets.check(ticket)
+        if user is None or (not self._proxies and user not in self._users):
             return None
-        raw = await self.redis.get(self.keys.gw_ticket(self.settings.channel, ticket))
-        return text(raw) if raw is not None else None
+        return user
+
+
+class Tickets:
+    """Signed, stateless tickets: ``<expiry>.<user id>.<HMAC>`` under a random key that
+    the channel's replicas share (``P:{C}:gw:ticket:secret``, made by whichever replica
+    needs it first). A ticket is good for any number of uses until it expires (an
+    EventSource reconnects with its URL); the page mints a new one per connection. The
+    gateway's log never shows one (:class:`RedactTickets`)."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        key: str,
+        settings: GatewaySettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.key = key
+        self.channel = settings.channel
+        self.ttl_s = settings.ticket_ttl_s
+        self.clock = clock
+        self._secret: bytes | None = None
+        self._read_at = float("-inf")
+
+    async def mint(self, user_id: str) -> str:
+        secret = await self._load()  # (a key re-made after a Redis flush is picked up)
+        expiry = _base36(int(self.clock()) + self.ttl_s)
+        user = base64.urlsafe_b64encode(user_id.encode()).decode().rstrip("=")
+        return f"{expiry}.{user}.{self._sign(secret, expiry, user)}"
+
+    async def check(self, ticket: str) -> str | None:
+        """The user a good ticket names, else None; a Redis call at most once a
+        ``KEY_REFRESH_S`` (a signature this replica cannot check: the key may be new)."""
+        found = TICKET_RE.fullmatch(ticket)
+        if found is None:
+            return None
+        expiry, user, mac = found.groups()
+        if int(expiry, 36) < self.clock():
+            return None
+        secret = self._secret
+        if secret is None or not hmac.compare_digest(mac, self._sign(secret, expiry, user)):
+            if self.clock() - self._read_at < KEY_REFRESH_S:
+                return None
+            secret = await self._load()
+            if not hmac.compare_digest(mac, self._sign(secret, expiry, user)):
+                return None
+        try:
+            return base64.urlsafe_b64decode(user + "=" * (-len(user) % 4)).decode()
+        except ValueError:  # (signed by us: cannot happen)
+            return None
+
+    async def _load(self) -> bytes:
+        """The channel's key: made here when there is none (``SET NX GET``, one call)."""
+        mine = secrets.token_hex(32)
+        theirs = await self.redis.set(self.key, mine, nx=True, get=True)
+        self._secret = (text(theirs) if theirs is not None else mine).encode()
+        self._read_at = self.clock()
+        return self._secret
+
+    def _sign(self, secret: bytes, expiry: str, user: str) -> str:
+        msg = f"{self.channel}.{expiry}.{user}".encode()
+        digest = hmac.digest(secret, msg, "sha256")[:16]
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+class RedactTickets(logging.Filter):
+    """Keeps tickets out of the log: uvicorn logs every WebSocket's URL (``?ticket=``)
+    even with its access log off. Installed on uvicorn's loggers by ``create_app``."""
+
+    PATTERN = re.compile(r"(ticket=)[^&\s\"']+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "ticket=" in message:
+            record.msg, record.args = self.PATTERN.sub(r"\1[redacted]", message), ()
+        return True
+
+    @classmethod
+    def install(cls) -> None:
+        for name in ("uvicorn.error", "uvicorn.access"):
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, cls) for f in logger.filters):
+                logger.addFilter(cls())
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if not n:
+            return out
 
 
 def _digest(token: str) -> bytes:

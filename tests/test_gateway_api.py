@@ -15,10 +15,12 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from fastapi import HTTPException
 
 from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
 from gateway.app import Gateway, create_app
+from gateway.auth import User
 from gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.frontend
@@ -79,19 +81,128 @@ async def test_a_proxy_header_is_believed_only_from_a_trusted_address(redis_fact
         assert (await http.get("/api/me", headers={**header, **ALICE})).json() == {"user": "alice"}
 
 
-async def test_a_ticket_from_one_replica_is_accepted_by_another_and_expires(redis_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_a_ticket_opens_the_event_streams_only(redis_factory) -> None:  # type: ignore[no-untyped-def]
     async with _client(redis_factory, ticket_ttl_s=30) as one, _client(redis_factory) as two:
-        ticket = (await one.post("/api/tickets", headers=ALICE)).json()["ticket"]
+        r = await one.post("/api/tickets", headers=ALICE)
+        assert r.status_code == 201
+        assert r.json()["expires_in_s"] == 30
+        ticket = r.json()["ticket"]
         chat = (await one.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
-        r = await two.get(f"/api/me?ticket={ticket}")
-        assert r.status_code == 401  # a ticket opens event streams only, not the JSON API
-        redis = redis_factory()
-        key = Keys().gw_ticket("web", ticket)
-        assert 0 < await redis.ttl(key) <= 30
-        assert await redis.get(key) == "alice"
-        await redis.delete(key)  # as if it expired
-        bad = await two.get(f"/api/sessions/{chat}/events?ticket={ticket}")
+        assert (await two.get(f"/api/me?ticket={ticket}")).status_code == 401
+        assert (await two.post("/api/tickets", params={"ticket": ticket})).status_code == 401
+        forged = ticket[:-4] + ("AAAA" if not ticket.endswith("AAAA") else "BBBB")
+        bad = await two.get(f"/api/sessions/{chat}/events?ticket={forged}")
         assert bad.status_code == 401
+
+
+def _asking(ticket: str) -> Any:
+    """What ``Authenticator.user`` reads of a request: no header, ``?ticket=``."""
+    return SimpleNamespace(headers={}, query_params={"ticket": ticket}, client=None)
+
+
+class _Counting:
+    """The ticket key's client, counting the calls made through it."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis, self.calls = redis, 0
+
+    async def set(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return await self.redis.set(*args, **kwargs)
+
+
+async def test_a_ticket_is_signed_not_stored_and_good_on_any_replica_until_it_expires(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    now = [1_800_000_000.0]
+    one = Gateway(GatewaySettings(tokens=TOKENS, ticket_ttl_s=30), redis_factory(), [])
+    two = Gateway(GatewaySettings(tokens=TOKENS), redis_factory(), [])
+    for gw in (one, two):
+        gw.auth.tickets.clock = lambda: now[0]
+    redis = redis_factory()
+    ticket = await one.auth.mint_ticket(User("alice"))
+    assert (await two.auth.user(_asking(ticket), ticket_ok=True)).id == "alice"
+    assert (await two.auth.user(_asking(ticket), ticket_ok=True)).id == "alice"  # reusable
+    # a user minting in a loop holds no memory: nothing is stored per ticket
+    keys = sorted(await redis.keys("*"))
+    assert Keys().gw_ticket_secret("web") in keys
+    for _ in range(300):
+        await one.auth.mint_ticket(User("alice"))
+    assert sorted(await redis.keys("*")) == keys
+    assert await redis.ttl(Keys().gw_ticket_secret("web")) == -1
+    # another user's name under alice's signature, a cut signature: refused
+    expiry, _, mac = ticket.split(".")
+    for forged in (f"{expiry}.Ym9i.{mac}", ticket[:-1], f"{expiry}.{ticket.split('.')[1]}"):
+        with pytest.raises(HTTPException):
+            await two.auth.user(_asking(forged), ticket_ok=True)
+    now[0] += 31  # past its 30 s
+    with pytest.raises(HTTPException):
+        await two.auth.user(_asking(ticket), ticket_ok=True)
+
+
+async def test_forged_tickets_cost_no_redis_call_and_a_new_key_is_picked_up(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    now = [1_800_000_000.0]
+    one = Gateway(GatewaySettings(tokens=TOKENS), redis_factory(), [])
+    two = Gateway(GatewaySettings(tokens=TOKENS), redis_factory(), [])
+    for gw in (one, two):
+        gw.auth.tickets.clock = lambda: now[0]
+    counting = _Counting(two.auth.tickets.redis)
+    two.auth.tickets.redis = counting  # type: ignore[assignment]
+    good = await one.auth.mint_ticket(User("alice"))
+    assert (await two.auth.user(_asking(good), ticket_ok=True)).id == "alice"
+    assert counting.calls == 1  # the key, read once
+    expiry = good.split(".")[0]
+    for i in range(1000):  # well-formed, signed with a key nobody has
+        with pytest.raises(HTTPException):
+            await two.auth.user(_asking(f"{expiry}.YWxpY2U.{i:022d}"), ticket_ok=True)
+    assert counting.calls == 1  # within the second: not even a re-read
+    await redis_factory().flushall()  # the key is lost; the next mint makes another
+    now[0] += 2
+    fresh = await one.auth.mint_ticket(User("alice"))
+    assert fresh != good
+    assert (await two.auth.user(_asking(fresh), ticket_ok=True)).id == "alice"
+    assert counting.calls == 2  # re-read once: another key may have been made
+    with pytest.raises(HTTPException):  # signed with the lost key
+        await two.auth.user(_asking(good), ticket_ok=True)
+
+
+async def test_a_ticket_stops_working_with_its_users_token(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    one = Gateway(GatewaySettings(tokens=TOKENS), redis_factory(), [])
+    ticket = await one.auth.mint_ticket(User("alice"))
+    revoked = Gateway(GatewaySettings(tokens={"bob-token-456": "bob"}), redis_factory(), [])
+    with pytest.raises(HTTPException):
+        await revoked.auth.user(_asking(ticket), ticket_ok=True)
+    # behind a trusted proxy users are not listed here: the signature decides
+    proxied = GatewaySettings(tokens={}, trusted_proxies=["10.0.0.0/8"])
+    behind = Gateway(proxied, redis_factory(), [])
+    assert (await behind.auth.user(_asking(ticket), ticket_ok=True)).id == "alice"
+    longest = "\U0001f600" * 256  # the longest user id, 4 bytes a character
+    ticket = await behind.auth.mint_ticket(User(longest))
+    assert (await behind.auth.user(_asking(ticket), ticket_ok=True)).id == longest
+
+
+def test_the_gateway_log_never_shows_a_ticket() -> None:
+    import logging
+
+    from gateway.auth import RedactTickets
+
+    create_app(GatewaySettings(tokens=TOKENS))  # installs the filter on uvicorn's loggers
+    logger = logging.getLogger("uvicorn.error")
+    assert any(isinstance(f, RedactTickets) for f in logger.filters)
+    record = logger.makeRecord(
+        "uvicorn.error",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "WebSocket %s" [accepted]',
+        ("127.0.0.1:5", "/api/ws?ticket=1a2b.YWxpY2U.secretsecretsecretsecr&x=1"),
+        None,
+    )
+    for f in logger.filters:
+        f.filter(record)
+    assert record.getMessage() == (
+        '127.0.0.1:5 - "WebSocket /api/ws?ticket=[redacted]&x=1" [accepted]'
+    )
 
 
 async def test_ids_are_minted_by_the_server_and_owned_by_their_user(redis_factory) -> None:  # type: ignore[no-untyped-def]
