@@ -153,6 +153,11 @@ class Keys:
         """Hash: a gateway user's chat id -> title."""
         return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:titles"
 
+    def gw_waiting(self, channel: str, user_hash: str) -> str:
+        """Sorted set: the user's chats the gateway last wrote to (session key -> ms), read
+        to count the chats with entries waiting (``gateway.backlog``)."""
+        return f"{self.prefix}:{{{channel}}}:gw:user:{user_hash}:waiting"
+
     def gw_ticket_secret(self, channel: str) -> str:
         """The key the channel's gateway replicas sign tickets with (string, no TTL)."""
         return f"{self.prefix}:{{{channel}}}:gw:ticket:secret"

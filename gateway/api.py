@@ -10,6 +10,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
@@ -20,6 +21,7 @@ from bus_redis import OutboundMessage, SessionBusyError
 from bus_redis.schema import FollowUp
 from gateway.app import Gateway
 from gateway.auth import User
+from gateway.backlog import BacklogFullError, Room
 from gateway.chats import Chat, ChatLimitError
 from gateway.hub import TooManyStreamsError
 
@@ -40,6 +42,16 @@ CLIENT_ID = r"^[A-Za-z0-9_.:-]{1,128}$"
 
 def gw(request: Request) -> Gateway:
     return request.app.state.gw
+
+
+@asynccontextmanager
+async def admitted(admission: AbstractAsyncContextManager[Room]) -> AsyncIterator[Room]:
+    """``Backlog.admit``, its refusal answered 429 (nothing was written)."""
+    try:
+        async with admission as room:
+            yield room
+    except BacklogFullError as exc:
+        raise HTTPException(429, str(exc)) from None
 
 
 async def caller(request: Request) -> User:
@@ -120,14 +132,19 @@ async def list_sessions(request: Request, user: Caller) -> list[dict[str, Any]]:
 @router.post("/sessions", status_code=201)
 async def create_session(request: Request, user: Caller, body: NewSession) -> dict[str, Any]:
     g = gw(request)
-    try:
-        created = await g.chats.create(user, temporary=body.temporary, title=body.title)
-    except ChatLimitError as exc:
-        raise HTTPException(409, str(exc)) from None
-    chat = created.chat
-    for evicted in created.evicted:  # the user's oldest temporary chats made room
-        await g.client.discard(f"{g.settings.channel}:{evicted}")
-    if chat.temporary:
+    if not body.temporary:  # nothing is sent to the workers
+        try:
+            created = await g.chats.create(user, temporary=False, title=body.title)
+        except ChatLimitError as exc:
+            raise HTTPException(409, str(exc)) from None
+        return await g.chats.status(created.chat)
+    async with admitted(g.backlog.admit(user, None)) as room:  # a new chat: none waits yet
+        created = await g.chats.create(user, temporary=True, title=body.title)
+        chat = created.chat
+        for evicted in created.evicted:  # the user's oldest temporary chats made room
+            room.add(f"{g.settings.channel}:{evicted}")
+            await g.client.discard(f"{g.settings.channel}:{evicted}")
+        room.add(chat.session_key)
         await g.client.open_transient(
             g.settings.channel,
             chat.id,
@@ -161,11 +178,12 @@ async def delete_session(request: Request, user: Caller, chat: Owned) -> Respons
     """A durable chat: its stored history and events are deleted (a running turn is
     cancelled first); a temporary chat is discarded."""
     g = gw(request)
-    await g.chats.forget(user, chat)
-    if chat.temporary:
-        await g.client.discard(chat.session_key)
-    else:
-        await g.client.delete(chat.session_key)
+    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
+        await g.chats.forget(user, chat)
+        if chat.temporary:
+            await g.client.discard(chat.session_key)
+        else:
+            await g.client.delete(chat.session_key)
     return Response(status_code=204)
 
 
@@ -187,7 +205,8 @@ async def send(
         user, chat, body.content, id=message_id, metadata=body.metadata, followup=body.followup
     )
     try:
-        ids = await g.publish(msg)
+        async with admitted(g.backlog.admit(user, chat.session_key)):
+            ids = await g.publish(msg)
     except SessionBusyError as exc:
         raise HTTPException(409, str(exc)) from None
     await g.chats.title_from(user, chat, body.content)
@@ -205,9 +224,11 @@ async def send(
 
 
 @router.post("/sessions/{session_id}/stop", status_code=202)
-async def stop(request: Request, chat: Owned) -> dict[str, str]:
+async def stop(request: Request, user: Caller, chat: Owned) -> dict[str, str]:
     """Cancel the running turn and the messages queued before this call."""
-    await gw(request).client.stop(chat.session_key)
+    g = gw(request)
+    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
+        await g.client.stop(chat.session_key)
     return {"session_id": chat.id, "op": "stop"}
 
 
@@ -215,9 +236,10 @@ async def stop(request: Request, chat: Owned) -> dict[str, str]:
 async def discard(request: Request, user: Caller, chat: Owned) -> dict[str, str]:
     """Stop, and end a temporary chat for good (a durable chat keeps its history)."""
     g = gw(request)
-    if chat.temporary:
-        await g.chats.forget(user, chat)
-    await g.client.discard(chat.session_key)
+    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
+        if chat.temporary:
+            await g.chats.forget(user, chat)
+        await g.client.discard(chat.session_key)
     return {"session_id": chat.id, "op": "discard"}
 
 
@@ -227,11 +249,12 @@ async def new_conversation(request: Request, user: Caller, chat: Owned) -> dict[
     summarised into the user's long-term memory, then cleared; messages sent before this
     call are cancelled. A temporary chat is discarded."""
     g = gw(request)
-    if chat.temporary:
-        await g.chats.forget(user, chat)
-        await g.client.discard(chat.session_key)
-        return {"session_id": chat.id, "op": "discard"}
-    await g.client.new(chat.session_key)
+    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
+        if chat.temporary:
+            await g.chats.forget(user, chat)
+            await g.client.discard(chat.session_key)
+            return {"session_id": chat.id, "op": "discard"}
+        await g.client.new(chat.session_key)
     return {"session_id": chat.id, "op": "new"}
 
 

@@ -5,6 +5,7 @@ create_app(settings)
   │     ├── redis        a bounded, blocking connection pool (AGENT_GATEWAY_REDIS_CONNECTIONS)
   │     ├── FrontendClient   publish messages and controls (bus_redis, wire v2)
   │     ├── Authenticator    tokens / trusted proxy / tickets      (auth.py)
+  │     ├── Backlog          what one user may leave waiting        (backlog.py)
   │     ├── Chats            ids, ownership, status, history       (chats.py)
   │     └── EventHub         one blocking read for every open stream (hub.py)
   ├── api.router         JSON API and SSE                           (api.py)
@@ -36,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from bus_redis.keys import Keys
 from gateway.auth import Authenticator, RedactTickets, User
+from gateway.backlog import Backlog
 from gateway.chats import Chat, Chats
 from gateway.hub import EventHub, Subscription, TooManyStreamsError
 from gateway.metrics import GatewayMetrics, RequestMetrics
@@ -56,6 +58,13 @@ class Gateway:
         self.keys = Keys(s.key_prefix)
         self.client = FrontendClient(self.redis, s.key_prefix, followup=s.followup)
         self.auth = Authenticator(s, self.redis)
+        self.backlog = Backlog(
+            self.redis,
+            self.keys,
+            s.channel,
+            per_chat=s.max_waiting_per_chat,
+            chats=s.max_waiting_chats_per_user,
+        )
         self.chats = Chats(
             self.redis,
             self.keys,

@@ -27,6 +27,9 @@ configuration (environment; options override):
   AGENT_GATEWAY_MAX_SESSIONS_PER_USER         durable chats per user (500)
   AGENT_GATEWAY_MAX_TEMPORARY_PER_USER        open temporary chats per user (5; more discards
                                               the oldest)
+  AGENT_GATEWAY_MAX_WAITING_PER_CHAT          entries one chat may have waiting for the
+                                              workers (10; more: 429)
+  AGENT_GATEWAY_MAX_WAITING_CHATS_PER_USER    chats of one user with entries waiting (8)
   AGENT_GATEWAY_MAX_STREAMS                   open event streams per process (10000)
   AGENT_GATEWAY_MAX_STREAMS_PER_USER          ... of them for one user (64)
   AGENT_GATEWAY_MAX_BODY_BYTES                a request body (1048576)

@@ -57,6 +57,9 @@ class GatewaySettings(BaseSettings):
     # a chat created this long ago whose session is no longer stored (the workers delete
     # sessions idle for AGENT_SESSION_TTL_S) leaves the user's list; 0 keeps them
     session_ttl_s: float = Field(default=90 * 86_400, ge=0)
+    # what one user may leave waiting for the workers (gateway.backlog): more is 429
+    max_waiting_per_chat: int = Field(default=10, ge=1)  # entries in one chat's stream
+    max_waiting_chats_per_user: int = Field(default=8, ge=1)  # chats with entries waiting
     max_streams: int = Field(default=10_000, ge=1)  # followed event streams per process
     max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route

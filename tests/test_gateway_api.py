@@ -444,7 +444,8 @@ async def test_concurrent_temporary_chats_never_leave_one_open_beyond_the_limit(
     a discard after its open on the wire, so no worker keeps it."""
     import asyncio
 
-    async with _client(redis_factory, max_temporary_per_user=2) as http:
+    limits = {"max_temporary_per_user": 2, "max_waiting_chats_per_user": 100}
+    async with _client(redis_factory, **limits) as http:
         replies = await asyncio.gather(
             *[
                 http.post("/api/sessions", json={"temporary": True}, headers=ALICE)
@@ -645,3 +646,92 @@ def test_a_websocket_client_that_stops_reading_is_let_go_by_bytes_too() -> None:
     assert conn.overflowed
     assert conn.ended.is_set()
     assert conn.outbox.qsize() == 4  # the frame that went past was not queued
+
+
+async def test_what_one_user_leaves_waiting_is_bounded_and_others_are_still_served(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """No worker runs: nothing is consumed, so without a bound a user could queue until
+    Redis is full (for every channel). 3 entries a chat, 2 chats with entries waiting."""
+    redis = redis_factory()
+    keys = Keys()
+    limits = {"max_waiting_per_chat": 3, "max_waiting_chats_per_user": 2}
+    async with _client(redis_factory, **limits) as http:
+
+        async def new_chat(who: dict[str, str]) -> str:
+            return str((await http.post("/api/sessions", json={}, headers=who)).json()["id"])
+
+        def send(sid: str, who: dict[str, str] = ALICE) -> Any:
+            return http.post(f"/api/sessions/{sid}/messages", json={"content": "q"}, headers=who)
+
+        a, b, c = await new_chat(ALICE), await new_chat(ALICE), await new_chat(ALICE)
+        assert [(await send(a)).status_code for _ in range(4)] == [202, 202, 202, 429]
+        full = await send(a)
+        assert "3 messages are waiting in this chat" in full.json()["detail"]
+        assert await redis.xlen(keys.inbound(f"web:{a}")) == 3
+        # a full chat can still be stopped (twice: then it is full for controls too)
+        stops = [(await http.post(f"/api/sessions/{a}/stop", headers=ALICE)).status_code]
+        stops += [(await http.post(f"/api/sessions/{a}/stop", headers=ALICE)).status_code]
+        stops += [(await http.post(f"/api/sessions/{a}/stop", headers=ALICE)).status_code]
+        assert stops == [202, 202, 429]
+        assert (await send(b)).status_code == 202
+        refused = await send(c)  # a third chat with something waiting: refused
+        assert refused.status_code == 429
+        assert "waiting in 2 of your chats" in refused.json()["detail"]
+        assert await redis.exists(keys.inbound(f"web:{c}")) == 0
+        temporary = await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)
+        assert temporary.status_code == 429
+        assert len((await http.get("/api/sessions", headers=ALICE)).json()) == 3
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "q"}]},
+            headers=ALICE,
+        )
+        assert r.status_code == 429
+        assert r.json()["error"]["type"] == "rate_limit_exceeded"
+        # another user of the channel is served meanwhile
+        assert (await send(await new_chat(BOB), BOB)).status_code == 202
+        # the workers consume chat a: it no longer counts, c may be written to
+        await redis.delete(keys.inbound(f"web:{a}"))
+        assert (await send(c)).status_code == 202
+        waiting = await redis.zrange(keys.gw_waiting("web", User("alice").hash), 0, -1)
+        assert sorted(waiting) == sorted([f"web:{b}", f"web:{c}"])
+
+
+async def test_concurrent_requests_cannot_all_pass_one_check(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    redis = redis_factory()
+    limits = {"max_waiting_per_chat": 4, "max_waiting_chats_per_user": 3}
+    async with _client(redis_factory, **limits) as http:
+        chats = [
+            (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+            for _ in range(8)
+        ]
+        one = f"/api/sessions/{chats[0]}/messages"
+        sends = [http.post(one, json={"content": "q"}, headers=ALICE) for _ in range(20)]
+        sends += [
+            http.post(f"/api/sessions/{sid}/messages", json={"content": "q"}, headers=ALICE)
+            for sid in chats[1:]
+            for _ in range(3)
+        ]
+        codes = [r.status_code for r in await asyncio.gather(*sends)]
+        lengths = [await redis.xlen(Keys().inbound(f"web:{sid}")) for sid in chats]
+        assert sum(1 for n in lengths if n) == 3  # chats with something waiting
+        assert max(lengths) == 4
+        assert codes.count(202) == sum(lengths)
+        assert set(codes) == {202, 429}
+
+
+async def test_temporary_chats_made_room_for_still_count_while_their_discard_waits(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Opening a temporary chat discards the oldest past the limit: the discarded one
+    waits for the workers too, so opening and evicting in a loop is bounded as well."""
+    limits = {"max_temporary_per_user": 1, "max_waiting_chats_per_user": 2}
+    async with _client(redis_factory, **limits) as http:
+        codes = [
+            (await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)).status_code
+            for _ in range(4)
+        ]
+        assert codes == [201, 201, 429, 429]
+        redis = redis_factory()
+        assert len(await redis.keys(Keys().inbound("web:*"))) == 2
