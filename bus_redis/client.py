@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
@@ -26,6 +26,23 @@ from bus_redis.schema import (
     OpenTransient,
 )
 from bus_redis.streams import READY_MAXLEN
+
+
+class Guard(Protocol):
+    """What a publisher adds to the transaction that writes to a session's stream (the
+    gateway's per-user bounds, ``gateway.backlog``). The stream is WATCHed, and so is each
+    list of ``watch`` (a WATCH each: a Redis ACL matches one command's keys against one
+    selector); ``check`` reads under the WATCH and raises to refuse (nothing is written);
+    ``queue`` adds its writes to the MULTI. Any change to a watched key between the check
+    and ``EXEC`` runs both again."""
+
+    @property
+    def watch(self) -> Sequence[Sequence[str]]: ...
+
+    async def check(self, pipe: Any, waiting: int, adding: int) -> None:
+        """``waiting``: the stream's length now; ``adding``: the entries this write adds."""
+
+    def queue(self, pipe: Any) -> None: ...
 
 
 class FrontendClient(EventFollower):
@@ -47,11 +64,20 @@ class FrontendClient(EventFollower):
         if self._mux is not None:
             await self._mux.aclose()
 
-    async def _publish(self, session_key: str, entry: dict[str, str]) -> str:
+    async def _publish(
+        self, session_key: str, entry: dict[str, str], guard: Guard | None = None
+    ) -> str:
         """MULTI: XADD the session stream, ZADD NX its channel's queued index (the sweep's
         safety net), XADD its channel's ready queue. Returns the entry id. Over a
         multiplexed connection of this client's when ``redis`` allows one (bus_redis.mux:
-        one write, no pool checkout), else redis-py's pipeline."""
+        one write, no pool checkout), else redis-py's pipeline; under WATCH with a guard."""
+        if guard is not None:
+
+            def write(pipe: Any) -> None:
+                pipe.xadd(self.keys.inbound(session_key), entry)
+                self._notify(pipe, session_key)
+
+            return text((await self._guarded(session_key, guard, write, 1))[0])
         if not self._mux_tried:
             self._mux, self._mux_tried = Multiplexed.for_client(self.redis), True
         if self._mux is not None:
@@ -86,7 +112,7 @@ class FrontendClient(EventFollower):
         entry_id = await self.send_entry(msg)
         return msg.id or entry_id
 
-    async def send_entry(self, msg: InboundMessage) -> str:
+    async def send_entry(self, msg: InboundMessage, *, guard: Guard | None = None) -> str:
         """Publish one message; returns its inbound entry id (the ``reply_to`` of an answer
         to a payload whose ``id`` could not be read).
 
@@ -94,48 +120,81 @@ class FrontendClient(EventFollower):
         an interrupt marker before the message (the running turn is cancelled, keeping its
         work up to its last complete tool exchange; everything pending runs next);
         ``reject`` raises ``SessionBusyError`` and queues nothing when a message of the
-        session is queued or being answered; ``inject`` / ``queue`` are the worker's."""
+        session is queued or being answered; ``inject`` / ``queue`` are the worker's.
+        ``guard``: checks and writes of the caller's in the same transaction (:class:`Guard`)."""
         mode = msg.followup or self.followup
         if mode is not None and msg.followup is None:
             msg = msg.model_copy(update={"followup": mode})
         if mode == "interrupt":
-            return await self._interrupt(msg)
+            return await self._interrupt(msg, guard)
         if mode == "reject":
-            return await self._publish_unless_busy(msg)
-        return await self._publish(msg.session_key, {"payload": _dump(msg)})
+            return await self._publish_unless_busy(msg, guard)
+        return await self._publish(msg.session_key, {"payload": _dump(msg)}, guard)
 
-    async def _interrupt(self, msg: InboundMessage) -> str:
+    async def _interrupt(self, msg: InboundMessage, guard: Guard | None = None) -> str:
         """MULTI: an ``interrupt`` marker, then the message (as ``_publish``); then the
         pub/sub control naming the marker. The marker covers nothing queued (those run
         after, joining the next turn by the injection rules): it only cancels a turn of an
         entry before it."""
         s, channel = msg.session_key, channel_of(msg.session_key)
-        async with self.redis.pipeline(transaction=True) as pipe:
+
+        def write(pipe: Any) -> None:
             # no hint: an interrupt covers nothing, so nothing needs to look for it
             pipe.xadd(self.keys.inbound(s), {"control": "interrupt"})
             pipe.xadd(self.keys.inbound(s), {"payload": _dump(msg)})
             self._notify(pipe, s)
-            marker, entry_id, _, _ = await pipe.execute()
+
+        if guard is not None:
+            marker, entry_id = (await self._guarded(s, guard, write, 2))[:2]
+        else:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                write(pipe)
+                marker, entry_id, _, _ = await pipe.execute()
         control = ControlMessage(op="interrupt", session_key=s, marker=text(marker))
         await self.redis.publish(self.keys.control(channel), _dump(control))
         return text(entry_id)
 
-    async def _publish_unless_busy(self, msg: InboundMessage) -> str:
+    async def _publish_unless_busy(self, msg: InboundMessage, guard: Guard | None = None) -> str:
         """WATCH the session's stream: anything in it (a message queued or being answered)
         refuses this one; else the usual MULTI, retried when the stream changed between."""
         s = msg.session_key
-        inbound = self.keys.inbound(s)
+
+        def write(pipe: Any) -> None:
+            pipe.xadd(self.keys.inbound(s), {"payload": _dump(msg)})
+            self._notify(pipe, s)
+
+        return text((await self._guarded(s, guard, write, 1, reject=True))[0])
+
+    async def _guarded(
+        self,
+        session_key: str,
+        guard: Guard | None,
+        write: Callable[[Any], None],
+        adding: int,
+        *,
+        reject: bool = False,
+    ) -> list[Any]:
+        """``write`` (``adding`` entries to the session's stream) in a MULTI under WATCH of
+        the stream and the guard's keys, after its checks (and, with ``reject``, after
+        finding the stream empty); run again when a watched key changed. Returns the
+        replies of ``write``'s commands, then of the guard's."""
+        inbound = self.keys.inbound(session_key)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     await pipe.watch(inbound)
-                    if int(await pipe.xlen(inbound)) > 0:
-                        raise SessionBusyError(s)
+                    for keys in guard.watch if guard is not None else ():
+                        await pipe.watch(*keys)
+                    waiting = int(await pipe.xlen(inbound))
+                    if reject and waiting > 0:
+                        raise SessionBusyError(session_key)
+                    if guard is not None:
+                        await guard.check(pipe, waiting, adding)
                     pipe.multi()
-                    pipe.xadd(inbound, {"payload": _dump(msg)})
-                    self._notify(pipe, s)
-                    entry_id, _, _ = await pipe.execute()
-                    return text(entry_id)
+                    write(pipe)
+                    if guard is not None:
+                        guard.queue(pipe)
+                    return list(await pipe.execute())
                 except WatchError:
                     continue
 
@@ -151,6 +210,7 @@ class FrontendClient(EventFollower):
         session_key: str | None = None,
         disabled_tools: Iterable[str] = (),
         scope: str | None = None,
+        guard: Guard | None = None,
     ) -> tuple[str, str]:
         """Open a private session; returns ``(session_key, reply_to)``.
 
@@ -167,41 +227,48 @@ class FrontendClient(EventFollower):
             scope=scope,
             disabled_tools=sorted(set(disabled_tools)),
         )
-        await self._publish(key, {"payload": _dump(op)})
+        await self._publish(key, {"payload": _dump(op)}, guard)
         return key, op.id or ""
 
-    async def control(self, op: str, session_key: str) -> int:
+    async def control(self, op: str, session_key: str, *, guard: Guard | None = None) -> int:
         """Stop, discard or delete: a marker in the session's stream (it covers exactly the
         messages published before it), the hint that markers are queued, a notification,
         and the pub/sub message that cancels a running turn at once. Returns the number of
         workers that received the pub/sub message."""
         channel = channel_of(session_key)
-        async with self.redis.pipeline(transaction=True) as pipe:
+
+        def write(pipe: Any) -> None:
             pipe.xadd(self.keys.inbound(session_key), {"control": op})
             pipe.incr(self.keys.control_hint(session_key))
             self._notify(pipe, session_key)
-            marker = text((await pipe.execute())[0])
+
+        if guard is not None:
+            marker = text((await self._guarded(session_key, guard, write, 1))[0])
+        else:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                write(pipe)
+                marker = text((await pipe.execute())[0])
         # published after the marker exists, naming it: the running turn is cancelled
         # without the worker reading the stream (one round trip less under load)
         msg = ControlMessage(op=op, session_key=session_key, marker=marker)  # type: ignore[arg-type]
         return int(await self.redis.publish(self.keys.control(channel), _dump(msg)))
 
-    async def discard(self, session_key: str) -> int:
-        return await self.control("discard", session_key)
+    async def discard(self, session_key: str, *, guard: Guard | None = None) -> int:
+        return await self.control("discard", session_key, guard=guard)
 
-    async def delete(self, session_key: str) -> int:
+    async def delete(self, session_key: str, *, guard: Guard | None = None) -> int:
         """Discard, and delete the stored session and its events when the marker is
         reached (under the session's lease, so no running turn re-creates it)."""
-        return await self.control("delete", session_key)
+        return await self.control("delete", session_key, guard=guard)
 
-    async def stop(self, session_key: str) -> int:
-        return await self.control("stop", session_key)
+    async def stop(self, session_key: str, *, guard: Guard | None = None) -> int:
+        return await self.control("stop", session_key, guard=guard)
 
-    async def new(self, session_key: str) -> int:
+    async def new(self, session_key: str, *, guard: Guard | None = None) -> int:
         """A fresh conversation in the same session, as nanobot's ``/new``: when the marker
         is reached, the stored history not consolidated yet is summarised into the
         scope's long-term memory, then deleted (a private session is discarded)."""
-        return await self.control("new", session_key)
+        return await self.control("new", session_key, guard=guard)
 
 
 def _dump(doc: Any) -> str:

@@ -10,7 +10,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
@@ -21,7 +21,7 @@ from bus_redis import OutboundMessage, SessionBusyError
 from bus_redis.schema import FollowUp
 from gateway.app import Gateway
 from gateway.auth import User
-from gateway.backlog import BacklogFullError, Room
+from gateway.backlog import BacklogFullError, ChatGoneError
 from gateway.chats import Chat, ChatLimitError
 from gateway.hub import TooManyStreamsError
 
@@ -45,13 +45,16 @@ def gw(request: Request) -> Gateway:
 
 
 @asynccontextmanager
-async def admitted(admission: AbstractAsyncContextManager[Room]) -> AsyncIterator[Room]:
-    """``Backlog.admit``, its refusal answered 429 (nothing was written)."""
+async def refusals() -> AsyncIterator[None]:
+    """A write the gateway refused, as HTTP: nothing was written."""
     try:
-        async with admission as room:
-            yield room
+        yield
     except BacklogFullError as exc:
         raise HTTPException(429, str(exc)) from None
+    except ChatGoneError:  # deleted meanwhile: as for any chat that is not the caller's
+        raise HTTPException(404, "no such session") from None
+    except SessionBusyError as exc:
+        raise HTTPException(409, str(exc)) from None
 
 
 async def caller(request: Request) -> User:
@@ -138,25 +141,27 @@ async def create_session(request: Request, user: Caller, body: NewSession) -> di
         except ChatLimitError as exc:
             raise HTTPException(409, str(exc)) from None
         return await g.chats.status(created.chat)
-    async with admitted(g.backlog.admit(user, None)) as room:  # a new chat: none waits yet
+    async with refusals(), g.backlog.serialized(user):
+        await g.backlog.room_for_new(user)
         created = await g.chats.create(user, temporary=True, title=body.title)
         chat = created.chat
         for evicted in created.evicted:  # the user's oldest temporary chats made room
-            room.add(f"{g.settings.channel}:{evicted}")
-            await g.client.discard(f"{g.settings.channel}:{evicted}")
-        room.add(chat.session_key)
-        await g.client.open_transient(
-            g.settings.channel,
-            chat.id,
-            session_key=chat.session_key,
-            disabled_tools=g.settings.temporary_disabled_tools,
-            scope=f"user-{user.hash}",
-        )
-        # a concurrent creation may have evicted (and discarded) it before it was opened:
-        # a discard after the open closes it on the worker too
-        if not await g.chats.still_open(user, chat):
-            await g.client.discard(chat.session_key)
-            raise HTTPException(409, "too many temporary chats opened at once; try again")
+            key = f"{g.settings.channel}:{evicted}"
+            await g.client.discard(key, guard=g.backlog.counted(user, key))
+        try:  # refused when a concurrent creation evicted it already: never opened
+            await g.client.open_transient(
+                g.settings.channel,
+                chat.id,
+                session_key=chat.session_key,
+                disabled_tools=g.settings.temporary_disabled_tools,
+                scope=f"user-{user.hash}",
+                guard=g.backlog.guard(user, chat, control=True),
+            )
+        except ChatGoneError:
+            raise HTTPException(409, "too many temporary chats opened at once; try again") from None
+        except BacklogFullError:
+            await g.chats.forget(user, chat)
+            raise
     return await g.chats.status(chat)
 
 
@@ -178,12 +183,8 @@ async def delete_session(request: Request, user: Caller, chat: Owned) -> Respons
     """A durable chat: its stored history and events are deleted (a running turn is
     cancelled first); a temporary chat is discarded."""
     g = gw(request)
-    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
-        await g.chats.forget(user, chat)
-        if chat.temporary:
-            await g.client.discard(chat.session_key)
-        else:
-            await g.client.delete(chat.session_key)
+    async with refusals():
+        await g.control(user, chat, "discard" if chat.temporary else "delete", forget=True)
     return Response(status_code=204)
 
 
@@ -204,12 +205,8 @@ async def send(
     msg = g.message(
         user, chat, body.content, id=message_id, metadata=body.metadata, followup=body.followup
     )
-    try:
-        async with admitted(g.backlog.admit(user, chat.session_key)):
-            ids = await g.publish(msg)
-    except SessionBusyError as exc:
-        raise HTTPException(409, str(exc)) from None
-    await g.chats.title_from(user, chat, body.content)
+    async with refusals():
+        ids = await g.publish(user, chat, msg)
     accepted = Accepted(session_id=chat.id, message_id=message_id, cursor=cursor)
     if wait > 0:
         timeout_s = min(wait, g.settings.wait_max_s)
@@ -226,9 +223,8 @@ async def send(
 @router.post("/sessions/{session_id}/stop", status_code=202)
 async def stop(request: Request, user: Caller, chat: Owned) -> dict[str, str]:
     """Cancel the running turn and the messages queued before this call."""
-    g = gw(request)
-    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
-        await g.client.stop(chat.session_key)
+    async with refusals():
+        await gw(request).control(user, chat, "stop")
     return {"session_id": chat.id, "op": "stop"}
 
 
@@ -236,10 +232,8 @@ async def stop(request: Request, user: Caller, chat: Owned) -> dict[str, str]:
 async def discard(request: Request, user: Caller, chat: Owned) -> dict[str, str]:
     """Stop, and end a temporary chat for good (a durable chat keeps its history)."""
     g = gw(request)
-    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
-        if chat.temporary:
-            await g.chats.forget(user, chat)
-        await g.client.discard(chat.session_key)
+    async with refusals():
+        await g.control(user, chat, "discard", forget=chat.temporary)
     return {"session_id": chat.id, "op": "discard"}
 
 
@@ -249,13 +243,10 @@ async def new_conversation(request: Request, user: Caller, chat: Owned) -> dict[
     summarised into the user's long-term memory, then cleared; messages sent before this
     call are cancelled. A temporary chat is discarded."""
     g = gw(request)
-    async with admitted(g.backlog.admit(user, chat.session_key, control=True)):
-        if chat.temporary:
-            await g.chats.forget(user, chat)
-            await g.client.discard(chat.session_key)
-            return {"session_id": chat.id, "op": "discard"}
-        await g.client.new(chat.session_key)
-    return {"session_id": chat.id, "op": "new"}
+    op = "discard" if chat.temporary else "new"
+    async with refusals():
+        await g.control(user, chat, op, forget=chat.temporary)
+    return {"session_id": chat.id, "op": op}
 
 
 @router.get(

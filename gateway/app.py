@@ -121,12 +121,25 @@ class Gateway:
             if self._user_streams[user.hash] <= 0:
                 del self._user_streams[user.hash]
 
-    async def publish(self, msg: InboundMessage) -> set[str]:
-        """Send; the ids its terminal event may answer to: the message id, and the entry id
-        for a payload the worker cannot read that far."""
-        entry_id = await self.client.send_entry(msg)
+    async def publish(self, user: User, chat: Chat, msg: InboundMessage) -> set[str]:
+        """Send to the user's chat, within the user's backlog (``BacklogFullError``) and
+        while the chat is theirs (``ChatGoneError``); a durable chat without a title takes
+        the message's first line. Returns the ids its terminal event may answer to: the
+        message id, and the entry id for a payload the worker cannot read that far."""
+        title = self.chats.title_for(chat, msg.content)
+        async with self.backlog.serialized(user):
+            guard = self.backlog.guard(user, chat, title=title)
+            entry_id = await self.client.send_entry(msg, guard=guard)
+        chat.title = chat.title or title
         self.metrics.messages_published.inc()
         return {msg.id or entry_id, entry_id}
+
+    async def control(self, user: User, chat: Chat, op: str, *, forget: bool = False) -> None:
+        """A stop, discard, new or delete of the user's chat, guarded as :meth:`publish`;
+        ``forget``: the chat leaves the user's lists in the same transaction."""
+        async with self.backlog.serialized(user):
+            guard = self.backlog.guard(user, chat, control=True, forget=forget)
+            await self.client.control(op, chat.session_key, guard=guard)
 
     async def wait_terminal(
         self, user: User, chat: Chat, reply_to: set[str], after: str, timeout_s: float

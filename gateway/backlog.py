@@ -1,17 +1,24 @@
-"""How much one user may leave waiting for the workers: at most ``chats`` chats with
-entries waiting in their streams, each at most ``per_chat`` of them (two more for a stop,
-discard, new or delete, so a full chat can still be stopped).
+"""How much one user may leave waiting for the workers, whatever their pace.
+
+Per user: at most ``chats`` chats with entries waiting in their streams, each with at most
+``per_chat`` entries. A stop, discard, new or delete, and opening a temporary chat, may
+use ``CONTROL_ROOM`` more of both (a full chat can still be stopped; a user at the limit
+can still delete a chat); the discard of a temporary chat evicted to make room for a new
+one is never refused, but counted (it is one entry, once per chat). So what one user can
+have queued in Redis is at most ``(chats + 2) x (per_chat + 3)`` entries of at most one
+request body each, on any number of requests and replicas.
 
 Without this a user could write into Redis as fast as the gateway accepts requests while
 the workers answer at the model's pace (or not at all, when they are down): the queued
 messages would grow until Redis' ``maxmemory`` made every write fail, for every channel.
-With it, what one user can have queued is at most ``chats x (per_chat + 2)`` entries of
-at most ``AGENT_GATEWAY_MAX_BODY_BYTES`` each, on any number of requests.
 
-The count is the streams' length (``XLEN``: what the workers have not consumed yet) of
-the chats the user wrote to last (``P:{C}:gw:user:<h>:waiting``; idle ones leave it as they
-are seen). A check and the write after it run under a lock per user in this process, so
-concurrent requests cannot all pass one check; replicas may overshoot by one chat each.
+The count is exact across replicas: each write is a ``Guard`` of the transaction that
+publishes it (``bus_redis.client``). Under WATCH of the chat's stream, of the user's
+``P:{C}:gw:user:<h>:waiting`` (the chats the user wrote to last) and of the list that
+makes the chat the user's, it checks that the chat is still the user's, reads the
+stream lengths (``XLEN``: what the workers have not consumed yet), and adds the chat to
+the waiting set (idle ones leave it) in the same ``MULTI``. A lock per user in each process
+keeps one user's concurrent requests from retrying each other's transactions.
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from redis.asyncio import Redis
 
 from bus_redis.codec import text
 from bus_redis.keys import Keys
 from gateway.auth import User
+from gateway.chats import Chat
 
-CONTROL_ROOM = 2  # entries a control may add past per_chat
+CONTROL_ROOM = 2  # entries (and chats) a control or a temporary chat's opening may add
 LOCKS = 256  # a user's lock is one of these (striped by user hash): bounded memory
 
 
@@ -35,14 +44,8 @@ class BacklogFullError(Exception):
     """The user has too much waiting: nothing was written (HTTP 429)."""
 
 
-class Room:
-    """What an admitted request wrote to: recorded in the user's waiting set on exit."""
-
-    def __init__(self) -> None:
-        self.keys: list[str] = []
-
-    def add(self, session_key: str) -> None:
-        self.keys.append(session_key)
+class ChatGoneError(Exception):
+    """The chat left its user's lists before the write (deleted meanwhile): HTTP 404."""
 
 
 class Backlog:
@@ -57,59 +60,124 @@ class Backlog:
         self._locks = [asyncio.Lock() for _ in range(LOCKS)]
 
     @asynccontextmanager
-    async def admit(
-        self, user: User, session_key: str | None, *, control: bool = False
-    ) -> AsyncIterator[Room]:
-        """Raise ``BacklogFullError`` when the user may not write to ``session_key`` (None:
-        a chat about to be made); else run the block, which writes to it and to the chats
-        it ``add``s to the yielded room: all of them are counted from then on."""
-        room = Room()
+    async def serialized(self, user: User) -> AsyncIterator[None]:
+        """One of the user's writes at a time in this process."""
         async with self._locks[int(user.hash[:8], 16) % LOCKS]:
-            await self._check(user, session_key, control)
-            if session_key is not None:
-                room.add(session_key)
-            try:
-                yield room
-            finally:  # (also when the block failed: a chat counted too many is let go
-                await self._remember(user, room.keys)  # when it is seen idle)
+            yield
 
-    async def _check(self, user: User, session_key: str | None, control: bool) -> None:
+    def guard(
+        self,
+        user: User,
+        chat: Chat,
+        *,
+        control: bool = False,
+        title: str = "",
+        forget: bool = False,
+    ) -> Admission:
+        """The guard of a write to ``chat`` (refused past the bounds, or when the chat is
+        no longer the user's); ``title``: set as the chat's title if it has none;
+        ``forget``: the chat leaves the user's lists with the write (a delete or discard:
+        no message can be admitted after it)."""
+        listed = self.keys.gw_temporary if chat.temporary else self.keys.gw_sessions
+        return Admission(
+            self,
+            user,
+            chat.session_key,
+            listed=(listed(self.channel, user.hash), chat.id),
+            titles=self.keys.gw_titles(self.channel, user.hash),
+            control=control,
+            title=title,
+            forget=forget,
+        )
+
+    def counted(self, user: User, session_key: str) -> Admission:
+        """The guard of a write that is never refused, only counted (the discard of a
+        temporary chat evicted to make room)."""
+        return Admission(self, user, session_key, refuse=False)
+
+    async def room_for_new(self, user: User) -> None:
+        """Before a temporary chat is made (and the oldest perhaps evicted): room for two
+        more chats with entries waiting (a check ahead of the guarded open, not atomic)."""
         waiting = self.keys.gw_waiting(self.channel, user.hash)
-        # the newest 2 x chats: replicas' overshoot included, the read stays bounded
         seen = [text(m) for m in await self.redis.zrevrange(waiting, 0, 2 * self.chats)]
-        others = [k for k in seen if k != session_key]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in others:
-                pipe.xlen(self.keys.inbound(key))
-            if session_key is not None:
-                pipe.xlen(self.keys.inbound(session_key))
-            lengths = [int(n) for n in await pipe.execute()]
-        mine = lengths.pop() if session_key is not None else 0
-        idle = [k for k, n in zip(others, lengths, strict=True) if n == 0]
-        if idle:
-            await self.redis.zrem(waiting, *idle)
-        limit = self.per_chat + (CONTROL_ROOM if control else 0)
-        if mine >= limit:
-            raise BacklogFullError(
-                f"{mine} messages are waiting in this chat (at most {self.per_chat}): "
-                "wait for the answers, or stop them"
-            )
-        busy = len(others) - len(idle)
-        if mine == 0 and busy >= self.chats:
-            raise BacklogFullError(
-                f"messages are waiting in {busy} of your chats (at most {self.chats}): "
-                "wait for the answers, or stop them"
-            )
+        busy = sum(1 for n in await self.lengths(seen) if n)
+        if busy + CONTROL_ROOM > self.chats:
+            raise BacklogFullError(self._too_many_chats(busy))
 
-    async def _remember(self, user: User, session_keys: list[str]) -> None:
+    async def lengths(self, session_keys: list[str]) -> list[int]:
         if not session_keys:
-            return
-        waiting = self.keys.gw_waiting(self.channel, user.hash)
-        now_ms = int(time.time() * 1000)
+            return []
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(waiting, dict.fromkeys(session_keys, now_ms))
-            pipe.zcard(waiting)
-            _, size = await pipe.execute()
-        extra = int(size) - (2 * self.chats + 1)
-        if extra > 0:  # (replicas' overshoot): the oldest go, the set stays bounded
-            await self.redis.zpopmin(waiting, extra)
+            for key in session_keys:
+                pipe.xlen(self.keys.inbound(key))
+            return [int(n) for n in await pipe.execute()]
+
+    def _too_many_chats(self, busy: int) -> str:
+        return (
+            f"messages are waiting in {busy} of your chats (at most {self.chats}): "
+            "wait for the answers, or stop them"
+        )
+
+
+class Admission:
+    """A ``bus_redis.client.Guard``: one write's checks and bookkeeping."""
+
+    def __init__(
+        self,
+        backlog: Backlog,
+        user: User,
+        session_key: str,
+        *,
+        listed: tuple[str, str] | None = None,
+        titles: str = "",
+        control: bool = False,
+        title: str = "",
+        forget: bool = False,
+        refuse: bool = True,
+    ) -> None:
+        self.backlog = backlog
+        self.session_key = session_key
+        self.waiting = backlog.keys.gw_waiting(backlog.channel, user.hash)
+        self.listed = listed
+        self.titles = titles
+        self.control = control
+        self.title = title
+        self.forget = forget
+        self.refuse = refuse
+        self.watch = [[self.waiting, *([listed[0]] if listed else [])]]
+        self._idle: list[str] = []
+
+    async def check(self, pipe: Any, waiting: int, adding: int) -> None:
+        b = self.backlog
+        if self.listed is not None and await pipe.zscore(*self.listed) is None:
+            raise ChatGoneError(self.session_key)
+        seen = [text(m) for m in await pipe.zrevrange(self.waiting, 0, 2 * b.chats)]
+        others = [k for k in seen if k != self.session_key]
+        lengths = await b.lengths(others)  # not watched: a drained chat only counts less
+        self._idle = [k for k, n in zip(others, lengths, strict=True) if n == 0]
+        if not self.refuse:
+            return
+        room = CONTROL_ROOM if self.control else 0
+        if waiting + adding > b.per_chat + room:
+            raise BacklogFullError(
+                f"{waiting} messages are waiting in this chat (at most {b.per_chat}): "
+                "wait for the answers, or stop them"
+            )
+        busy = len(others) - len(self._idle)
+        if waiting == 0 and busy + 1 > b.chats + room:
+            raise BacklogFullError(b._too_many_chats(busy))
+
+    def queue(self, pipe: Any) -> None:
+        if self._idle:
+            pipe.zrem(self.waiting, *self._idle)
+        pipe.zadd(self.waiting, {self.session_key: int(time.time() * 1000)})
+        # the newest 2 x chats + 1 are all a check reads: older ones go
+        pipe.zremrangebyrank(self.waiting, 0, -(2 * self.backlog.chats + 2))
+        if self.listed is None:
+            return
+        key, chat_id = self.listed
+        if self.title:
+            pipe.hsetnx(self.titles, chat_id, self.title)
+        if self.forget:
+            pipe.zrem(key, chat_id)
+            pipe.hdel(self.titles, chat_id)

@@ -107,11 +107,6 @@ class Chats:
             evicted = [text(member) for member, _score in oldest]
         return Created(chat, evicted)
 
-    async def still_open(self, user: User, chat: Chat) -> bool:
-        """Whether a temporary chat is still registered (a concurrent creation may have
-        made room by evicting it)."""
-        return await self.redis.zscore(self._temporary(user), chat.id) is not None
-
     async def ensure(self, user: User, chat_id: str) -> Chat:
         """Register a deterministic chat id (OpenAI-compatible endpoint) if it is new."""
         score = await self.redis.zscore(self._index(user), chat_id)
@@ -193,14 +188,12 @@ class Chats:
             pipe.hdel(self._titles(user), chat.id)
             await pipe.execute()
 
-    async def title_from(self, user: User, chat: Chat, content: str) -> None:
-        """A durable chat without a title takes its first message's first line."""
-        if chat.temporary or chat.title:
-            return
-        title = content.strip().splitlines()[0][:TITLE_MAX] if content.strip() else ""
-        if title:
-            await self.redis.hsetnx(self._titles(user), chat.id, title)  # type: ignore[misc]
-            chat.title = title
+    def title_for(self, chat: Chat, content: str) -> str:
+        """The title a message gives its chat: a durable chat without one takes the first
+        line of its first message (set with the message, by ``Gateway.publish``)."""
+        if chat.temporary or chat.title or not content.strip():
+            return ""
+        return content.strip().splitlines()[0][:TITLE_MAX]
 
     async def status(self, chat: Chat) -> dict[str, Any]:
         """``state`` running/idle, ``queued`` messages waiting behind the running one,

@@ -32,7 +32,7 @@ from bus_redis import OutboundMessage
 from gateway.api import caller, gw
 from gateway.app import Gateway, answers
 from gateway.auth import User
-from gateway.backlog import BacklogFullError
+from gateway.backlog import BacklogFullError, ChatGoneError
 from gateway.chats import Chat, ChatLimitError
 from gateway.hub import TooManyStreamsError
 
@@ -82,10 +82,11 @@ async def completions(
     if not g.has_room(user, chat):
         return _error(429, "rate_limit_exceeded", "too many open streams for this user")
     try:
-        async with g.backlog.admit(user, chat.session_key):
-            ids = await g.publish(g.message(user, chat, content, id=message_id))
+        ids = await g.publish(user, chat, g.message(user, chat, content, id=message_id))
     except BacklogFullError as exc:
         return _error(429, "rate_limit_exceeded", str(exc))
+    except ChatGoneError:
+        return _error(404, "invalid_request_error", "no such session")
     completion_id = f"chatcmpl-{message_id}"
     if body.stream:
         chunks = _stream(g, user, chat, ids, cursor, completion_id, body.model)

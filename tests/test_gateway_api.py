@@ -726,12 +726,64 @@ async def test_temporary_chats_made_room_for_still_count_while_their_discard_wai
 ) -> None:  # type: ignore[no-untyped-def]
     """Opening a temporary chat discards the oldest past the limit: the discarded one
     waits for the workers too, so opening and evicting in a loop is bounded as well."""
-    limits = {"max_temporary_per_user": 1, "max_waiting_chats_per_user": 2}
+    limits = {"max_temporary_per_user": 1, "max_waiting_chats_per_user": 3}
     async with _client(redis_factory, **limits) as http:
+        # an opening needs room for two chats: its own and the one it may evict
         codes = [
             (await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)).status_code
             for _ in range(4)
         ]
         assert codes == [201, 201, 429, 429]
         redis = redis_factory()
-        assert len(await redis.keys(Keys().inbound("web:*"))) == 2
+        streams = await redis.keys(Keys().inbound("web:*"))
+        assert sorted([await redis.xlen(k) for k in streams]) == [1, 2]  # open (+ discard)
+
+
+async def test_replicas_keep_the_bounds_exactly(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """Two replicas (each with its own per-user lock) admitting at the same time: the
+    check and the write are one transaction in Redis, so neither bound is overshot, also
+    by an interrupt (a marker and the message: two entries)."""
+    redis = redis_factory()
+    limits = {"max_waiting_per_chat": 4, "max_waiting_chats_per_user": 3}
+    async with _client(redis_factory, **limits) as one, _client(redis_factory, **limits) as two:
+        chats = [
+            (await one.post("/api/sessions", json={}, headers=ALICE)).json()["id"] for _ in range(6)
+        ]
+        sends = [
+            (one, two)[i % 2].post(
+                f"/api/sessions/{chats[i % 6]}/messages",
+                json={"content": "q", "followup": "interrupt" if i % 3 == 0 else "queue"},
+                headers=ALICE,
+            )
+            for i in range(60)
+        ]
+        codes = [r.status_code for r in await asyncio.gather(*sends)]
+        lengths = [await redis.xlen(Keys().inbound(f"web:{sid}")) for sid in chats]
+        assert sum(1 for n in lengths if n) == 3
+        assert max(lengths) <= 4
+        assert set(codes) == {202, 429}
+
+
+async def test_a_message_racing_a_delete_never_lands_after_it(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A send and a delete of the same chat at once, on two replicas: the message is
+    either written before the delete marker (and deleted with the chat) or refused as for
+    a chat that is gone; no title or message outlives the chat."""
+    redis = redis_factory()
+    async with _client(redis_factory) as one, _client(redis_factory) as two:
+        codes: set[int] = set()
+        for _ in range(30):
+            sid = (await one.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+            sent, deleted = await asyncio.gather(
+                one.post(f"/api/sessions/{sid}/messages", json={"content": "t"}, headers=ALICE),
+                two.delete(f"/api/sessions/{sid}", headers=ALICE),
+            )
+            assert deleted.status_code == 204
+            codes.add(sent.status_code)
+            entries = [f for _id, f in await redis.xrange(Keys().inbound(f"web:{sid}"))]
+            marker = next(i for i, f in enumerate(entries) if f.get("control") == "delete")
+            assert all("payload" not in f for f in entries[marker:]), entries
+            await redis.delete(Keys().inbound(f"web:{sid}"))  # as the workers would
+        assert codes <= {202, 404}
+        titles = Keys().gw_titles("web", User("alice").hash)
+        assert await redis.hlen(titles) == 0
+        assert (await one.get("/api/sessions", headers=ALICE)).json() == []
