@@ -49,8 +49,10 @@ def gateway_acl(channel: str, password: str, *, prefix: str = "agent", user: str
         # one selector for the shared blocking read: the pulse and the replica's wake stream
         f"(+xread +xrevrange +xrange +type ~{tag}:out:* ~{tag}:gw:wake:* ~{tag}:pulse)",
         f"(+xadd +pexpire ~{tag}:gw:wake:*)",
-        f"(+watch +zadd +zrem +zremrangebyrank +zscore +zcard +zrevrange +zrangebyscore +zpopmin +hset +hsetnx +hget +hmget +hdel ~{tag}:gw:user:*)",
+        f"(+zadd +zrem +zremrangebyrank +zscore +zcard +zrevrange +zrangebyscore +zpopmin +hset +hsetnx +hget +hmget +hdel ~{tag}:gw:user:*)",
         f"(+set ~{tag}:gw:ticket:secret)",
+        # a write's check (gateway.backlog): the chat's stream and the user's lists at once
+        f"(+watch ~{tag}:in:* ~{tag}:gw:user:*)",
     ]
     return [f"{lines[0]} {' '.join(extra)}", *lines[1:]]
 

@@ -30,16 +30,21 @@ from bus_redis.streams import READY_MAXLEN
 
 class Guard(Protocol):
     """What a publisher adds to the transaction that writes to a session's stream (the
-    gateway's per-user bounds, ``gateway.backlog``). The stream is WATCHed, and so is each
-    list of ``watch`` (a WATCH each: a Redis ACL matches one command's keys against one
-    selector); ``check`` reads under the WATCH and raises to refuse (nothing is written);
-    ``queue`` adds its writes to the MULTI. Any change to a watched key between the check
-    and ``EXEC`` runs both again."""
+    gateway's per-user bounds, ``gateway.backlog``). The stream and the guard's ``watch``
+    keys are WATCHed (one command: the ACL user needs ``WATCH`` on all of them in one
+    selector); then the stream's length and the guard's ``read`` commands are read in one
+    round trip (on another connection: a change after the WATCH still aborts the
+    ``EXEC``); ``check`` gets their replies and raises to refuse (nothing is written);
+    ``queue`` adds its writes to the MULTI. A change to a watched key between the WATCH
+    and ``EXEC`` runs it all again."""
 
     @property
-    def watch(self) -> Sequence[Sequence[str]]: ...
+    def watch(self) -> Sequence[str]: ...
 
-    async def check(self, pipe: Any, waiting: int, adding: int) -> None:
+    def read(self, pipe: Any) -> None:
+        """Queue the reads ``check`` needs (their replies, in order, go to ``check``)."""
+
+    async def check(self, replies: list[Any], waiting: int, adding: int) -> None:
         """``waiting``: the stream's length now; ``adding``: the entries this write adds."""
 
     def queue(self, pipe: Any) -> None: ...
@@ -182,14 +187,17 @@ class FrontendClient(EventFollower):
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    await pipe.watch(inbound)
-                    for keys in guard.watch if guard is not None else ():
-                        await pipe.watch(*keys)
-                    waiting = int(await pipe.xlen(inbound))
+                    await pipe.watch(inbound, *(guard.watch if guard is not None else ()))
+                    async with self.redis.pipeline(transaction=False) as reads:
+                        reads.xlen(inbound)
+                        if guard is not None:
+                            guard.read(reads)
+                        replies = await reads.execute()
+                    waiting = int(replies[0])
                     if reject and waiting > 0:
                         raise SessionBusyError(session_key)
                     if guard is not None:
-                        await guard.check(pipe, waiting, adding)
+                        await guard.check(replies[1:], waiting, adding)
                     pipe.multi()
                     write(pipe)
                     if guard is not None:

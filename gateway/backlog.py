@@ -144,15 +144,19 @@ class Admission:
         self.title = title
         self.forget = forget
         self.refuse = refuse
-        self.watch = [[self.waiting, *([listed[0]] if listed else [])]]
+        self.watch = [self.waiting, *([listed[0]] if listed else [])]
         self._idle: list[str] = []
 
-    async def check(self, pipe: Any, waiting: int, adding: int) -> None:
+    def read(self, pipe: Any) -> None:
+        pipe.zrevrange(self.waiting, 0, 2 * self.backlog.chats)
+        if self.listed is not None:
+            pipe.zscore(*self.listed)
+
+    async def check(self, replies: list[Any], waiting: int, adding: int) -> None:
         b = self.backlog
-        if self.listed is not None and await pipe.zscore(*self.listed) is None:
+        if self.listed is not None and replies[1] is None:
             raise ChatGoneError(self.session_key)
-        seen = [text(m) for m in await pipe.zrevrange(self.waiting, 0, 2 * b.chats)]
-        others = [k for k in seen if k != self.session_key]
+        others = [k for k in (text(m) for m in replies[0]) if k != self.session_key]
         lengths = await b.lengths(others)  # not watched: a drained chat only counts less
         self._idle = [k for k, n in zip(others, lengths, strict=True) if n == 0]
         if not self.refuse:
