@@ -6,9 +6,10 @@ channel (see ``bus_redis.acl``): no Lua, no consumer groups, nothing of another 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from redis.asyncio import Redis
@@ -27,24 +28,25 @@ from bus_redis.schema import (
 )
 from bus_redis.streams import READY_MAXLEN
 
+Reader = Callable[[list[tuple[Any, ...]]], Awaitable[list[Any]]]
+
 
 class Guard(Protocol):
     """What a publisher adds to the transaction that writes to a session's stream (the
     gateway's per-user bounds, ``gateway.backlog``). The stream and the guard's ``watch``
     keys are WATCHed (one command: the ACL user needs ``WATCH`` on all of them in one
-    selector); then the stream's length and the guard's ``read`` commands are read in one
-    round trip (on another connection: a change after the WATCH still aborts the
-    ``EXEC``); ``check`` gets their replies and raises to refuse (nothing is written);
-    ``queue`` adds its writes to the MULTI. A change to a watched key between the WATCH
-    and ``EXEC`` runs it all again."""
+    selector); then the stream's length and the guard's ``reads`` are read at once;
+    ``check`` gets their replies (as the server sent them: bytes) and a reader for more,
+    and raises to refuse (nothing is written); ``queue`` adds its writes to the MULTI. A
+    change to a watched key between the WATCH and ``EXEC`` runs it all again."""
 
     @property
     def watch(self) -> Sequence[str]: ...
 
-    def read(self, pipe: Any) -> None:
-        """Queue the reads ``check`` needs (their replies, in order, go to ``check``)."""
+    def reads(self) -> list[tuple[Any, ...]]:
+        """Read-only commands whose replies, in order, go to ``check``."""
 
-    async def check(self, replies: list[Any], waiting: int, adding: int) -> None:
+    async def check(self, replies: list[Any], waiting: int, adding: int, read: Reader) -> None:
         """``waiting``: the stream's length now; ``adding``: the entries this write adds."""
 
     def queue(self, pipe: Any) -> None: ...
@@ -83,12 +85,11 @@ class FrontendClient(EventFollower):
                 self._notify(pipe, session_key)
 
             return text((await self._guarded(session_key, guard, write, 1))[0])
-        if not self._mux_tried:
-            self._mux, self._mux_tried = Multiplexed.for_client(self.redis), True
-        if self._mux is not None:
+        mux = self._multiplexed()
+        if mux is not None:
             channel = channel_of(session_key)
             ready = self.keys.ready(channel)
-            entry_id, _, _ = await self._mux.transaction(
+            entry_id, _, _ = await mux.transaction(
                 ("XADD", self.keys.inbound(session_key), "*", *itertools.chain(*entry.items())),
                 ("ZADD", self.keys.queued(channel), "NX", 0, session_key),
                 ("XADD", ready, "MAXLEN", "~", READY_MAXLEN, "*", "session", session_key),
@@ -99,6 +100,13 @@ class FrontendClient(EventFollower):
             self._notify(pipe, session_key)
             entry_id, _, _ = await pipe.execute()
         return text(entry_id)
+
+    def _multiplexed(self) -> Multiplexed | None:
+        """This client's multiplexed connection (made on first use), or None when
+        ``redis``'s settings cannot be reproduced by one (bus_redis.mux)."""
+        if not self._mux_tried:
+            self._mux, self._mux_tried = Multiplexed.for_client(self.redis), True
+        return self._mux
 
     def _notify(self, pipe: Any, session_key: str) -> None:
         """Queue, in ``pipe``: ZADD NX the channel's queued index, XADD its ready queue."""
@@ -185,19 +193,26 @@ class FrontendClient(EventFollower):
         replies of ``write``'s commands, then of the guard's."""
         inbound = self.keys.inbound(session_key)
         async with self.redis.pipeline(transaction=True) as pipe:
+
+            async def read(commands: list[tuple[Any, ...]]) -> list[Any]:
+                """After the WATCH, never on a second pooled connection (callers holding
+                a bounded pool's connections in WATCH would wait for each other): over this
+                client's multiplexed connection (one write), else one by one on ``pipe``'s."""
+                mux = self._multiplexed()
+                if mux is not None:
+                    return list(await asyncio.gather(*(mux.execute(*c) for c in commands)))
+                return [await pipe.execute_command(*c) for c in commands]
+
             while True:
                 try:
                     await pipe.watch(inbound, *(guard.watch if guard is not None else ()))
-                    async with self.redis.pipeline(transaction=False) as reads:
-                        reads.xlen(inbound)
-                        if guard is not None:
-                            guard.read(reads)
-                        replies = await reads.execute()
+                    commands: list[tuple[Any, ...]] = [("XLEN", inbound)]
+                    replies = await read(commands + (guard.reads() if guard else []))
                     waiting = int(replies[0])
                     if reject and waiting > 0:
                         raise SessionBusyError(session_key)
                     if guard is not None:
-                        await guard.check(replies[1:], waiting, adding)
+                        await guard.check(replies[1:], waiting, adding, read)
                     pipe.multi()
                     write(pipe)
                     if guard is not None:

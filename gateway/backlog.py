@@ -31,6 +31,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from bus_redis.client import Reader
 from bus_redis.codec import text
 from bus_redis.keys import Keys
 from gateway.auth import User
@@ -147,17 +148,19 @@ class Admission:
         self.watch = [self.waiting, *([listed[0]] if listed else [])]
         self._idle: list[str] = []
 
-    def read(self, pipe: Any) -> None:
-        pipe.zrevrange(self.waiting, 0, 2 * self.backlog.chats)
+    def reads(self) -> list[tuple[Any, ...]]:
+        commands: list[tuple[Any, ...]] = [("ZREVRANGE", self.waiting, 0, 2 * self.backlog.chats)]
         if self.listed is not None:
-            pipe.zscore(*self.listed)
+            commands.append(("ZSCORE", *self.listed))
+        return commands
 
-    async def check(self, replies: list[Any], waiting: int, adding: int) -> None:
+    async def check(self, replies: list[Any], waiting: int, adding: int, read: Reader) -> None:
         b = self.backlog
         if self.listed is not None and replies[1] is None:
             raise ChatGoneError(self.session_key)
         others = [k for k in (text(m) for m in replies[0]) if k != self.session_key]
-        lengths = await b.lengths(others)  # not watched: a drained chat only counts less
+        # not watched: a chat drained meanwhile only counts less
+        lengths = [int(n) for n in await read([("XLEN", b.keys.inbound(k)) for k in others])]
         self._idle = [k for k, n in zip(others, lengths, strict=True) if n == 0]
         if not self.refuse:
             return

@@ -787,3 +787,40 @@ async def test_a_message_racing_a_delete_never_lands_after_it(redis_factory) -> 
         titles = Keys().gw_titles("web", User("alice").hash)
         assert await redis.hlen(titles) == 0
         assert (await one.get("/api/sessions", headers=ALICE)).json() == []
+
+
+async def test_many_users_writing_at_once_fit_a_small_connection_pool(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A write holds a pooled connection in WATCH while it checks: its reads must not wait
+    for a second one, or writers holding every connection of a bounded pool would wait
+    for each other (until the pool's timeout)."""
+    base = redis_factory()
+    kw = base.connection_pool.connection_kwargs
+    redis = base
+    if not type(base).__module__.startswith("fakeredis"):  # a pool of 2 (the gateway's is bounded)
+        pool = aioredis.BlockingConnectionPool(
+            host=kw["host"], port=kw["port"], max_connections=2, timeout=3, decode_responses=True
+        )
+        redis = aioredis.Redis(connection_pool=pool)
+    tokens = {f"token-of-user-{i:03d}": f"user{i}" for i in range(12)}
+    config = GatewaySettings(tokens=tokens)
+    gw = Gateway(config, redis, [redis_factory()])
+    app = create_app(config, gw)
+    gw.hub.start()
+    app.state.gw = gw
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            auth = [{"Authorization": f"Bearer {t}"} for t in tokens]
+            chats = [
+                (await http.post("/api/sessions", json={}, headers=h)).json()["id"] for h in auth
+            ]
+            sends = [
+                http.post(f"/api/sessions/{c}/messages", json={"content": "q"}, headers=h)
+                for c, h in zip(chats, auth, strict=True)
+            ]
+            replies = await asyncio.wait_for(asyncio.gather(*sends), timeout=30)
+            assert [r.status_code for r in replies] == [202] * len(auth)
+    finally:
+        await gw.hub.stop()
+        if redis is not base:
+            await redis.aclose()
