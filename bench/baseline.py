@@ -348,10 +348,10 @@ async def main() -> None:
         print(f"  Redis CPU/turn     {_spread([r.redis_us for r in rs], '.0f')} µs")
         print(f"  frontend CPU/turn  {_spread([r.front_ms * 1000 for r in rs], '.0f')} µs")
         print(f"  Redis commands     {_spread([r.commands for r in rs], '.1f')} per turn")
-        busy = _spread([r.cores for r in rs], ".2f")
-        print(f"  cores busy         {busy} of {os.cpu_count()} (all three together)")
         print(f"  of them scripts    {_spread([r.scripts for r in rs], '.1f')} per turn")
         print(f"  served / read      {_spread([r.served for r in rs], '.2f')}")
+        busy = _spread([r.cores for r in rs], ".2f")
+        print(f"  cores busy         {busy} of {os.cpu_count()} (all three together)")
         top = sorted(rs[-1].per_command.items(), key=lambda kv: -kv[1][1])[: args.commandstats]
         for name, (calls, usec) in top:
             print(f"    {name:16} {calls:5.2f} calls {usec:7.1f} µs per turn")
