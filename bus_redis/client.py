@@ -258,12 +258,9 @@ class FrontendClient(EventFollower):
         messages published before it), the hint that markers are queued, a notification,
         and the pub/sub message that cancels a running turn at once. Returns the number of
         workers that received the pub/sub message."""
-        channel = channel_of(session_key)
 
         def write(pipe: Any) -> None:
-            pipe.xadd(self.keys.inbound(session_key), {"control": op})
-            pipe.incr(self.keys.control_hint(session_key))
-            self._notify(pipe, session_key)
+            self.queue_control(pipe, op, session_key)
 
         if guard is not None:
             marker = text((await self._guarded(session_key, guard, write, 1))[0])
@@ -273,8 +270,22 @@ class FrontendClient(EventFollower):
                 marker = text((await pipe.execute())[0])
         # published after the marker exists, naming it: the running turn is cancelled
         # without the worker reading the stream (one round trip less under load)
+        return await self.announce(op, session_key, marker)
+
+    def queue_control(self, pipe: Any, op: str, session_key: str) -> None:
+        """A control's writes, queued in ``pipe`` (a guard's MULTI may carry controls of
+        other sessions): the marker (the first reply), the hint, the notification. The
+        pub/sub message is the caller's to publish after (:meth:`announce`)."""
+        pipe.xadd(self.keys.inbound(session_key), {"control": op})
+        pipe.incr(self.keys.control_hint(session_key))
+        self._notify(pipe, session_key)
+
+    async def announce(self, op: str, session_key: str, marker: str | None = None) -> int:
+        """The pub/sub message of a control whose marker is written: a running turn of an
+        entry before it is cancelled at once (without ``marker``, the worker finds the
+        marker in the stream first)."""
         msg = ControlMessage(op=op, session_key=session_key, marker=marker)  # type: ignore[arg-type]
-        return int(await self.redis.publish(self.keys.control(channel), _dump(msg)))
+        return int(await self.redis.publish(self.keys.control(channel_of(session_key)), _dump(msg)))
 
     async def discard(self, session_key: str, *, guard: Guard | None = None) -> int:
         return await self.control("discard", session_key, guard=guard)

@@ -137,31 +137,12 @@ async def create_session(request: Request, user: Caller, body: NewSession) -> di
     g = gw(request)
     if not body.temporary:  # nothing is sent to the workers
         try:
-            created = await g.chats.create(user, temporary=False, title=body.title)
+            created = await g.chats.create(user, title=body.title)
         except ChatLimitError as exc:
             raise HTTPException(409, str(exc)) from None
-        return await g.chats.status(created.chat)
-    async with refusals(), g.backlog.serialized(user):
-        await g.backlog.room_for_new(user)
-        created = await g.chats.create(user, temporary=True, title=body.title)
-        chat = created.chat
-        for evicted in created.evicted:  # the user's oldest temporary chats made room
-            key = f"{g.settings.channel}:{evicted}"
-            await g.client.discard(key, guard=g.backlog.counted(user, key))
-        try:  # refused when a concurrent creation evicted it already: never opened
-            await g.client.open_transient(
-                g.settings.channel,
-                chat.id,
-                session_key=chat.session_key,
-                disabled_tools=g.settings.temporary_disabled_tools,
-                scope=f"user-{user.hash}",
-                guard=g.backlog.guard(user, chat, control=True),
-            )
-        except ChatGoneError:
-            raise HTTPException(409, "too many temporary chats opened at once; try again") from None
-        except BacklogFullError:
-            await g.chats.forget(user, chat)
-            raise
+        return await g.chats.status(created)
+    async with refusals():
+        chat = await g.open_temporary(user)
     return await g.chats.status(chat)
 
 

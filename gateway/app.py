@@ -31,10 +31,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.exceptions import RedisError
+from redis.exceptions import BusyLoadingError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
+from bus_redis.codec import safe
 from bus_redis.keys import Keys
 from gateway.auth import Authenticator, RedactTickets, User
 from gateway.backlog import Backlog
@@ -60,6 +63,7 @@ class Gateway:
         self.auth = Authenticator(s, self.redis)
         self.backlog = Backlog(
             self.redis,
+            self.client,
             self.keys,
             s.channel,
             per_chat=s.max_waiting_per_chat,
@@ -136,10 +140,31 @@ class Gateway:
 
     async def control(self, user: User, chat: Chat, op: str, *, forget: bool = False) -> None:
         """A stop, discard, new or delete of the user's chat, guarded as :meth:`publish`;
-        ``forget``: the chat leaves the user's lists in the same transaction."""
+        ``forget``: the chat leaves the user's lists in the same transaction (a durable
+        chat never used needs no marker: it only leaves them)."""
         async with self.backlog.serialized(user):
+            if forget and not chat.temporary and await self.backlog.forget_unused(user, chat):
+                return
             guard = self.backlog.guard(user, chat, control=True, forget=forget)
             await self.client.control(op, chat.session_key, guard=guard)
+
+    async def open_temporary(self, user: User) -> Chat:
+        """A new temporary chat, opened on the workers; the user's oldest past
+        ``max_temporary_per_user`` are discarded in the same transaction."""
+        chat = self.chats.mint_temporary(user)
+        async with self.backlog.serialized(user):
+            guard = self.backlog.opening(user, chat, self.settings.max_temporary_per_user)
+            await self.client.open_transient(
+                self.settings.channel,
+                chat.id,
+                session_key=chat.session_key,
+                disabled_tools=self.settings.temporary_disabled_tools,
+                scope=f"user-{user.hash}",
+                guard=guard,
+            )
+        for key in guard.evicted:  # their running turns end now (their markers are written)
+            await self.client.announce("discard", key)
+        return chat
 
     async def wait_terminal(
         self, user: User, chat: Chat, reply_to: set[str], after: str, timeout_s: float
@@ -217,6 +242,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     app.include_router(ws.router)
     app.include_router(openai_compat.router)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(RedisError, _redis_failed)
     RedactTickets.install()
 
     @app.get("/", include_in_schema=False)
@@ -261,6 +287,16 @@ async def _invalid(_request: Request, exc: Exception) -> Response:
     detail = [{k: e.get(k) for k in ("type", "loc", "msg")} for e in exc.errors()]
     body = json.dumps({"detail": jsonable_encoder(detail)}, ensure_ascii=True)
     return Response(body, 422, media_type="application/json")
+
+
+async def _redis_failed(_request: Request, exc: Exception) -> Response:
+    """Redis unreachable, loading or timing out: 503, try again; Redis refusing a command
+    (a key of another type at a user's key, written by a client with the channel's ACL):
+    500, logged without the request's content. Either way, nothing of the user's."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, BusyLoadingError)):
+        return JSONResponse({"detail": "the message store is unavailable; try again"}, 503)
+    log.error("Redis refused a command: %s: %s", type(exc).__name__, safe(str(exc)[:200]))
+    return JSONResponse({"detail": "the message store refused the request"}, 500)
 
 
 def _may_scrape(request: Request, networks: list[str]) -> bool:

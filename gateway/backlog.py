@@ -1,12 +1,12 @@
 """How much one user may leave waiting for the workers, whatever their pace.
 
 Per user: at most ``chats`` chats with entries waiting in their streams, each with at most
-``per_chat`` entries. A stop, discard, new or delete, and opening a temporary chat, may
-use ``CONTROL_ROOM`` more of both (a full chat can still be stopped; a user at the limit
-can still delete a chat); the discard of a temporary chat evicted to make room for a new
-one is never refused, but counted (it is one entry, once per chat). So what one user can
-have queued in Redis is at most ``(chats + 2) x (per_chat + 3)`` entries of at most one
-request body each, on any number of requests and replicas.
+``per_chat`` entries. A stop, discard, new or delete, and opening a temporary chat (with
+the discard of the oldest one it evicts), may use ``CONTROL_ROOM`` more of both, so a
+full chat can still be stopped; a delete of a chat never used writes nothing and is never
+refused. So what one user can have queued in Redis is at most ``(chats + 2) x
+(per_chat + 2)`` entries of at most one request body each, on any number of requests and
+replicas, while nothing is consumed.
 
 Without this a user could write into Redis as fast as the gateway accepts requests while
 the workers answer at the model's pace (or not at all, when they are down): the queued
@@ -30,8 +30,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
-from bus_redis.client import Reader
+from bus_redis.client import FrontendClient, Reader
 from bus_redis.codec import text
 from bus_redis.keys import Keys
 from gateway.auth import User
@@ -51,9 +52,17 @@ class ChatGoneError(Exception):
 
 class Backlog:
     def __init__(
-        self, redis: Redis, keys: Keys, channel: str, *, per_chat: int, chats: int
+        self,
+        redis: Redis,
+        client: FrontendClient,
+        keys: Keys,
+        channel: str,
+        *,
+        per_chat: int,
+        chats: int,
     ) -> None:
         self.redis = redis
+        self.client = client
         self.keys = keys
         self.channel = channel
         self.per_chat = per_chat
@@ -91,27 +100,37 @@ class Backlog:
             forget=forget,
         )
 
-    def counted(self, user: User, session_key: str) -> Admission:
-        """The guard of a write that is never refused, only counted (the discard of a
-        temporary chat evicted to make room)."""
-        return Admission(self, user, session_key, refuse=False)
+    def opening(self, user: User, chat: Chat, max_temporary: int) -> Opening:
+        """The guard of a temporary chat's opening: the chat is registered, and the user's
+        oldest ones past ``max_temporary`` evicted (their discards written), in the same
+        transaction; checked as a control, the evicted chats counted."""
+        return Opening(self, user, chat, max_temporary)
 
-    async def room_for_new(self, user: User) -> None:
-        """Before a temporary chat is made (and the oldest perhaps evicted): room for two
-        more chats with entries waiting (a check ahead of the guarded open, not atomic)."""
-        waiting = self.keys.gw_waiting(self.channel, user.hash)
-        seen = [text(m) for m in await self.redis.zrevrange(waiting, 0, 2 * self.chats)]
-        busy = sum(1 for n in await self.lengths(seen) if n)
-        if busy + CONTROL_ROOM > self.chats:
-            raise BacklogFullError(self._too_many_chats(busy))
-
-    async def lengths(self, session_keys: list[str]) -> list[int]:
-        if not session_keys:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in session_keys:
-                pipe.xlen(self.keys.inbound(key))
-            return [int(n) for n in await pipe.execute()]
+    async def forget_unused(self, user: User, chat: Chat) -> bool:
+        """A durable chat never used (nothing in its stream, no stored session, no events)
+        leaves the user's lists without a marker: True. False when it was used (a delete
+        marker must follow). Raises ``ChatGoneError`` when it is not listed any more."""
+        s, keys = chat.session_key, self.keys
+        index = keys.gw_sessions(self.channel, user.hash)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:  # a worker's commit changes the stream: the check runs again
+                    await pipe.watch(keys.inbound(s), index)
+                    if await pipe.zscore(index, chat.id) is None:
+                        raise ChatGoneError(s)
+                    if (
+                        int(await pipe.xlen(keys.inbound(s)))
+                        or await pipe.hget(keys.session(s), "count") is not None  # type: ignore[misc]
+                        or text(await pipe.type(keys.out(s))) != "none"
+                    ):
+                        return False
+                    pipe.multi()
+                    pipe.zrem(index, chat.id)
+                    pipe.hdel(keys.gw_titles(self.channel, user.hash), chat.id)
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue
 
     def _too_many_chats(self, busy: int) -> str:
         return (
@@ -134,7 +153,6 @@ class Admission:
         control: bool = False,
         title: str = "",
         forget: bool = False,
-        refuse: bool = True,
     ) -> None:
         self.backlog = backlog
         self.session_key = session_key
@@ -144,7 +162,6 @@ class Admission:
         self.control = control
         self.title = title
         self.forget = forget
-        self.refuse = refuse
         self.watch = [self.waiting, *([listed[0]] if listed else [])]
         self._idle: list[str] = []
 
@@ -162,8 +179,6 @@ class Admission:
         # not watched: a chat drained meanwhile only counts less
         lengths = [int(n) for n in await read([("XLEN", b.keys.inbound(k)) for k in others])]
         self._idle = [k for k, n in zip(others, lengths, strict=True) if n == 0]
-        if not self.refuse:
-            return
         room = CONTROL_ROOM if self.control else 0
         if waiting + adding > b.per_chat + room:
             raise BacklogFullError(
@@ -188,3 +203,46 @@ class Admission:
         if self.forget:
             pipe.zrem(key, chat_id)
             pipe.hdel(self.titles, chat_id)
+
+
+class Opening(Admission):
+    """A temporary chat's opening: registered, and the oldest past the limit evicted
+    (their discards queued here, announced by the caller: ``evicted``), in one MULTI."""
+
+    def __init__(self, backlog: Backlog, user: User, chat: Chat, max_temporary: int) -> None:
+        super().__init__(backlog, user, chat.session_key, control=True)
+        self.chat = chat
+        self.temporary = backlog.keys.gw_temporary(backlog.channel, user.hash)
+        self.max_temporary = max_temporary
+        self.watch = [self.waiting, self.temporary]
+        self.evicted: list[str] = []  # their session keys
+
+    def reads(self) -> list[tuple[Any, ...]]:
+        return [*super().reads(), ("ZRANGEBYSCORE", self.temporary, "-inf", "+inf")]  # oldest first
+
+    async def check(self, replies: list[Any], waiting: int, adding: int, read: Reader) -> None:
+        b = self.backlog
+        opened = [text(m) for m in replies[-1]]
+        over = max(0, len(opened) + 1 - self.max_temporary)
+        self.evicted = [f"{b.channel}:{chat_id}" for chat_id in opened[:over]]
+        others = [k for k in (text(m) for m in replies[0]) if k != self.session_key]
+        rest = [k for k in self.evicted if k not in others]
+        lengths = [int(n) for n in await read([("XLEN", b.keys.inbound(k)) for k in others + rest])]
+        self._idle = [k for k, n in zip(others, lengths, strict=False) if n == 0]
+        busy = sum(1 for n in lengths[: len(others)] if n)
+        idle_evicted = sum(
+            1 for k, n in zip(others + rest, lengths, strict=True) if k in self.evicted and n == 0
+        )
+        if busy + 1 + idle_evicted > b.chats + CONTROL_ROOM:
+            raise BacklogFullError(b._too_many_chats(busy))
+
+    def queue(self, pipe: Any) -> None:
+        super().queue(pipe)
+        pipe.zadd(self.temporary, {self.chat.id: int(time.time() * 1000)})
+        if not self.evicted:
+            return
+        b = self.backlog
+        pipe.zrem(self.temporary, *(k.partition(":")[2] for k in self.evicted))
+        for key in self.evicted:
+            b.client.queue_control(pipe, "discard", key)
+        pipe.zadd(self.waiting, dict.fromkeys(self.evicted, int(time.time() * 1000)))

@@ -14,7 +14,7 @@ import json
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -29,12 +29,6 @@ TITLE_MAX = 80
 
 class ChatLimitError(Exception):
     """The user has ``max_sessions_per_user`` chats already."""
-
-
-@dataclass(slots=True)
-class Created:
-    chat: Chat
-    evicted: list[str] = field(default_factory=list)  # temporary chats that made room
 
 
 @dataclass(slots=True)
@@ -86,26 +80,14 @@ class Chats:
         temporary = bool(kind and kind.group("kind") == "t-")
         return Chat(chat_id, f"{self.channel}:{chat_id}", temporary, title, created_ms)
 
-    async def create(self, user: User, *, temporary: bool, title: str = "") -> Created:
-        if temporary:
-            return await self._open_temporary(user)
+    async def create(self, user: User, *, title: str = "") -> Chat:
+        """A new durable chat (more than ``max_per_user``: ``ChatLimitError``)."""
         chat_id = f"{user.hash}-{secrets.token_hex(12)}"
-        return Created(await self._register(user, chat_id, title[:TITLE_MAX]))
+        return await self._register(user, chat_id, title[:TITLE_MAX])
 
-    async def _open_temporary(self, user: User) -> Created:
-        """A private session: not listed, only its id kept (to know it is the user's);
-        past ``max_temporary`` the user's oldest one makes room."""
-        chat = self._chat(f"{user.hash}-t-{secrets.token_hex(12)}")
-        now = int(time.time() * 1000)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.zadd(self._temporary(user), {chat.id: now})
-            pipe.zcard(self._temporary(user))
-            _, count = await pipe.execute()
-        evicted: list[str] = []
-        if count > self.max_temporary:  # every one over the limit, oldest first
-            oldest = await self.redis.zpopmin(self._temporary(user), count - self.max_temporary)
-            evicted = [text(member) for member, _score in oldest]
-        return Created(chat, evicted)
+    def mint_temporary(self, user: User) -> Chat:
+        """A new temporary chat's id: registered by its opening (``gateway.backlog``)."""
+        return self._chat(f"{user.hash}-t-{secrets.token_hex(12)}")
 
     async def ensure(self, user: User, chat_id: str) -> Chat:
         """Register a deterministic chat id (OpenAI-compatible endpoint) if it is new."""

@@ -408,8 +408,8 @@ async def test_one_user_cannot_take_every_stream_of_a_replica(redis_factory) -> 
     gw.hub.start()
     try:
         bob, alice = User("bob"), User("alice")
-        chats = [(await gw.chats.create(bob, temporary=False)).chat for _ in range(3)]
-        mine = (await gw.chats.create(alice, temporary=False)).chat
+        chats = [await gw.chats.create(bob) for _ in range(3)]
+        mine = await gw.chats.create(alice)
         async with gw.subscribe(bob, chats[0], "$"), gw.subscribe(bob, chats[1], "$"):
             assert not gw.has_room(bob, chats[2])
             with pytest.raises(TooManyStreamsError):
@@ -679,8 +679,13 @@ async def test_what_one_user_leaves_waiting_is_bounded_and_others_are_still_serv
         assert refused.status_code == 429
         assert "waiting in 2 of your chats" in refused.json()["detail"]
         assert await redis.exists(keys.inbound(f"web:{c}")) == 0
-        temporary = await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)
-        assert temporary.status_code == 429
+        # opening a temporary chat (a control) may use two chats more: then no more
+        opened = [
+            await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)
+            for _ in range(3)
+        ]
+        assert [r.status_code for r in opened] == [201, 201, 429]
+        temporaries = [f"web:{r.json()['id']}" for r in opened[:2]]
         assert len((await http.get("/api/sessions", headers=ALICE)).json()) == 3
         r = await http.post(
             "/v1/chat/completions",
@@ -691,8 +696,8 @@ async def test_what_one_user_leaves_waiting_is_bounded_and_others_are_still_serv
         assert r.json()["error"]["type"] == "rate_limit_exceeded"
         # another user of the channel is served meanwhile
         assert (await send(await new_chat(BOB), BOB)).status_code == 202
-        # the workers consume chat a: it no longer counts, c may be written to
-        await redis.delete(keys.inbound(f"web:{a}"))
+        # the workers consume chat a and the temporary ones: c may be written to
+        await redis.delete(keys.inbound(f"web:{a}"), *(keys.inbound(t) for t in temporaries))
         assert (await send(c)).status_code == 202
         waiting = await redis.zrange(keys.gw_waiting("web", User("alice").hash), 0, -1)
         assert sorted(waiting) == sorted([f"web:{b}", f"web:{c}"])
@@ -726,17 +731,20 @@ async def test_temporary_chats_made_room_for_still_count_while_their_discard_wai
 ) -> None:  # type: ignore[no-untyped-def]
     """Opening a temporary chat discards the oldest past the limit: the discarded one
     waits for the workers too, so opening and evicting in a loop is bounded as well."""
-    limits = {"max_temporary_per_user": 1, "max_waiting_chats_per_user": 3}
+    limits = {"max_temporary_per_user": 1, "max_waiting_chats_per_user": 1}
     async with _client(redis_factory, **limits) as http:
-        # an opening needs room for two chats: its own and the one it may evict
+        # an opening is a control (1 + 2 chats); each evicts the one before, whose
+        # discard waits too: the third opening fills the user's room, the fourth is refused
         codes = [
             (await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)).status_code
             for _ in range(4)
         ]
-        assert codes == [201, 201, 429, 429]
+        assert codes == [201, 201, 201, 429]
         redis = redis_factory()
         streams = await redis.keys(Keys().inbound("web:*"))
-        assert sorted([await redis.xlen(k) for k in streams]) == [1, 2]  # open (+ discard)
+        assert sorted([await redis.xlen(k) for k in streams]) == [1, 2, 2]  # open (+ discard)
+        opened = await redis.zrange(Keys().gw_temporary("web", User("alice").hash), 0, -1)
+        assert len(opened) == 1
 
 
 async def test_replicas_keep_the_bounds_exactly(redis_factory) -> None:  # type: ignore[no-untyped-def]
@@ -780,8 +788,10 @@ async def test_a_message_racing_a_delete_never_lands_after_it(redis_factory) -> 
             assert deleted.status_code == 204
             codes.add(sent.status_code)
             entries = [f for _id, f in await redis.xrange(Keys().inbound(f"web:{sid}"))]
-            marker = next(i for i, f in enumerate(entries) if f.get("control") == "delete")
-            assert all("payload" not in f for f in entries[marker:]), entries
+            # a chat never used leaves without a marker: then nothing was sent either
+            marker = [i for i, f in enumerate(entries) if f.get("control") == "delete"]
+            after = entries[marker[0] :] if marker else entries
+            assert all("payload" not in f for f in after), entries
             await redis.delete(Keys().inbound(f"web:{sid}"))  # as the workers would
         assert codes <= {202, 404}
         titles = Keys().gw_titles("web", User("alice").hash)
@@ -824,3 +834,81 @@ async def test_many_users_writing_at_once_fit_a_small_connection_pool(redis_fact
         await gw.hub.stop()
         if redis is not base:
             await redis.aclose()
+
+
+async def test_temporary_chats_opened_at_once_on_replicas_keep_the_bound(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """Openings (each evicting an idle temporary chat, whose discard then waits) on four
+    replicas at once: the registration, the eviction and its discard are one transaction,
+    so the chats with entries waiting stay within 8 + 2, and a refused opening evicts
+    nothing."""
+    redis = redis_factory()
+    k = Keys()
+    async with contextlib.AsyncExitStack() as stack:
+        replicas = [await stack.enter_async_context(_client(redis_factory)) for _ in range(4)]
+        http = replicas[0]
+        temporary = [
+            (await http.post("/api/sessions", json={"temporary": True}, headers=ALICE)).json()["id"]
+            for _ in range(5)
+        ]
+        await redis.delete(*(k.inbound(f"web:{t}") for t in temporary))  # the workers took them
+        for _ in range(6):
+            sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+            await http.post(f"/api/sessions/{sid}/messages", json={"content": "q"}, headers=ALICE)
+        replies = await asyncio.gather(
+            *[r.post("/api/sessions", json={"temporary": True}, headers=ALICE) for r in replicas]
+        )
+        codes = sorted(r.status_code for r in replies)
+        busy = [key for key in await redis.keys(k.inbound("web:*")) if await redis.xlen(key)]
+        assert len(busy) <= 8 + 2
+        assert codes == [201, 201, 429, 429]
+        opened = await redis.zrange(k.gw_temporary("web", User("alice").hash), 0, -1)
+        assert len(opened) == 5
+        assert set(temporary) - set(opened) == {key.partition("web:")[2] for key in busy} & set(
+            temporary
+        )  # exactly the evicted ones have a discard waiting
+
+
+async def test_a_chat_never_used_is_deleted_whatever_is_waiting(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A delete of a chat nothing was ever sent to writes nothing (no marker for the
+    workers): it is never refused, and deleting chats in a loop queues nothing."""
+    redis = redis_factory()
+    limits = {"max_waiting_per_chat": 1, "max_waiting_chats_per_user": 1}
+    async with _client(redis_factory, **limits) as http:
+
+        async def new_chat() -> str:
+            return str((await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"])
+
+        used = [await new_chat() for _ in range(3)]
+        for sid in used:  # 1 + 2 chats with something waiting: the user's room is full
+            r = await http.post(f"/api/sessions/{sid}/stop", headers=ALICE)
+            assert r.status_code == 202
+        assert (
+            await http.post(f"/api/sessions/{await new_chat()}/stop", headers=ALICE)
+        ).status_code == 429
+        before = await redis.dbsize()
+        for _ in range(20):
+            assert (
+                await http.delete(f"/api/sessions/{await new_chat()}", headers=ALICE)
+            ).status_code == 204
+        assert await redis.dbsize() == before
+        # a used chat's delete writes a marker: within a control's room ...
+        assert (await http.delete(f"/api/sessions/{used[0]}", headers=ALICE)).status_code == 204
+        assert await redis.xlen(Keys().inbound(f"web:{used[0]}")) == 2
+        # ... and past it refused (a chat the workers answered before: it has a history)
+        answered = await new_chat()
+        await redis.hset(Keys().session(f"web:{answered}"), "count", 2)
+        assert (await http.delete(f"/api/sessions/{answered}", headers=ALICE)).status_code == 429
+
+
+async def test_an_unreachable_redis_is_503_not_500() -> None:
+    config = GatewaySettings(tokens=TOKENS)
+    down = aioredis.from_url("redis://127.0.0.1:1", socket_connect_timeout=1)
+    gw = Gateway(config, down, [down])
+    app = create_app(config, gw)
+    app.state.gw = gw
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        r = await http.get("/api/sessions", headers=ALICE)
+        assert r.status_code == 503
+        assert r.json() == {"detail": "the message store is unavailable; try again"}
+    await down.aclose()
