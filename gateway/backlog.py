@@ -5,8 +5,9 @@ Per user: at most ``chats`` chats with entries waiting in their streams, each wi
 the discard of the oldest one it evicts), may use ``CONTROL_ROOM`` more of both, so a
 full chat can still be stopped; a delete of a chat never used writes nothing and is never
 refused. So what one user can have queued in Redis is at most ``(chats + 2) x
-(per_chat + 2)`` entries of at most one request body each, on any number of requests and
-replicas, while nothing is consumed.
+(per_chat + 2)`` entries (one more in a temporary chat evicted while full: its discard) of
+at most one request body each, on any number of requests and replicas, while nothing is
+consumed.
 
 Without this a user could write into Redis as fast as the gateway accepts requests while
 the workers answer at the model's pace (or not at all, when they are down): the queued
