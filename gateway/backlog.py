@@ -69,6 +69,9 @@ class Backlog:
         self.per_chat = per_chat
         self.chats = chats
         self._locks = [asyncio.Lock() for _ in range(LOCKS)]
+        # how many of the chats written to last a check reads: more than can have entries
+        # waiting (chats + 2), with room for the ones written to since (idle ones leave)
+        self.window = 2 * (chats + CONTROL_ROOM) + 1
 
     @asynccontextmanager
     async def serialized(self, user: User) -> AsyncIterator[None]:
@@ -167,7 +170,7 @@ class Admission:
         self._idle: list[str] = []
 
     def reads(self) -> list[tuple[Any, ...]]:
-        commands: list[tuple[Any, ...]] = [("ZREVRANGE", self.waiting, 0, 2 * self.backlog.chats)]
+        commands: list[tuple[Any, ...]] = [("ZREVRANGE", self.waiting, 0, self.backlog.window - 1)]
         if self.listed is not None:
             commands.append(("ZSCORE", *self.listed))
         return commands
@@ -194,8 +197,8 @@ class Admission:
         if self._idle:
             pipe.zrem(self.waiting, *self._idle)
         pipe.zadd(self.waiting, {self.session_key: int(time.time() * 1000)})
-        # the newest 2 x chats + 1 are all a check reads: older ones go
-        pipe.zremrangebyrank(self.waiting, 0, -(2 * self.backlog.chats + 2))
+        # the newest ``window`` are all a check reads: older ones go
+        pipe.zremrangebyrank(self.waiting, 0, -(self.backlog.window + 1))
         if self.listed is None:
             return
         key, chat_id = self.listed
