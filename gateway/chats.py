@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
 from bus_redis.codec import text
 from bus_redis.keys import Keys
 from gateway.auth import User
 
+DROP_BATCH = 16  # expired chats checked again and dropped per call (each: 3 round trips)
 CHAT_ID_RE = re.compile(r"(?P<user>[0-9a-f]{24})-(?P<kind>t-|oa-)?[0-9a-f]{16,32}")
 TITLE_MAX = 80
 
@@ -127,8 +129,12 @@ class Chats:
 
     async def drop_expired(self, user: User) -> int:
         """Chats created over ``expire_after_ms`` ago whose session is not stored (the
-        workers deleted it after its idle time, or it was never used) leave the list:
-        at most ``max_per_user`` looked at, one pipelined round trip."""
+        workers deleted it after its idle time, or it was never used) leave the list,
+        unless something is waiting in their stream or they have events (a first message
+        queued or being answered: its session is about to be stored). At most
+        ``max_per_user`` looked at in one pipelined round trip; at most ``DROP_BATCH`` of
+        them checked again under WATCH and dropped in one transaction, so a message sent
+        meanwhile keeps its chat."""
         if not self.expire_after_ms:
             return 0
         cutoff = int(time.time() * 1000) - self.expire_after_ms
@@ -139,15 +145,48 @@ class Chats:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
             for chat_id in old:
-                pipe.hget(self.keys.session(f"{self.channel}:{chat_id}"), "count")
-            counts = await pipe.execute()
-        gone = [chat_id for chat_id, count in zip(old, counts, strict=True) if count is None]
-        if gone:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.zrem(self._index(user), *gone)
-                pipe.hdel(self._titles(user), *gone)
-                await pipe.execute()
-        return len(gone)
+                self._queue_use(pipe, chat_id)
+            uses = await pipe.execute()
+        unused = [c for i, c in enumerate(old) if not self._used(uses[3 * i : 3 * i + 3])]
+        if not unused:
+            return 0
+        unused = unused[:DROP_BATCH]
+        inbound = [self.keys.inbound(f"{self.channel}:{c}") for c in unused]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:  # a send or a worker's commit meanwhile changes a stream: again
+                    await pipe.watch(self._index(user), *inbound)
+                    gone = []
+                    for chat_id in unused:  # on the watching connection (no second one)
+                        key = f"{self.channel}:{chat_id}"
+                        use = [
+                            await pipe.execute_command("XLEN", self.keys.inbound(key)),
+                            await pipe.execute_command("HGET", self.keys.session(key), "count"),
+                            await pipe.execute_command("TYPE", self.keys.out(key)),
+                        ]
+                        if not self._used(use):
+                            gone.append(chat_id)
+                    if not gone:
+                        return 0
+                    pipe.multi()
+                    pipe.zrem(self._index(user), *gone)
+                    pipe.hdel(self._titles(user), *gone)
+                    await pipe.execute()
+                    return len(gone)
+                except WatchError:
+                    continue
+
+    def _queue_use(self, pipe: Any, chat_id: str) -> None:
+        key = f"{self.channel}:{chat_id}"
+        pipe.xlen(self.keys.inbound(key))
+        pipe.hget(self.keys.session(key), "count")
+        pipe.type(self.keys.out(key))
+
+    @staticmethod
+    def _used(replies: list[Any]) -> bool:
+        """Whether a chat is in use: entries waiting, a stored session or events."""
+        waiting, count, events = replies
+        return bool(int(waiting)) or count is not None or text(events) != "none"
 
     async def list_for(self, user: User) -> list[Chat]:
         await self.drop_expired(user)

@@ -526,6 +526,25 @@ async def test_chats_whose_session_the_workers_pruned_leave_the_list(redis_facto
         listed = [c["id"] for c in (await http.get("/api/sessions", headers=ALICE)).json()]
         assert listed == [b]
         assert (await http.post("/api/sessions", json={}, headers=ALICE)).status_code == 201
+    # an old chat whose first message is still waiting (no session stored yet) stays:
+    # dropping it would leave the session its answer stores to nobody
+    async with _client(redis_factory, session_ttl_s=3600) as http:
+        c = (await http.post("/api/sessions", json={}, headers=BOB)).json()["id"]
+        (index,) = [
+            k
+            async for k in admin.scan_iter(
+                match=f"agent:{{web}}:gw:user:{User('bob').hash}:sessions"
+            )
+        ]
+        await admin.zadd(index, {c: 1})
+        sent = await http.post(f"/api/sessions/{c}/messages", json={"content": "q"}, headers=BOB)
+        assert sent.status_code == 202
+        listed = [x["id"] for x in (await http.get("/api/sessions", headers=BOB)).json()]
+        assert listed == [c]
+        await admin.delete(Keys().inbound(f"web:{c}"))  # answered: its events remain
+        await admin.xadd(Keys().out(f"web:{c}"), {"type": "message"})
+        listed = [x["id"] for x in (await http.get("/api/sessions", headers=BOB)).json()]
+        assert listed == [c]
 
 
 async def test_new_conversation_route(redis_factory) -> None:  # type: ignore[no-untyped-def]
