@@ -273,6 +273,41 @@ def _second_attempts_last_delta(stack: Stack, piece: str) -> str:
     raise AssertionError(f"no second {piece!r} delta")
 
 
+def test_a_refused_send_or_stop_is_said_once_and_not_retried(browser: Any, stack: Stack) -> None:
+    """A 429 (too much of the user's waiting for the workers) is a refusal, not a lost
+    replica: the page says why, once, and does not post again; a refused stop is said
+    too (it was silent). The gateway's answer is replaced in the browser."""
+    page = _page(browser, stack, ALICE_TOKEN)
+    _say(page, "first")
+    _assistant(page, "re: first").wait_for()
+    detail = {"detail": "10 messages are waiting in this chat (at most 10): wait for them"}
+    posts: list[str] = []
+
+    def refuse(route: Any) -> None:
+        posts.append(route.request.url)
+        route.fulfill(status=429, json=detail)
+
+    page.route("**/api/sessions/*/messages", refuse)
+    _say(page, "one too many")
+    page.locator(".msg.error", has_text="Not sent: 10 messages are waiting").wait_for()
+    assert len(posts) == 1  # a 429 is not retried (a 503 would be)
+    page.unroute("**/api/sessions/*/messages")
+    stack.llm.rearm()
+    _say(page, "block until stopped")
+    assert stack.llm.started.wait(20)
+    page.wait_for_selector("#send.stop")
+    page.route("**/api/sessions/*/stop", refuse)
+    page.click("#send")  # Stop, refused
+    page.locator(".msg.error", has_text="Not stopped: 10 messages are waiting").wait_for()
+    assert len(posts) == 2
+    page.unroute("**/api/sessions/*/stop")
+    page.click("#send")  # Stop again, now through
+    page.locator(".msg.error", has_text="Stopped.").wait_for()
+    stack.llm.release()
+    _shot(page, "page-refusals")
+    page.context.close()
+
+
 def test_an_answer_begun_by_a_lost_worker_is_not_shown_twice(browser: Any, stack: Stack) -> None:
     """kill -9 of the workers mid-answer: another takes the turn over and streams it again
     from its start (its events number from 1 again); the page shows that attempt's text,
