@@ -42,9 +42,10 @@ from gateway.auth import Authenticator, RedactTickets, User
 from gateway.backlog import Backlog
 from gateway.bodylimit import BodyLimit
 from gateway.chats import Chat, Chats
-from gateway.hub import EventHub, Subscription, TooManyStreamsError
+from gateway.hub import EventHub, TooManyStreamsError
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.settings import GatewaySettings
+from gateway.subscription import Subscription
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,7 @@ import asyncio
 import contextlib
 import logging
 import zlib
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -37,97 +35,13 @@ from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, text
 from bus_redis.keys import Keys
 from bus_redis.pulse import PulseWatch
+from gateway.subscription import HubEvent, Subscription
 
 log = logging.getLogger(__name__)
-BUFFER_MAX = 256  # entries buffered per subscriber before it re-reads from Redis instead
-BUFFER_BYTES = 1 << 20  # ... or bytes of their text (long answers, a reader that stalls)
 
 
 class TooManyStreamsError(Exception):
     """The process follows ``max_streams`` event streams already."""
-
-
-def id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    try:
-        return int(ms), int(seq or 0)
-    except ValueError:
-        return 0, 0
-
-
-@dataclass(slots=True)
-class HubEvent:
-    """One event of a session (``gap``: events after ``entry_id`` may be gone)."""
-
-    kind: str  # "event" | "gap"
-    entry_id: str
-    event: OutboundMessage | None = None
-
-
-@dataclass(eq=False)
-class Subscription:
-    hub: EventHub
-    stream: str
-    cursor: str
-    gap: bool = False
-    buffer: deque[HubEvent] = field(default_factory=deque)
-    catch_up: bool = True
-    missed_from: str = ""  # set when the buffer overflowed
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    buffered_bytes: int = 0  # of the buffered events' text
-
-    def push(self, ev: HubEvent) -> None:
-        size = event_size(ev)
-        if len(self.buffer) >= BUFFER_MAX or self.buffered_bytes + size > BUFFER_BYTES:
-            # a slow reader: read again from Redis instead
-            if not self.missed_from:  # the oldest event it has not been given
-                self.missed_from = self.buffer[0].entry_id if self.buffer else ev.entry_id
-            self._drop()
-            self.catch_up = True
-        else:
-            self.buffer.append(ev)
-            self.buffered_bytes += size
-        self.wake.set()
-
-    def _drop(self) -> None:
-        self.buffer.clear()
-        self.buffered_bytes = 0
-
-    async def events(self, keepalive_s: float) -> AsyncIterator[HubEvent | None]:
-        """Events after the cursor, in order, forever; ``None`` every ``keepalive_s``
-        without one (for keep-alive comments)."""
-        if self.gap:
-            yield HubEvent("gap", self.cursor)
-        while True:
-            still_wanted()
-            if self.catch_up:
-                self.catch_up = False
-                self._drop()
-                if self.missed_from:  # so far behind that Redis may have trimmed what it missed
-                    missed, self.missed_from = self.missed_from, ""
-                    first = await self.hub.first_id(self.stream)
-                    still_wanted()
-                    if first is None or id_key(first) > id_key(missed):
-                        yield HubEvent("gap", self.cursor)
-                events = await self.hub.read_after(self.stream, self.cursor)
-                still_wanted()
-                for ev in events:
-                    self.cursor = ev.entry_id
-                    yield ev
-                    self.catch_up = True  # read on until nothing is left
-                continue
-            if not self.buffer:
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), keepalive_s)
-                except TimeoutError:
-                    yield None
-                continue
-            ev = self.buffer.popleft()
-            self.buffered_bytes -= event_size(ev)
-            if id_key(ev.entry_id) > id_key(self.cursor):
-                self.cursor = ev.entry_id
-                yield ev
 
 
 class _Reader:
@@ -397,11 +311,6 @@ class EventHub:
         except ResponseError:
             return []
         return [ev for _s, batch in reply or [] for ev in _decode(batch)]
-
-
-def event_size(ev: HubEvent) -> int:
-    """What an event holds, near enough: its text (an answer, a delta, an error)."""
-    return len(ev.event.content) if ev.event is not None else 0
 
 
 def _decode(batch: list[Any]) -> list[HubEvent]:

@@ -24,7 +24,8 @@ from gateway.api import public_event, valid_cursor
 from gateway.app import Gateway
 from gateway.auth import User
 from gateway.chats import Chat
-from gateway.hub import TooManyStreamsError, event_size
+from gateway.hub import TooManyStreamsError
+from gateway.subscription import event_size
 
 router = APIRouter()
 MAX_SUBSCRIPTIONS = 64  # per socket

@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 
 from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
-from gateway.hub import BUFFER_BYTES, BUFFER_MAX, EventHub, HubEvent, Subscription
+from gateway.hub import EventHub
+from gateway.subscription import BUFFER_BYTES, BUFFER_MAX, HubEvent, Subscription
 
 pytestmark = pytest.mark.frontend
 K = Keys()
