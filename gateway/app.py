@@ -42,6 +42,7 @@ from gateway.auth import Authenticator, RedactTickets, User
 from gateway.backlog import Backlog
 from gateway.bodylimit import BodyLimit
 from gateway.chats import Chat, Chats
+from gateway.deadline import Deadline
 from gateway.hub import EventHub, TooManyStreamsError
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.settings import GatewaySettings
@@ -235,6 +236,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         summary="HTTP, SSE and WebSocket front door of redis-agent-worker (wire v2).",
         lifespan=lifespan,
     )
+    app.add_middleware(Deadline, timeout_s=settings.request_timeout_s)  # (after the body)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     metrics = gateway.metrics if gateway is not None else GatewayMetrics()
     app.add_middleware(RequestMetrics, metrics=metrics)

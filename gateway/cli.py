@@ -34,6 +34,8 @@ configuration (environment; options override):
   AGENT_GATEWAY_MAX_STREAMS_PER_USER          ... of them for one user (64)
   AGENT_GATEWAY_MAX_BODY_BYTES                a request body (1048576)
   AGENT_GATEWAY_BODY_TIMEOUT_S                to receive a request body whole (30; later: 408)
+  AGENT_GATEWAY_REQUEST_TIMEOUT_S             to answer a request that does not wait by
+                                              design (10; later: 503)
   AGENT_GATEWAY_REDIS_CONNECTIONS             pooled Redis connections per process (16)
   AGENT_GATEWAY_READERS                       blocking event reads sharing the open streams (8),
                                               one connection each

@@ -64,6 +64,8 @@ class GatewaySettings(BaseSettings):
     max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route
     body_timeout_s: float = Field(default=30.0, gt=0)  # to receive a request body, whole
+    # to answer a request that does not wait by design (else 503: Redis did not answer)
+    request_timeout_s: float = Field(default=10.0, gt=0)
     redis_connections: int = Field(default=16, ge=2, le=1024)
     readers: int = Field(default=8, ge=1, le=64)  # blocking connections sharing the streams
     keepalive_s: float = Field(default=15.0, gt=0)

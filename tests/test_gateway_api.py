@@ -665,3 +665,48 @@ def test_a_websocket_client_that_stops_reading_is_let_go_by_bytes_too() -> None:
     assert conn.overflowed
     assert conn.ended.is_set()
     assert conn.outbox.qsize() == 4  # the frame that went past was not queued
+
+
+async def test_a_redis_that_stops_answering_is_503_after_the_deadline() -> None:
+    """A Redis that accepts and never answers (frozen, or busy with a long command): a
+    request that does not wait by design is answered 503 at the deadline, not held."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = GatewaySettings(tokens=TOKENS, request_timeout_s=0.3)
+    frozen = aioredis.from_url(f"redis://127.0.0.1:{port}")
+    gw = Gateway(config, frozen, [frozen])
+    app = create_app(config, gw)
+    app.state.gw = gw
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            for method, path in [("GET", "/api/sessions"), ("POST", "/api/sessions")]:
+                # (held for ever without the deadline: a failure here, not a hung suite)
+                r = await asyncio.wait_for(http.request(method, path, json={}, headers=ALICE), 10)
+                assert r.status_code == 503, (method, path)
+                assert "did not answer in time" in r.json()["detail"]
+            assert (await asyncio.wait_for(http.get("/readyz"), 10)).status_code == 503
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await frozen.aclose()
+
+
+def test_the_routes_that_wait_by_design_have_no_deadline() -> None:
+    from gateway.deadline import waits
+
+    def scope(path: str, query: bytes = b"") -> dict[str, Any]:
+        return {"type": "http", "path": path, "query_string": query}
+
+    assert waits(scope("/api/sessions/x/events"))
+    assert waits(scope("/v1/chat/completions"))
+    assert waits(scope("/api/sessions/x/messages", b"wait=30"))
+    assert not waits(scope("/api/sessions/x/messages", b"wait=0"))
+    assert not waits(scope("/api/sessions/x/messages", b"wait=soon"))
+    assert not waits(scope("/api/sessions"))
