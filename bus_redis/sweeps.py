@@ -29,6 +29,8 @@ from bus_redis.scripts import script_sha
 from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000  # keys visited per janitor step
+# what XADD answers a ready queue that can never take an entry (as Redis and redis-py word it)
+UNUSABLE_QUEUE = ("WRONGTYPE", "exhausted the last possible ID", "equal or smaller than the target")
 QUEUED_SWEEP = 500  # members of one channel's queued index looked at per call
 IN_FLIGHT_MS = 1000  # a younger queued entry is assumed to have its notification on the way
 RECHECK_MS = 5000  # a served (or just re-notified) session is looked at again after this
@@ -165,9 +167,14 @@ class Sweeps:
         return done
 
     async def repair_ready(self, channel: str, why: str) -> None:
-        """A ready queue that takes no entry (a frontend gave it the maximal id): it is
-        re-created empty with its group. Notifications still in it are found again by
-        :meth:`queued`; no other channel is touched."""
+        """A ready queue that takes no entry because of what is in it (a frontend gave it
+        the maximal id, or made it another type): it is re-created empty with its group.
+        Notifications still in it are found again by :meth:`queued`; no other channel is
+        touched. Any other refusal (Redis out of memory, read-only, loading) is Redis'
+        state, not the queue's: the queue is left as it is and the sweep tried again."""
+        if not unusable_queue(why):
+            log.warning("ready queue of %s takes no entry for now (%s)", safe(channel), safe(why))
+            return
         log.warning("ready queue of %s takes no entry (%s); re-created", safe(channel), safe(why))
         ready = self.keys.ready(channel)
         await self.redis.delete(ready)
@@ -334,3 +341,8 @@ class Sweeps:
         if any(isinstance(r, NoScriptError) for r in replies):
             await self.bus.scripts.load_all()
         return len(junk) + sum(1 for r in replies if r == 1)
+
+
+def unusable_queue(why: str) -> bool:
+    """Whether a refused ``XADD`` means the queue itself is unusable (see UNUSABLE_QUEUE)."""
+    return any(phrase in why for phrase in UNUSABLE_QUEUE)

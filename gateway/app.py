@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import secrets
 from collections import Counter
@@ -27,22 +26,19 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.exceptions import BusyLoadingError, RedisError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
-from bus_redis.codec import safe
 from bus_redis.keys import Keys
 from gateway.auth import Authenticator, RedactTickets, User
 from gateway.backlog import Backlog
 from gateway.bodylimit import BodyLimit
 from gateway.chats import Chat, Chats
 from gateway.deadline import Deadline
+from gateway.errors import invalid, redis_failed
 from gateway.hub import EventHub, TooManyStreamsError
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.settings import GatewaySettings
@@ -244,8 +240,8 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     app.include_router(api.router)
     app.include_router(ws.router)
     app.include_router(openai_compat.router)
-    app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(RedisError, _redis_failed)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(RedisError, redis_failed)
     RedactTickets.install()
 
     @app.get("/", include_in_schema=False)
@@ -279,27 +275,6 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         return JSONResponse({"ready": True})
 
     return app
-
-
-async def _invalid(_request: Request, exc: Exception) -> Response:
-    """422 with what failed where (``type``, ``loc``, ``msg``), never what was sent: a
-    message's text stays out of answers and logs. ASCII-escaped: a lone surrogate (valid
-    JSON, not UTF-8) in a value or a key cannot fail the answer (FastAPI's own handler
-    then raised, and the traceback logged the text)."""
-    assert isinstance(exc, RequestValidationError)
-    detail = [{k: e.get(k) for k in ("type", "loc", "msg")} for e in exc.errors()]
-    body = json.dumps({"detail": jsonable_encoder(detail)}, ensure_ascii=True)
-    return Response(body, 422, media_type="application/json")
-
-
-async def _redis_failed(_request: Request, exc: Exception) -> Response:
-    """Redis unreachable, loading or timing out: 503, try again; Redis refusing a command
-    (a key of another type at a user's key, written by a client with the channel's ACL):
-    500, logged without the request's content. Either way, nothing of the user's."""
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, BusyLoadingError)):
-        return JSONResponse({"detail": "the message store is unavailable; try again"}, 503)
-    log.error("Redis refused a command: %s: %s", type(exc).__name__, safe(str(exc)[:200]))
-    return JSONResponse({"detail": "the message store refused the request"}, 500)
 
 
 def _may_scrape(request: Request, networks: list[str]) -> bool:

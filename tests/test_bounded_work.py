@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
 import redis.asyncio as aioredis
 from replies import wait_until_async
 
@@ -448,3 +449,41 @@ async def test_the_sweep_adds_no_notification_behind_one_that_waits_unread(
     channels = ("web", "tg", "x", "y")
     await redis.delete(*(k.ready(c) for c in channels), *(k.queued(c) for c in channels))
     await redis.delete(*(k.inbound(s) for s in (b0, b1, _b2, old, lost, taken, also_lost)))
+
+
+async def test_only_a_ready_queue_that_can_never_take_an_entry_is_re_created(
+    redis: aioredis.Redis,
+) -> None:
+    """A ready queue is deleted and re-created only when XADD can never succeed on it (a
+    frontend gave it the maximal id, or made it another type), never because Redis is in
+    a state (out of memory, read-only, loading): that would drop every notification in it
+    and leave the sessions to the much slower index sweep."""
+    from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+
+    from bus_redis.sweeps import Sweeps, unusable_queue
+
+    bus = RedisBus(redis)
+    full, other = bus.keys.ready("web"), bus.keys.ready("telegram")
+    await redis.xadd(full, {"session": "web:x"}, id="18446744073709551615-18446744073709551615")
+    await redis.set(other, "not a stream")
+    refusals = []
+    for stream in (full, other):
+        with pytest.raises(ResponseError) as refused:  # what the server at hand answers
+            await redis.xadd(stream, {"session": "web:y"})
+        refusals.append(str(refused.value))
+    assert all(unusable_queue(why) for why in refusals), refusals
+    for transient in (
+        "OOM command not allowed when used memory > 'maxmemory'.",  # as a script reports it
+        str(OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")),
+        str(ReadOnlyError("You can't write against a read only replica.")),
+        "LOADING Redis is loading the dataset in memory",
+    ):
+        assert not unusable_queue(transient), transient
+    kept = bus.keys.ready("slack")
+    await redis.xadd(kept, {"session": "slack:a"})
+    sweeps = Sweeps(bus)
+    await sweeps.repair_ready("slack", "OOM command not allowed when used memory > 'maxmemory'.")
+    assert await redis.xlen(kept) == 1  # left as it is
+    await sweeps.repair_ready("web", refusals[0])
+    assert await redis.xlen(full) == 0  # re-created, empty, with its group
+    assert [g["name"] for g in await redis.xinfo_groups(full)] == ["workers"]

@@ -710,3 +710,36 @@ def test_the_routes_that_wait_by_design_have_no_deadline() -> None:
     assert not waits(scope("/api/sessions/x/messages", b"wait=0"))
     assert not waits(scope("/api/sessions/x/messages", b"wait=soon"))
     assert not waits(scope("/api/sessions"))
+
+
+async def test_redis_out_of_memory_is_503_to_retry_and_the_log_holds_no_text(caplog) -> None:  # type: ignore[no-untyped-def]
+    """Redis out of memory (or read-only) is Redis' state: 503 with Retry-After, which the
+    page retries, not a 500 it does not. A refusal is logged once per kind and period,
+    with Redis' words only: redis-py names a failed pipeline's command, arguments (a
+    message's text) included, in its error message."""
+    import logging
+
+    from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+
+    from gateway import errors
+
+    errors._logged.clear()
+    oom = await errors.redis_failed(
+        None, OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+    )  # type: ignore[arg-type]
+    assert oom.status_code == 503
+    assert oom.headers["retry-after"] == "1"
+    assert (await errors.redis_failed(None, ReadOnlyError("read only replica"))).status_code == 503  # type: ignore[arg-type]
+    piped = ResponseError(
+        'Command # 1 (XADD agent:{web}:in:web:x * payload {"content":"SECRET TEXT"}) of '
+        "pipeline caused error: WRONGTYPE Operation against a key holding the wrong kind of value"
+    )
+    with caplog.at_level(logging.WARNING, logger="gateway.app"):
+        for _ in range(50):
+            assert (await errors.redis_failed(None, piped)).status_code == 500  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.app"]
+    assert not any("SECRET" in line for line in lines)
+    refused = [line for line in lines if "ResponseError" in line]
+    assert refused == [  # once for 50 refusals in the period
+        "Redis: ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value"
+    ]
