@@ -9,7 +9,7 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from replies import collect, wait_until_async
+from replies import collect, until, wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.registry import Registry
@@ -165,3 +165,42 @@ async def _holders(redis: aioredis.Redis, lease: str, seen: set[str]) -> None:
         if value is not None:
             seen.add(value)
         await asyncio.sleep(0.01)
+
+
+async def test_a_worker_whose_own_beat_fails_takes_over_no_one(
+    redis: aioredis.Redis, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """Redis out of memory (or read-only) refuses every beat, so every worker looks dead
+    to every other: a worker whose own beat does not land judges no one, instead of
+    taking over the leases of live workers and having all their turns done again."""
+    from redis.exceptions import OutOfMemoryError
+
+    from worker.agent.providers import EchoProvider
+
+    loop = make_loop(EchoProvider(), liveness_ms=800)
+    await until(lambda: loop.liveness.beat_ok_at > float("-inf"))  # running, beating
+    sweeps = loop.rt.registry.sweeps
+    beat, refusals = sweeps.beat, []
+
+    async def refused(worker_id: str) -> int:
+        refusals.append(worker_id)
+        raise OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+
+    sweeps.beat = refused  # type: ignore[method-assign]
+    await until(lambda: len(refusals) >= 1)  # a beat begun before has landed by now
+    loop.liveness.beat_ok_at = float("-inf")
+    await redis.set(K.lease("web:held"), "n1|other", px=60_000)
+    await redis.zadd(K.leases("web"), {"web:held": 1})
+    secs, micros = await redis.time()
+    await redis.zadd(K.alive, {"other": secs * 1000 + micros // 1000 - 5_000})  # stopped 5 s ago
+    assert await loop.liveness.watch_once() == []
+    seen = len(refusals)
+    await until(lambda: len(refusals) >= seen + 3)  # the watch ran meanwhile too
+    assert await redis.get(K.lease("web:held")) == "n1|other"  # not taken
+    sweeps.beat = beat  # type: ignore[method-assign]
+    # its own beat lands again: the dead holder's lease is taken over
+    await until(lambda: _gone(redis, K.lease("web:held")))
+
+
+async def _gone(redis: aioredis.Redis, key: str) -> bool:
+    return await redis.get(key) is None

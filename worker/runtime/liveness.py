@@ -16,7 +16,9 @@ signal:
   new nonce, so a frozen holder that wakes up is fenced like any lost lease.
 
 A lease whose holder still beats is never taken over; a holder that stops renewing but
-keeps beating (a deadlocked loop) loses its leases when they run out, as before.
+keeps beating (a deadlocked loop) loses its leases when they run out, as before. A worker
+whose own beat fails (Redis out of memory or read-only refuses every write) judges no one
+meanwhile: the others' beats fail alike.
 ``liveness_ms = 0`` turns the takeover off (failover after the lease TTL only).
 """
 
@@ -26,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -59,6 +62,9 @@ class Liveness:
         self._done: dict[str, set[str]] = {}  # dead worker -> channels taken over here
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # when this worker's own beat last landed (monotonic s; set from the beat thread)
+        self.beat_ok_at = float("-inf")
+        self._blind = False  # the watch is skipping: logged once per stretch
 
     @property
     def enabled(self) -> bool:
@@ -85,6 +91,7 @@ class Liveness:
         while True:
             try:
                 await self.rt.registry.sweeps.beat(self.rt.worker_id)
+                self.beat_ok_at = time.monotonic()
             except (redis.RedisError, OSError) as exc:
                 log.debug("liveness beat failed: %s", type(exc).__name__)
             await asyncio.sleep(self.every_s)
@@ -97,6 +104,7 @@ class Liveness:
         while not self._stop.is_set():
             try:
                 script(keys=[alive], args=[me])
+                self.beat_ok_at = time.monotonic()
                 failing = False
             except (redis.RedisError, OSError) as exc:
                 if not failing:
@@ -121,7 +129,17 @@ class Liveness:
             await asyncio.sleep(self.every_s)
 
     async def watch_once(self) -> list[str]:
-        """One look: the keys taken over from dead workers (in the served channels)."""
+        """One look: the keys taken over from dead workers (in the served channels). Only
+        while this worker's own beat lands: when it cannot (Redis out of memory or
+        read-only refuses every beat), the others' beats stop for the same reason, and
+        taking over their leases would redo every running turn; their leases then run
+        out after their TTL if they really died."""
+        if time.monotonic() - self.beat_ok_at > self.liveness_ms / 1000:
+            if not self._blind:
+                log.warning("own liveness beat is failing: not judging other workers meanwhile")
+            self._blind = True
+            return []
+        self._blind = False
         rt = self.rt
         sweeps = rt.registry.sweeps
         forget = max(6 * rt.bus.lock_ttl_ms, 10 * self.liveness_ms)  # leases ran out by then
