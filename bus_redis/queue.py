@@ -24,7 +24,16 @@ from bus_redis.results import Notification
 
 WORKER_GROUP = "workers"
 READY_MAXLEN = 1_000_000
+# what Redis answers about a ready queue that can never serve again (as Redis and redis-py
+# word it): another type at its name, or a stream at the maximal id (no XADD * succeeds)
+UNUSABLE_QUEUE = ("WRONGTYPE", "exhausted the last possible ID", "equal or smaller than the target")
 log = logging.getLogger(__name__)
+
+
+def unusable_queue(why: str) -> bool:
+    """Whether a refusal means the queue itself is unusable (see UNUSABLE_QUEUE), not that
+    Redis is in a state (out of memory, read-only, loading) that passes."""
+    return any(phrase in why for phrase in UNUSABLE_QUEUE)
 
 
 class ReadyQueues:
@@ -48,12 +57,20 @@ class ReadyQueues:
         return [self.keys.inbox(worker_id), *(self.keys.ready(c) for c in sorted(channels))]
 
     async def ensure_groups(self, streams: Iterable[str]) -> None:
+        """The consumer group of each stream, made where missing. A key of another type at
+        a queue's name (an operator's mistake) would fail every read of every channel: it
+        is replaced by the queue (its sessions are found again by the sweeps)."""
         for stream in streams:
             try:
                 await self.redis.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
             except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
+                if "BUSYGROUP" in str(exc):
+                    continue
+                if not unusable_queue(str(exc)):
                     raise
+                log.warning("%s is no stream (%s); re-created", safe(stream), safe(str(exc)))
+                await self.redis.delete(stream)
+                await self.redis.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
 
     async def read_notifications(
         self, worker_id: str, streams: Sequence[str], *, count: int, block_ms: int

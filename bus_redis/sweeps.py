@@ -25,12 +25,11 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from bus_redis.codec import safe, stream_id_ms, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, in_channel
+from bus_redis.queue import unusable_queue
 from bus_redis.scripts import script_sha
 from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
 
 SCAN_COUNT = 1000  # keys visited per janitor step
-# what XADD answers a ready queue that can never take an entry (as Redis and redis-py word it)
-UNUSABLE_QUEUE = ("WRONGTYPE", "exhausted the last possible ID", "equal or smaller than the target")
 QUEUED_SWEEP = 500  # members of one channel's queued index looked at per call
 IN_FLIGHT_MS = 1000  # a younger queued entry is assumed to have its notification on the way
 RECHECK_MS = 5000  # a served (or just re-notified) session is looked at again after this
@@ -341,8 +340,3 @@ class Sweeps:
         if any(isinstance(r, NoScriptError) for r in replies):
             await self.bus.scripts.load_all()
         return len(junk) + sum(1 for r in replies if r == 1)
-
-
-def unusable_queue(why: str) -> bool:
-    """Whether a refused ``XADD`` means the queue itself is unusable (see UNUSABLE_QUEUE)."""
-    return any(phrase in why for phrase in UNUSABLE_QUEUE)

@@ -460,30 +460,41 @@ async def test_only_a_ready_queue_that_can_never_take_an_entry_is_re_created(
     and leave the sessions to the much slower index sweep."""
     from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
-    from bus_redis.sweeps import Sweeps, unusable_queue
+    from bus_redis.queue import unusable_queue
+    from bus_redis.sweeps import Sweeps
 
     bus = RedisBus(redis)
     full, other = bus.keys.ready("web"), bus.keys.ready("telegram")
-    await redis.xadd(full, {"session": "web:x"}, id="18446744073709551615-18446744073709551615")
-    await redis.set(other, "not a stream")
-    refusals = []
-    for stream in (full, other):
-        with pytest.raises(ResponseError) as refused:  # what the server at hand answers
-            await redis.xadd(stream, {"session": "web:y"})
-        refusals.append(str(refused.value))
-    assert all(unusable_queue(why) for why in refusals), refusals
-    for transient in (
-        "OOM command not allowed when used memory > 'maxmemory'.",  # as a script reports it
-        str(OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")),
-        str(ReadOnlyError("You can't write against a read only replica.")),
-        "LOADING Redis is loading the dataset in memory",
-    ):
-        assert not unusable_queue(transient), transient
     kept = bus.keys.ready("slack")
-    await redis.xadd(kept, {"session": "slack:a"})
-    sweeps = Sweeps(bus)
-    await sweeps.repair_ready("slack", "OOM command not allowed when used memory > 'maxmemory'.")
-    assert await redis.xlen(kept) == 1  # left as it is
-    await sweeps.repair_ready("web", refusals[0])
-    assert await redis.xlen(full) == 0  # re-created, empty, with its group
-    assert [g["name"] for g in await redis.xinfo_groups(full)] == ["workers"]
+    try:
+        await redis.xadd(full, {"session": "web:x"}, id="18446744073709551615-18446744073709551615")
+        await redis.set(other, "not a stream")
+        refusals = []
+        for stream in (full, other):
+            with pytest.raises(ResponseError) as refused:  # what the server at hand answers
+                await redis.xadd(stream, {"session": "web:y"})
+            refusals.append(str(refused.value))
+        assert all(unusable_queue(why) for why in refusals), refusals
+        for transient in (
+            "OOM command not allowed when used memory > 'maxmemory'.",  # as a script reports it
+            str(OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")),
+            str(ReadOnlyError("You can't write against a read only replica.")),
+            "LOADING Redis is loading the dataset in memory",
+        ):
+            assert not unusable_queue(transient), transient
+        await redis.xadd(kept, {"session": "slack:a"})
+        sweeps = Sweeps(bus)
+        await sweeps.repair_ready(
+            "slack", "OOM command not allowed when used memory > 'maxmemory'."
+        )
+        assert await redis.xlen(kept) == 1  # left as it is
+        await sweeps.repair_ready("web", refusals[0])
+        assert await redis.xlen(full) == 0  # re-created, empty, with its group
+        assert [g["name"] for g in await redis.xinfo_groups(full)] == ["workers"]
+        # a key of another type at a queue's name fails every read of the worker (all
+        # channels at once): making the groups replaces it
+        await bus.ensure_groups([other, kept])
+        assert [g["name"] for g in await redis.xinfo_groups(other)] == ["workers"]
+        assert await redis.xlen(kept) == 1
+    finally:  # no junk for the suite's later workers
+        await redis.delete(full, other, kept)
