@@ -102,6 +102,7 @@ def test_send_stream_stop_and_a_temporary_chat(browser: Any, stack: Stack) -> No
     _assistant(page, "re: <b>bold</b>").wait_for()
     assert page.locator("#log b, #log img").count() == 0  # text, never HTML
     assert page.evaluate("window.pwned === undefined")
+    assert page.locator(".msg:empty").count() == 0  # nothing said without words
     _shot(page, "page-streamed-reply")
 
     stack.llm.rearm()
