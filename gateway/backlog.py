@@ -37,7 +37,7 @@ from bus_redis.client import FrontendClient, Reader
 from bus_redis.codec import text
 from bus_redis.keys import Keys
 from gateway.auth import User
-from gateway.chats import Chat
+from gateway.chats import Chat, in_use
 
 CONTROL_ROOM = 2  # entries (and chats) a control or a temporary chat's opening may add
 LOCKS = 256  # a user's lock is one of these (striped by user hash): bounded memory
@@ -122,11 +122,7 @@ class Backlog:
                     await pipe.watch(keys.inbound(s), index)
                     if await pipe.zscore(index, chat.id) is None:
                         raise ChatGoneError(s)
-                    if (
-                        int(await pipe.xlen(keys.inbound(s)))
-                        or await pipe.hget(keys.session(s), "count") is not None  # type: ignore[misc]
-                        or text(await pipe.type(keys.out(s))) != "none"
-                    ):
+                    if await in_use(pipe, keys, s):
                         return False
                     pipe.multi()
                     pipe.zrem(index, chat.id)

@@ -147,7 +147,7 @@ class Chats:
             for chat_id in old:
                 self._queue_use(pipe, chat_id)
             uses = await pipe.execute()
-        unused = [c for i, c in enumerate(old) if not self._used(uses[3 * i : 3 * i + 3])]
+        unused = [c for i, c in enumerate(old) if not _used(uses[3 * i : 3 * i + 3])]
         if not unused:
             return 0
         unused = unused[:DROP_BATCH]
@@ -158,13 +158,7 @@ class Chats:
                     await pipe.watch(self._index(user), *inbound)
                     gone = []
                     for chat_id in unused:  # on the watching connection (no second one)
-                        key = f"{self.channel}:{chat_id}"
-                        use = [
-                            await pipe.execute_command("XLEN", self.keys.inbound(key)),
-                            await pipe.execute_command("HGET", self.keys.session(key), "count"),
-                            await pipe.execute_command("TYPE", self.keys.out(key)),
-                        ]
-                        if not self._used(use):
+                        if not await in_use(pipe, self.keys, f"{self.channel}:{chat_id}"):
                             gone.append(chat_id)
                     if not gone:
                         return 0
@@ -177,16 +171,8 @@ class Chats:
                     continue
 
     def _queue_use(self, pipe: Any, chat_id: str) -> None:
-        key = f"{self.channel}:{chat_id}"
-        pipe.xlen(self.keys.inbound(key))
-        pipe.hget(self.keys.session(key), "count")
-        pipe.type(self.keys.out(key))
-
-    @staticmethod
-    def _used(replies: list[Any]) -> bool:
-        """Whether a chat is in use: entries waiting, a stored session or events."""
-        waiting, count, events = replies
-        return bool(int(waiting)) or count is not None or text(events) != "none"
+        for command in _use_reads(self.keys, f"{self.channel}:{chat_id}"):
+            pipe.execute_command(*command)
 
     async def list_for(self, user: User) -> list[Chat]:
         await self.drop_expired(user)
@@ -262,3 +248,23 @@ class Chats:
                 continue
             out.append({"role": row["role"], "content": content, "timestamp": row.get("timestamp")})
         return out
+
+
+def _use_reads(keys: Keys, session_key: str) -> list[tuple[str, ...]]:
+    """What tells whether a chat is in use: entries waiting, a stored session, events."""
+    return [
+        ("XLEN", keys.inbound(session_key)),
+        ("HGET", keys.session(session_key), "count"),
+        ("TYPE", keys.out(session_key)),
+    ]
+
+
+def _used(replies: list[Any]) -> bool:
+    waiting, count, events = replies
+    return bool(int(waiting)) or count is not None or text(events) != "none"
+
+
+async def in_use(pipe: Any, keys: Keys, session_key: str) -> bool:
+    """Whether a chat is in use, read on ``pipe`` (one by one: under its WATCH, a change
+    after the read aborts the caller's ``EXEC``)."""
+    return _used([await pipe.execute_command(*c) for c in _use_reads(keys, session_key)])
