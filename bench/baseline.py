@@ -7,8 +7,8 @@ Lua turn loop (``bench/baseline_loop.py``), under the same closed-loop load, in 
 Each repetition runs, on a fresh redis-server database, in turn: the baseline loop (with
 ``--loop-procs``, also 2, 4 copies of it sharing the queue), then 1, 2, 4 worker processes
 (echo provider); the load is ``--sessions`` sessions with one
-message in flight each (a session sends its next message when its answer arrives), through
-the real frontend client, after a warm-up of ``--warm`` turns per session and worker process (so
+message in flight each (a session sends its next message when its answer arrives, each
+send a task of its own, as a gateway's requests are), through the real frontend client, after a warm-up of ``--warm`` turns per session and worker process (so
 that every process's session cache holds every session: a steady state, not the first
 load of each session by each process). Printed per system:
 turns/s and its ratio to the baseline of the same repetition (and, for N processes with
@@ -211,6 +211,17 @@ async def run(
     done = 0
     mark: tuple[float, float, float, float, int, int, int] | None = None
     before: dict[str, tuple[int, int]] = {}
+    # each answer's next message is sent by a task of its own, as a gateway's requests are:
+    # sending them one after the other from the reading loop would pace every system by
+    # the load generator's round trips, not by its own cost
+    sends: set[asyncio.Task[str]] = set()
+    failed: list[BaseException] = []
+
+    def _sent(task: asyncio.Task[str]) -> None:
+        sends.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            failed.append(task.exception())  # type: ignore[arg-type]
+
     try:
         for s in range(sessions):
             await fronts[s % len(fronts)].send(
@@ -220,6 +231,8 @@ async def run(
         # reading the streams it names (bus_redis.pulse)
         feed = _merged(fronts, chats) if apart else _single(fronts[0], chats)
         async for i, ev in feed:
+            if failed:
+                raise failed[0]
             if ev.type not in ("message", "error"):
                 continue
             done += 1
@@ -234,9 +247,13 @@ async def run(
             if done >= turns + warm:
                 break
             chat = ev.session_key.partition(":")[2]
-            await fronts[i].send(
-                InboundMessage(channel=CHANNEL, sender_id="u", chat_id=chat, content="q")
+            sending = asyncio.create_task(
+                fronts[i].send(
+                    InboundMessage(channel=CHANNEL, sender_id="u", chat_id=chat, content="q")
+                )
             )
+            sends.add(sending)
+            sending.add_done_callback(_sent)
         assert mark is not None
         wall = time.perf_counter() - mark[0]
         front = time.process_time() - mark[1]
@@ -245,6 +262,9 @@ async def run(
         redis_cpu, calls, scripts, replies = await _redis_counts(redis, prefixes)
         after = await _commandstats(redis)
     finally:
+        for task in list(sends):
+            task.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
         serving.close()
         await redis.aclose()
     read = done - warm
