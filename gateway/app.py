@@ -39,6 +39,7 @@ from gateway.bodylimit import BodyLimit
 from gateway.chats import Chat, Chats
 from gateway.deadline import Deadline
 from gateway.errors import invalid, redis_failed
+from gateway.health import Readiness
 from gateway.hub import EventHub, TooManyStreamsError
 from gateway.metrics import GatewayMetrics, RequestMetrics
 from gateway.settings import GatewaySettings
@@ -59,6 +60,7 @@ class Gateway:
         self.keys = Keys(s.key_prefix)
         self.client = FrontendClient(self.redis, s.key_prefix, followup=s.followup)
         self.auth = Authenticator(s, self.redis)
+        self.readiness = Readiness(self.redis)
         self.backlog = Backlog(
             self.redis,
             self.client,
@@ -268,9 +270,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> Response:
-        try:
-            await request.app.state.gw.redis.ping()
-        except (RedisError, OSError):
+        if not await request.app.state.gw.readiness.ready():
             return JSONResponse({"ready": False, "reason": "redis unreachable"}, 503)
         return JSONResponse({"ready": True})
 

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import re
 import secrets
 import time
@@ -25,6 +26,7 @@ from redis.asyncio import Redis
 
 from bus_redis.codec import text
 from bus_redis.keys import Keys
+from gateway.ratelimit import UserRate
 from gateway.settings import GatewaySettings
 
 USER_RE = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
@@ -56,19 +58,34 @@ class Authenticator:
         self._users = set(self._tokens.values())
         self._proxies = [ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies]
         self.tickets = Tickets(redis, self.keys.gw_ticket_secret(settings.channel), settings)
+        self.rate = UserRate(settings.user_rate, settings.user_burst)
 
     @property
     def configured(self) -> bool:
         return bool(self._tokens or self._proxies)
 
     async def user(self, request: Request | WebSocket, *, ticket_ok: bool = False) -> User:
-        """The caller, or HTTP 401."""
+        """The caller, or HTTP 401; slowed down, or HTTP 429, when the caller asks too often
+        (``charge``)."""
         found = self._from_proxy(request) or self._from_bearer(request)
         if found is None and ticket_ok:
             found = await self._from_ticket(request.query_params.get("ticket", ""))
         if found is None or not USER_RE.fullmatch(found):
             raise HTTPException(401, "authentication required", {"WWW-Authenticate": "Bearer"})
-        return User(found)
+        user = User(found)
+        await self.charge(user)
+        return user
+
+    async def charge(self, user: User) -> None:
+        """One request of ``user``'s (gateway.ratelimit): waits for its token, or raises
+        HTTP 429 with Retry-After (after waiting too)."""
+        if not await self.rate.wait(user.hash):
+            raise HTTPException(
+                429,
+                f"too many requests: {self.rate.rate:g} a second at most, "
+                f"{self.rate.burst} at once",
+                {"Retry-After": str(max(1, math.ceil(self.rate.retry_after_s(user.hash))))},
+            )
 
     def _from_proxy(self, request: Request | WebSocket) -> str | None:
         value = request.headers.get(self.settings.user_header)

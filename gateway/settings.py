@@ -62,6 +62,9 @@ class GatewaySettings(BaseSettings):
     max_waiting_chats_per_user: int = Field(default=8, ge=1)  # chats with entries waiting
     max_streams: int = Field(default=10_000, ge=1)  # followed event streams per process
     max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
+    # how often one user may ask this replica (gateway.ratelimit): more is 429; 0: no limit
+    user_rate: float = Field(default=20.0, ge=0)  # requests (and subscriptions) a second
+    user_burst: int = Field(default=100, ge=1)  # ... and how many may be saved up
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route
     body_timeout_s: float = Field(default=30.0, gt=0)  # to receive a request body, whole
     # to answer a request that does not wait by design (else 503: Redis did not answer)

@@ -39,8 +39,12 @@ async def socket(ws: WebSocket) -> None:
     gw: Gateway = ws.app.state.gw
     try:
         user = await gw.auth.user(ws, ticket_ok=True)
-    except HTTPException:
-        await ws.close(code=4401, reason="authentication required")
+    except HTTPException as exc:  # accepted first: a close before it is a bare HTTP 403
+        await ws.accept()
+        if exc.status_code == 429:
+            await ws.close(code=4429, reason="too many requests")
+        else:
+            await ws.close(code=4401, reason="authentication required")
         return
     await ws.accept()
     gw.metrics.websockets_open.inc()
@@ -98,6 +102,11 @@ class Connection:
                 message = await self.ws.receive()
                 if message["type"] == "websocket.disconnect":
                     return
+                try:  # every frame, as every request (a subscription reads Redis)
+                    await self.gw.auth.charge(self.user)
+                except HTTPException as exc:
+                    self.put({"type": "error", "message": str(exc.detail)})
+                    continue
                 raw = message.get("text")
                 if raw is None:
                     self.put({"type": "error", "message": "text frames only"})

@@ -49,7 +49,13 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running_stack(*, gateways: int, workers: int, failover_lb: bool = False) -> Iterator[Stack]:
+def running_stack(
+    *,
+    gateways: int,
+    workers: int,
+    failover_lb: bool = False,
+    gateway_env: dict[str, str] | None = None,
+) -> Iterator[Stack]:
     require_redis_server()
     server = RedisServer().start()
     admin = redis.Redis.from_url(server.url, decode_responses=True)
@@ -81,6 +87,10 @@ def running_stack(*, gateways: int, workers: int, failover_lb: bool = False) -> 
                         "AGENT_GATEWAY_TOKENS": f"{ALICE_TOKEN}=alice,{BOB_TOKEN}=bob",
                         "AGENT_GATEWAY_KEEPALIVE_S": "1",
                         "AGENT_GATEWAY_TRUSTED_PROXIES": "10.9.9.9",  # a proxy that is not there
+                        # the suite opens 80 streams at once as one user (a test of its own
+                        # covers the rate: tests/test_gateway_ratelimit.py)
+                        "AGENT_GATEWAY_USER_BURST": "1000",
+                        **(gateway_env or {}),
                     },
                 )
             )

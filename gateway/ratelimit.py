@@ -1,0 +1,99 @@
+"""How often one user may ask a replica for anything: a token bucket per user.
+
+The backlog bound (gateway.backlog) limits what a user leaves waiting in Redis; it does
+not limit how often a user asks. Every request that reaches a route costs the replica
+and Redis work (a refused send still runs its checking transaction; a subscription reads
+a stream), so a user who floods, by a script or by clicking, slows every other user of
+the replica. Here each authenticated request (and each WebSocket subscription) takes one
+token from its user's bucket: ``rate`` tokens a second, at most ``burst`` saved up.
+
+A request without a token is not answered at once, since a refusal that costs nothing
+to get is what lets a flood fill the process: a client asking again as soon as it is
+refused would get thousands of answers a second, each parsed, routed and answered on
+the event loop every user shares (bench/flood.py measured the other user's p50 at ~37
+ms, from ~2 ms, with immediate refusals). Instead, a request that would have a token
+within ``max_delay_s`` reserves it and waits for it (the user is slowed down, not
+refused); one that would not waits half to all of ``max_delay_s`` (refusals due at the
+same time spread out) and gets 429 with ``Retry-After``.
+Waiting holds a coroutine and no CPU, so one connection asks at most ``rate`` plus one
+refused request a ``max_delay_s``; how many connections one client opens is for the
+reverse proxy in front (docs/SECURITY.md).
+
+The bound is per replica: N replicas admit at most N x ``rate`` requests a second of one
+user (a shared count would cost a Redis call on every request, the work this saves). The
+buckets take memory for the users seen lately only: past ``max_users`` buckets, those
+refilled (the same as none) are dropped, then the least recently used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+MAX_USERS = 10_000  # buckets kept per replica before the refilled ones are dropped
+MAX_DELAY_S = 1.0  # the longest a request waits for its token, or before its 429
+
+
+class UserRate:
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        *,
+        max_delay_s: float = MAX_DELAY_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        max_users: int = MAX_USERS,
+    ) -> None:
+        self.rate, self.burst, self.max_delay_s = rate, burst, max_delay_s
+        self.clock, self.sleep, self.max_users = clock, sleep, max_users
+        # user -> (tokens, at); below 0: tokens reserved by waiting requests. LRU order.
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    async def wait(self, user: str) -> bool:
+        """Wait for one of ``user``'s tokens: True once it is there (at once, or after up
+        to ``max_delay_s``); False, after ``max_delay_s``, when none would come by then."""
+        delay = self.admit(user)
+        if delay is None:  # a half to a whole max_delay_s: refusals due at once spread out
+            await self.sleep(self.max_delay_s * (0.5 + random.random() / 2))
+            return False
+        if delay > 0:
+            await self.sleep(delay)
+        return True
+
+    def admit(self, user: str) -> float | None:
+        """The seconds until ``user``'s next token (0: now), reserved for the caller; None
+        when it is further off than ``max_delay_s`` (nothing reserved)."""
+        if self.rate <= 0:
+            return 0.0
+        now = self.clock()
+        tokens, at = self._buckets.pop(user, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.rate)
+        delay: float | None = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+        if delay is not None and delay > self.max_delay_s:
+            delay = None
+        self._buckets[user] = (tokens - 1 if delay is not None else tokens, now)  # most recent
+        if len(self._buckets) > self.max_users:
+            self._prune(now)
+        return delay
+
+    def retry_after_s(self, user: str) -> float:
+        """When asking again may get a token without waiting (for ``Retry-After``)."""
+        tokens, at = self._buckets.get(user, (float(self.burst), self.clock()))
+        tokens = min(float(self.burst), tokens + max(0.0, self.clock() - at) * self.rate)
+        return max(0.0, (1 - tokens) / self.rate) if self.rate > 0 else 0.0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _prune(self, now: float) -> None:
+        """Drop the refilled buckets; if more than half of ``max_users`` remain, the least
+        recently used of them (a pass per ``max_users / 2`` new users at most)."""
+        kept = [
+            (user, (tokens, at))
+            for user, (tokens, at) in self._buckets.items()
+            if tokens + (now - at) * self.rate < self.burst
+        ]
+        self._buckets = dict(kept[-max(1, self.max_users // 2) :])
