@@ -84,7 +84,11 @@ class Authenticator:
                 429,
                 f"too many requests: {self.rate.rate:g} a second at most, "
                 f"{self.rate.burst} at once",
-                {"Retry-After": str(max(1, math.ceil(self.rate.retry_after_s(user.hash))))},
+                {
+                    "Retry-After": str(
+                        min(3600, max(1, math.ceil(self.rate.retry_after_s(user.hash))))
+                    )
+                },
             )
 
     def _from_proxy(self, request: Request | WebSocket) -> str | None:

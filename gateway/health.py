@@ -11,6 +11,8 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+PING_TIMEOUT_S = 2.0
+
 
 class Readiness:
     def __init__(
@@ -30,10 +32,14 @@ class Readiness:
         return await asyncio.shield(self._asking)  # a caller that gives up cancels no one
 
     async def _ping(self) -> bool:
+        """A ``PING`` that answers within ``PING_TIMEOUT_S``: one sent on a connection whose
+        peer vanished silently (a failover, a dropped flow) is given up (redis-py drops
+        that connection) instead of holding every later ``/readyz`` with it."""
         self.pings += 1
         try:
-            await self.redis.ping()
-        except (RedisError, OSError):
+            async with asyncio.timeout(PING_TIMEOUT_S):
+                await self.redis.ping()
+        except (RedisError, OSError, TimeoutError):
             return False
         return True
 

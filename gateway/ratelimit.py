@@ -74,7 +74,9 @@ class UserRate:
         delay: float | None = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
         if delay is not None and delay > self.max_delay_s:
             delay = None
-        self._buckets[user] = (tokens - 1 if delay is not None else tokens, now)  # most recent
+        # (most recent last; the time never goes back, so a clock stepped back and then
+        # forward gives no free refill)
+        self._buckets[user] = (tokens - 1 if delay is not None else tokens, max(at, now))
         if len(self._buckets) > self.max_users:
             self._prune(now)
         return delay

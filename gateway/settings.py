@@ -62,8 +62,9 @@ class GatewaySettings(BaseSettings):
     max_waiting_chats_per_user: int = Field(default=8, ge=1)  # chats with entries waiting
     max_streams: int = Field(default=10_000, ge=1)  # followed event streams per process
     max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
-    # how often one user may ask this replica (gateway.ratelimit): more is 429; 0: no limit
-    user_rate: float = Field(default=20.0, ge=0)  # requests (and subscriptions) a second
+    # how often one user may ask this replica (gateway.ratelimit): past it a request waits,
+    # then 429; 0: no limit
+    user_rate: float = Field(default=20.0, ge=0, le=1e6, allow_inf_nan=False)  # a second
     user_burst: int = Field(default=100, ge=1)  # ... and how many may be saved up
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route
     body_timeout_s: float = Field(default=30.0, gt=0)  # to receive a request body, whole
@@ -95,6 +96,13 @@ class GatewaySettings(BaseSettings):
     def _channel(cls, value: str) -> str:
         if not valid_channel(value):
             raise ValueError("must be 1-64 letters, digits, '_' or '-' (not 'unified')")
+        return value
+
+    @field_validator("user_rate")
+    @classmethod
+    def _rate(cls, value: float) -> float:
+        if 0 < value < 0.001:
+            raise ValueError("0 (no limit) or at least 0.001 a second")
         return value
 
     @field_validator("tokens", mode="before")

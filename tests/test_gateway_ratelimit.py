@@ -140,7 +140,8 @@ async def test_a_user_past_the_rate_waits_or_gets_429_before_any_redis_work(
         assert sorted(r.status_code for r in answers) == [202, 429, 429]
         # one waited a second for its token, two half a second to a second for nothing
         assert sorted(clock.slept)[-1] == 1.0
-        assert all(0.5 <= t <= 1.0 for t in clock.slept) and len(clock.slept) == 3
+        assert all(0.5 <= t <= 1.0 for t in clock.slept)
+        assert len(clock.slept) == 3
         refused = next(r for r in answers if r.status_code == 429)
         assert (
             refused.headers["retry-after"] == "2"
@@ -242,3 +243,55 @@ async def test_readyz_asks_redis_at_most_once_a_second_however_often_it_is_asked
             assert gw.readiness.pings == 2
         finally:
             await gone.aclose()
+
+
+async def test_a_ping_redis_never_answers_is_given_up_and_the_next_one_is_sent(
+    redis_factory, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A PING on a connection whose peer went silent (a failover, a dropped flow) must not
+    hold every later /readyz: it is given up after PING_TIMEOUT_S (not ready), and once the
+    answer is a second old the next caller pings again."""
+    import gateway.health
+    from gateway.health import Readiness
+
+    monkeypatch.setattr(gateway.health, "PING_TIMEOUT_S", 0.2)
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    frozen = aioredis.from_url(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    clock = Clock()
+    readiness = Readiness(frozen, clock=clock)
+    try:
+        # (held for ever without the timeout: a failure here, not a hung suite)
+        assert await asyncio.wait_for(readiness.ready(), 5) is False
+        assert await asyncio.wait_for(readiness.ready(), 5) is False  # the answer reused
+        assert readiness.pings == 1
+        readiness.redis = redis_factory()  # Redis is back (another server answers)
+        clock.now += 1
+        assert await asyncio.wait_for(readiness.ready(), 5) is True
+        assert readiness.pings == 2
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await frozen.aclose()
+
+
+def test_the_rate_settings_at_their_edges() -> None:
+    from pydantic import ValidationError
+
+    for bad in ("1e-300", "inf", "nan", "-1", "0.0001"):
+        with pytest.raises(ValidationError):
+            GatewaySettings(user_rate=bad)
+    assert GatewaySettings(user_rate=0).user_rate == 0  # no limit
+    # a clock stepped back, then forward again, gives no refill for the time it went back
+    clock = Clock()
+    rate = UserRate(1, 2, clock=clock)
+    assert [rate.admit("a"), rate.admit("a")] == [0, 0]
+    clock.now -= 100
+    assert rate.admit("a") == pytest.approx(1.0)  # nothing came back
+    clock.now += 100
+    assert rate.admit("a") is None  # the reserved token is not there yet: no free refill
