@@ -36,6 +36,7 @@ from bus_redis.keys import Keys
 from gateway.auth import Authenticator, RedactTickets, User
 from gateway.backlog import Backlog
 from gateway.bodylimit import BodyLimit
+from gateway.charge import Charge
 from gateway.chats import Chat, Chats
 from gateway.deadline import Deadline
 from gateway.errors import invalid, redis_failed
@@ -236,6 +237,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     )
     app.add_middleware(Deadline, timeout_s=settings.request_timeout_s)  # (after the body)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(Charge)  # (before the body is read)
     metrics = gateway.metrics if gateway is not None else GatewayMetrics()
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.state.metrics = metrics

@@ -66,15 +66,24 @@ class Authenticator:
 
     async def user(self, request: Request | WebSocket, *, ticket_ok: bool = False) -> User:
         """The caller, or HTTP 401; slowed down, or HTTP 429, when the caller asks too often
-        (``charge``)."""
+        (``charge``: once a request; gateway.charge charges HTTP requests first)."""
+        user = await self.identify(request, ticket_ok=ticket_ok)
+        if user is None:
+            raise HTTPException(401, "authentication required", {"WWW-Authenticate": "Bearer"})
+        if getattr(request, "scope", {}).get("state", {}).get("charged") != user.hash:
+            await self.charge(user)
+        return user
+
+    async def identify(
+        self, request: Request | WebSocket, *, ticket_ok: bool = False
+    ) -> User | None:
+        """Who the credentials name, if anyone (nothing charged, nothing refused)."""
         found = self._from_proxy(request) or self._from_bearer(request)
         if found is None and ticket_ok:
             found = await self._from_ticket(request.query_params.get("ticket", ""))
         if found is None or not USER_RE.fullmatch(found):
-            raise HTTPException(401, "authentication required", {"WWW-Authenticate": "Bearer"})
-        user = User(found)
-        await self.charge(user)
-        return user
+            return None
+        return User(found)
 
     async def charge(self, user: User) -> None:
         """One request of ``user``'s (gateway.ratelimit): waits for its token, or raises

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     import uvicorn
 
+    from gateway import wscontrol
     from gateway.app import create_app
 
     uvicorn.run(
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         # pose as a trusted proxy (AGENT_GATEWAY_TRUSTED_PROXIES decides whom to believe)
         proxy_headers=False,
         ws_max_size=WS_MAX_FRAME_BYTES,
+        ws=wscontrol.protocol(),  # pings capped (uvicorn answers them below the app)
     )
     return 0
 

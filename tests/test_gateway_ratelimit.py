@@ -156,6 +156,15 @@ async def test_a_user_past_the_rate_waits_or_gets_429_before_any_redis_work(
         )  # fmt: skip
         assert completion.status_code == 429
         assert (await http.get("/api/sessions", headers=ALICE)).status_code == 429
+        # charged before the body is read or the route found: no instant 422 or 404 either,
+        # and the connection is closed (requests pipelined behind it go with it)
+        junk = await http.post(
+            f"/api/sessions/{sid}/messages", content=b"{not json",
+            headers={**ALICE, "Content-Type": "application/json"},
+        )  # fmt: skip
+        nowhere = await http.get("/api/nowhere", headers=ALICE)
+        assert (junk.status_code, nowhere.status_code) == (429, 429)
+        assert refused.headers["connection"] == "close"
         # another user of the replica is served meanwhile, at once
         clock.slept.clear()
         bob = (await http.post("/api/sessions", json={}, headers=BOB)).json()["id"]
@@ -295,3 +304,35 @@ def test_the_rate_settings_at_their_edges() -> None:
     assert rate.admit("a") == pytest.approx(1.0)  # nothing came back
     clock.now += 100
     assert rate.admit("a") is None  # the reserved token is not there yet: no free refill
+
+
+@pytest.mark.real_redis
+@pytest.mark.slow
+async def test_a_socket_flooding_pings_is_dropped_and_others_are_served() -> None:
+    """uvicorn answers pings below the app (no token is taken for them): a socket sending
+    more than 20 control frames a second is dropped by the gateway's protocol
+    (gateway.wscontrol); a socket pinging now and then stays."""
+    from stacks import ALICE as ALICE_GW
+    from stacks import BOB as BOB_GW
+    from stacks import running_stack
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    with running_stack(gateways=1, workers=0) as stack:
+        url = stack.a.replace("http://", "ws://") + "/api/ws"
+        async with connect(url, additional_headers=ALICE_GW, ping_interval=None) as calm:
+            for _ in range(3):  # a client's keep-alive pings: answered
+                await asyncio.wait_for(await calm.ping(), 10)
+
+            async def flood(ws: Any) -> None:
+                for _ in range(10_000):  # (answered for ever without the cap)
+                    await ws.ping()
+                await asyncio.wait_for(ws.recv(), 10)
+
+            async with connect(url, additional_headers=ALICE_GW, ping_interval=None) as ws:
+                with pytest.raises(ConnectionClosed):
+                    await flood(ws)
+            await asyncio.wait_for(await calm.ping(), 10)  # the calm one is still there
+            async with httpx.AsyncClient(timeout=30) as http:
+                r = await http.get(f"{stack.a}/api/sessions", headers=BOB_GW)
+                assert r.status_code == 200
