@@ -117,14 +117,23 @@ async def child(base: str, chat: str, seconds: float) -> None:
     end = time.monotonic() + seconds
 
     async def connection() -> None:
-        reader, writer = await asyncio.open_connection(host, int(port))
+        """Posts over one connection; when the gateway closes it (a 429 of the rate
+        closes its connection), connects again, as a flooder would."""
         while time.monotonic() < end:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
-            await reader.readexactly(length)
-            answers[head.split(b" ", 2)[1].decode()] += 1
-        writer.close()
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                while time.monotonic() < end:
+                    writer.write(request)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
+                    await reader.readexactly(length)
+                    answers[head.split(b" ", 2)[1].decode()] += 1
+                    if re.search(rb"(?i)\r\nconnection: *close", head):
+                        break
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
 
     await asyncio.gather(*(connection() for _ in range(CONNECTIONS)))
     print(json.dumps(answers))
