@@ -277,7 +277,8 @@ def _second_attempts_last_delta(stack: Stack, piece: str) -> str:
 def test_a_refused_send_or_stop_is_said_once_and_not_retried(browser: Any, stack: Stack) -> None:
     """A 429 (too much of the user's waiting for the workers) is a refusal, not a lost
     replica: the page says why, once, and does not post again; a refused stop is said
-    too (it was silent). The gateway's answer is replaced in the browser."""
+    too (it was silent). A 429 of the user's rate, which says when to come back, is
+    waited out and sent. The gateway's answer is replaced in the browser."""
     page = _page(browser, stack, ALICE_TOKEN)
     _say(page, "first")
     _assistant(page, "re: first").wait_for()
@@ -305,6 +306,22 @@ def test_a_refused_send_or_stop_is_said_once_and_not_retried(browser: Any, stack
     page.click("#send")  # Stop again, now through
     page.locator(".msg.error", has_text="Stopped.").wait_for()
     stack.llm.release()
+    # a 429 of the user's rate says when to come back (Retry-After): waited out, then sent
+    tries: list[str] = []
+
+    def later(route: Any) -> None:
+        tries.append(route.request.url)
+        if len(tries) == 1:
+            detail = {"detail": "too many requests: 20 a second at most, 100 at once"}
+            route.fulfill(status=429, headers={"Retry-After": "1"}, json=detail)
+        else:
+            route.continue_()
+
+    page.route("**/api/sessions/*/messages", later)
+    _say(page, "after a moment")
+    _assistant(page, "re: after a moment").wait_for()
+    assert len(tries) == 2
+    page.unroute("**/api/sessions/*/messages")
     _shot(page, "page-refusals")
     page.context.close()
 
