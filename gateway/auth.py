@@ -67,10 +67,14 @@ class Authenticator:
     async def user(self, request: Request | WebSocket, *, ticket_ok: bool = False) -> User:
         """The caller, or HTTP 401; slowed down, or HTTP 429, when the caller asks too often
         (``charge``: once a request; gateway.charge charges HTTP requests first)."""
+        # (user, by a ticket) that gateway.charge found and charged for this request
+        charged = getattr(request, "scope", {}).get("state", {}).get("charged")
+        if charged is not None and (ticket_ok or not charged[1]):
+            return charged[0]
         user = await self.identify(request, ticket_ok=ticket_ok)
         if user is None:
             raise HTTPException(401, "authentication required", {"WWW-Authenticate": "Bearer"})
-        if getattr(request, "scope", {}).get("state", {}).get("charged") != user.hash:
+        if charged is None or charged[0] != user:
             await self.charge(user)
         return user
 

@@ -6,8 +6,8 @@ the rate (gateway.ratelimit) could still get an instant 422 for a body that is n
 user's credentials (a bearer token, a trusted proxy's header, or a ticket) waits for a
 token of that user's, or gets 429 with ``Connection: close`` (requests pipelined behind it
 on the connection are dropped with it, not queued at ~20 a second). The route's own
-authentication then knows the request was charged (``scope["state"]``) and does not
-charge it again; a request without credentials goes on to the route's 401 (it costs no
+authentication then takes the user found here (``scope["state"]``; one found by a
+ticket only where the route accepts tickets) and does not charge it again; a request without credentials goes on to the route's 401 (it costs no
 Redis work; a flood of them is for the reverse proxy in front, docs/SECURITY.md).
 """
 
@@ -30,8 +30,14 @@ class Charge:
             await self.app(scope, receive, send)
             return
         auth = scope["app"].state.gw.auth
+        if auth.rate.rate <= 0:  # no rate (AGENT_GATEWAY_USER_RATE=0): nothing to charge
+            await self.app(scope, receive, send)
+            return
         request = Request(scope)
-        user = await auth.identify(request, ticket_ok=True)
+        user = await auth.identify(request)
+        by_ticket = user is None
+        if user is None:
+            user = await auth.identify(request, ticket_ok=True)
         if user is not None:
             try:
                 await auth.charge(user)
@@ -40,5 +46,5 @@ class Charge:
                 response = JSONResponse({"detail": exc.detail}, exc.status_code, headers)
                 await response(scope, receive, send)
                 return
-            scope.setdefault("state", {})["charged"] = user.hash
+            scope.setdefault("state", {})["charged"] = (user, by_ticket)
         await self.app(scope, receive, send)
