@@ -69,8 +69,8 @@ class UserRate:
         if self.rate <= 0:
             return 0.0
         now = self.clock()
-        tokens, at = self._buckets.pop(user, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.rate)
+        tokens, at = self._level(user, now)
+        self._buckets.pop(user, None)  # put back last: the most recently used
         delay: float | None = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
         if delay is not None and delay > self.max_delay_s:
             delay = None
@@ -83,9 +83,16 @@ class UserRate:
 
     def retry_after_s(self, user: str) -> float:
         """When asking again may get a token without waiting (for ``Retry-After``)."""
-        tokens, at = self._buckets.get(user, (float(self.burst), self.clock()))
-        tokens = min(float(self.burst), tokens + max(0.0, self.clock() - at) * self.rate)
-        return max(0.0, (1 - tokens) / self.rate) if self.rate > 0 else 0.0
+        if self.rate <= 0:
+            return 0.0
+        tokens, _ = self._level(user, self.clock())
+        return max(0.0, (1 - tokens) / self.rate)
+
+    def _level(self, user: str, now: float) -> tuple[float, float]:
+        """``user``'s tokens now (refilled since, up to the burst) and the bucket's time;
+        a user without a bucket gets a full one."""
+        tokens, at = self._buckets.get(user, (float(self.burst), now))
+        return min(float(self.burst), tokens + max(0.0, now - at) * self.rate), at
 
     def __len__(self) -> int:
         return len(self._buckets)

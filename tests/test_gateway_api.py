@@ -34,8 +34,14 @@ async def _client(
     make: Callable[[], aioredis.Redis], *, peer: str = "127.0.0.1", **settings: Any
 ) -> AsyncIterator[httpx.AsyncClient]:
     config = GatewaySettings(**{"tokens": TOKENS, **settings})
-    gw = Gateway(config, make(), [make(), make()])
-    app = create_app(config, gw)
+    async with _serving(Gateway(config, make(), [make(), make()]), peer=peer) as http:
+        yield http
+
+
+@contextlib.asynccontextmanager
+async def _serving(gw: Gateway, *, peer: str = "127.0.0.1") -> AsyncIterator[httpx.AsyncClient]:
+    """``gw``'s app in process (httpx over ASGI), its event hub running."""
+    app = create_app(gw.settings, gw)
     gw.hub.start()
     app.state.gw = gw
     transport = httpx.ASGITransport(app=app, client=(peer, 40000))
@@ -44,6 +50,26 @@ async def _client(
             yield http
     finally:
         await gw.hub.stop()
+
+
+@contextlib.asynccontextmanager
+async def _never_answering() -> AsyncIterator[aioredis.Redis]:
+    """A client of a server that accepts and never answers (a frozen Redis, or a peer
+    gone silent)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    frozen = aioredis.from_url(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        yield frozen
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await frozen.aclose()
 
 
 async def test_every_route_refuses_a_caller_without_credentials(redis_factory) -> None:  # type: ignore[no-untyped-def]
@@ -670,20 +696,12 @@ def test_a_websocket_client_that_stops_reading_is_let_go_by_bytes_too() -> None:
 async def test_a_redis_that_stops_answering_is_503_after_the_deadline() -> None:
     """A Redis that accepts and never answers (frozen, or busy with a long command): a
     request that does not wait by design is answered 503 at the deadline, not held."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def never_answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     config = GatewaySettings(tokens=TOKENS, request_timeout_s=0.3)
-    frozen = aioredis.from_url(f"redis://127.0.0.1:{port}")
-    gw = Gateway(config, frozen, [frozen])
-    app = create_app(config, gw)
-    app.state.gw = gw
-    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
-    try:
+    async with _never_answering() as frozen:
+        gw = Gateway(config, frozen, [frozen])
+        app = create_app(config, gw)
+        app.state.gw = gw
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
             for method, path in [("GET", "/api/sessions"), ("POST", "/api/sessions")]:
                 # (held for ever without the deadline: a failure here, not a hung suite)
@@ -691,11 +709,6 @@ async def test_a_redis_that_stops_answering_is_503_after_the_deadline() -> None:
                 assert r.status_code == 503, (method, path)
                 assert "did not answer in time" in r.json()["detail"]
             assert (await asyncio.wait_for(http.get("/readyz"), 10)).status_code == 503
-    finally:
-        for writer in held:
-            writer.close()
-        server.close()
-        await frozen.aclose()
 
 
 def test_the_routes_that_wait_by_design_have_no_deadline() -> None:

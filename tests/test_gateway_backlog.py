@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from test_gateway_api import ALICE, BOB, TOKENS, _client
+from test_gateway_api import ALICE, BOB, TOKENS, _client, _serving
 
 from bus_redis.keys import Keys
 from gateway.app import Gateway, create_app
@@ -188,13 +188,8 @@ async def test_many_users_writing_at_once_fit_a_small_connection_pool(redis_fact
         redis = aioredis.Redis(connection_pool=pool)
     tokens = {f"token-of-user-{i:03d}": f"user{i}" for i in range(12)}
     config = GatewaySettings(tokens=tokens)
-    gw = Gateway(config, redis, [redis_factory()])
-    app = create_app(config, gw)
-    gw.hub.start()
-    app.state.gw = gw
-    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        async with _serving(Gateway(config, redis, [redis_factory()])) as http:
             auth = [{"Authorization": f"Bearer {t}"} for t in tokens]
             chats = [
                 (await http.post("/api/sessions", json={}, headers=h)).json()["id"] for h in auth
@@ -206,7 +201,6 @@ async def test_many_users_writing_at_once_fit_a_small_connection_pool(redis_fact
             replies = await asyncio.wait_for(asyncio.gather(*sends), timeout=30)
             assert [r.status_code for r in replies] == [202] * len(auth)
     finally:
-        await gw.hub.stop()
         if redis is not base:
             await redis.aclose()
 

@@ -17,10 +17,10 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_gateway_api import ALICE, BOB, TOKENS
+from test_gateway_api import ALICE, BOB, TOKENS, _never_answering, _serving
 
 from bus_redis.keys import Keys
-from gateway.app import Gateway, create_app
+from gateway.app import Gateway
 from gateway.ratelimit import UserRate
 from gateway.settings import GatewaySettings
 
@@ -106,17 +106,9 @@ def test_memory_is_bounded_and_a_flooder_never_gets_a_fresh_bucket() -> None:
 
 @contextlib.asynccontextmanager
 async def _gateway(make: Any, **settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
-    config = GatewaySettings(**{"tokens": TOKENS, **settings})
-    gw = Gateway(config, make(), [make(), make()])
-    app = create_app(config, gw)
-    gw.hub.start()
-    app.state.gw = gw
-    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            yield http, gw
-    finally:
-        await gw.hub.stop()
+    gw = Gateway(GatewaySettings(**{"tokens": TOKENS, **settings}), make(), [make(), make()])
+    async with _serving(gw) as http:
+        yield http, gw
 
 
 async def test_a_user_past_the_rate_waits_or_gets_429_before_any_redis_work(
@@ -264,16 +256,9 @@ async def test_a_ping_redis_never_answers_is_given_up_and_the_next_one_is_sent(
     from gateway.health import Readiness
 
     monkeypatch.setattr(gateway.health, "PING_TIMEOUT_S", 0.2)
-    held: list[asyncio.StreamWriter] = []
-
-    async def never_answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
-    frozen = aioredis.from_url(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}")
     clock = Clock()
-    readiness = Readiness(frozen, clock=clock)
-    try:
+    async with _never_answering() as frozen:
+        readiness = Readiness(frozen, clock=clock)
         # (held for ever without the timeout: a failure here, not a hung suite)
         assert await asyncio.wait_for(readiness.ready(), 5) is False
         assert await asyncio.wait_for(readiness.ready(), 5) is False  # the answer reused
@@ -282,11 +267,6 @@ async def test_a_ping_redis_never_answers_is_given_up_and_the_next_one_is_sent(
         clock.now += 1
         assert await asyncio.wait_for(readiness.ready(), 5) is True
         assert readiness.pings == 2
-    finally:
-        for writer in held:
-            writer.close()
-        server.close()
-        await frozen.aclose()
 
 
 def test_the_rate_settings_at_their_edges() -> None:
