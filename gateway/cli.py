@@ -30,6 +30,10 @@ configuration (environment; options override):
   AGENT_GATEWAY_MAX_WAITING_PER_CHAT          entries one chat may have waiting for the
                                               workers (10; more: 429)
   AGENT_GATEWAY_MAX_WAITING_CHATS_PER_USER    chats of one user with entries waiting (8)
+  AGENT_GATEWAY_USER_RATE                     requests (and WebSocket messages) of one user a
+                                              second on this replica (20; past it a request
+                                              waits up to 1 s, else 429; 0: no limit)
+  AGENT_GATEWAY_USER_BURST                    ... and how many may be saved up (100)
   AGENT_GATEWAY_MAX_STREAMS                   open event streams per process (10000)
   AGENT_GATEWAY_MAX_STREAMS_PER_USER          ... of them for one user (64)
   AGENT_GATEWAY_MAX_BODY_BYTES                a request body (1048576)
