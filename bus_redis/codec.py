@@ -28,7 +28,10 @@ def safe(value: Any, limit: int = 200) -> str:
 
 
 def texts(values: Any) -> list[str]:
-    return [text(v) for v in values or []]
+    return [
+        v.decode("utf-8", errors="replace") if v.__class__ is bytes else text(v)
+        for v in values or []
+    ]
 
 
 def fields(pairs: Any) -> dict[str, str]:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus_redis.codec import payload_text, texts
+from bus_redis.codec import payload_text, text, texts
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +150,13 @@ def parse_step(raw: list[Any]) -> Step | None:
     surrogates, so the worker can reject it instead of failing here."""
     if not raw:
         return None
-    parts = texts(raw)
-    kind = parts[0]
-    if kind == "entry":
-        return Entry(parts[1], parts[2], payload_text(raw[3]), int(parts[4]), parts[5])
+    kind = text(raw[0])
+    if kind == "entry":  # (the payload, maybe large, is decoded once)
+        return Entry(text(raw[1]), text(raw[2]), payload_text(raw[3]), int(raw[4]), text(raw[5]))
     if kind == "control":
-        return ControlReached(parts[1], parts[2])
+        return ControlReached(text(raw[1]), text(raw[2]))
     if kind == "more":
-        return More(tuple(parts[1:]))
+        return More(tuple(texts(raw[1:])))
     if kind == "again":
         return Again()
     if kind == "released":

@@ -2,7 +2,8 @@
 own so that several in-process workers (tests, the demo) never share counters.
 
 No label carries a session, user, chat or message id: labels are outcomes, error codes,
-reasons and token kinds, all from small fixed sets.
+reasons and token kinds, all from small fixed sets. Counters and histograms are
+``worker.ops.tally``'s (no lock an increment); gauges are ``prometheus_client``'s.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from worker.ops.tally import Counter, Histogram
 
 # turn latencies: a fast echo turn takes ~1 ms, a model turn seconds to minutes
 _TURN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -84,7 +87,7 @@ class WorkerMetrics:
         child = self._outcomes.get(outcome)
         if child is None:
             child = self._outcomes[outcome] = self.turns.labels(outcome)
-        child.inc()
+        child.value += 1
         self.turn_seconds.observe(seconds)
 
     def dead_letter(self, reason: str) -> None:
