@@ -248,7 +248,7 @@ class Session:
         rows = self._replay[self._at[start] :]  # one copy of the window's views
         # a stored tail whose calls were never answered (a cut turn of an older version):
         # the model sees them answered as interrupted, as the next append would store them
-        if rows:  # (the window starts on a user row: the calls are in it)
+        if rows and self._pending:  # (the window starts on a user row: the calls are in it)
             rows += [
                 {"role": "tool", "tool_call_id": cid, "name": name, "content": INTERRUPTED}
                 for cid, name in self._pending

@@ -55,7 +55,7 @@ class ContextBuilder:
         history = session.get_history(max_tokens=self.history_tokens)
         off = session.policy.disabled_tools if disabled is None else disabled
         prompt = self.system_prompt(memory, off)
-        if user_row is None:
-            return [{"role": "system", "content": prompt}, *history]
-        current = {"role": "user", "content": user_row["content"]}
-        return [{"role": "system", "content": prompt}, *history, current]
+        history.insert(0, {"role": "system", "content": prompt})  # (a copy of its own)
+        if user_row is not None:
+            history.append({"role": "user", "content": user_row["content"]})
+        return history

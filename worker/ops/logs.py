@@ -8,11 +8,30 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 NOISY = ("httpx", "httpx2", "httpcore", "openai")  # their request lines are not our turns
 
 
-class JsonFormatter(logging.Formatter):
+_encode = json.JSONEncoder(ensure_ascii=False).encode
+
+
+class _Seconds(logging.Formatter):
+    """``asctime`` with its date and time of day formatted once a second (a worker logs
+    a line a turn)."""
+
+    _second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        second, text = self._second
+        if second != int(record.created):
+            second = int(record.created)
+            text = time.strftime(datefmt or "%Y-%m-%d %H:%M:%S", self.converter(second))
+            self._second = (second, text)
+        return text if datefmt else f"{text},{int(record.msecs):03d}"
+
+
+class JsonFormatter(_Seconds):
     def format(self, record: logging.LogRecord) -> str:
         doc = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
@@ -22,7 +41,7 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, ensure_ascii=False)
+        return _encode(doc)
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
@@ -30,7 +49,11 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_Seconds("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # no format here prints the caller, thread or process: a record does not look them up
+    # (the logging HOWTO's "Optimization"; the worker process's own logging only)
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 RECENT_PER_CHANNEL = 1024  # controls remembered per channel for entries not yet begun
@@ -28,7 +28,6 @@ class Slot:
     entry_id: str = ""
     task: asyncio.Task[Any] | None = None
     reason: str | None = None  # why the turn is (to be) cancelled
-    since_ms: int = field(default_factory=lambda: int(time.time() * 1000))
 
 
 class TurnRegistry:
