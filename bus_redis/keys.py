@@ -311,6 +311,16 @@ _session_parts_cached = lru_cache(maxsize=32_768)(_session_parts)
 
 
 def _scoped(prefix: str, scope: str, kind: str) -> str:
-    """A scope is ``<channel>/<name>``: its keys live in its channel's slot."""
+    """A scope is ``<channel>/<name>``: its keys live in its channel's slot. The part
+    before ``kind`` is cached per short scope (a turn names its memory and its index)."""
+    if len(scope) <= CACHED_KEY_CHARS:
+        return _scope_head_cached(prefix, scope) + kind
+    return _scope_head(prefix, scope) + kind
+
+
+def _scope_head(prefix: str, scope: str) -> str:
     channel, _, name = scope.partition("/")
-    return f"{prefix}:{{{encode_session(channel)}}}:scope:{encode_session(name)}:{kind}"
+    return f"{prefix}:{{{encode_session(channel)}}}:scope:{encode_session(name)}:"
+
+
+_scope_head_cached = lru_cache(maxsize=16_384)(_scope_head)

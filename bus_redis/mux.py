@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+from collections.abc import Awaitable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -106,6 +107,17 @@ class Multiplexed:
         ``now``: written at once instead of at the end of the event loop's iteration
         (a latency that matters more than a shared write: a stopped turn's commit)."""
         return await self._send(_pack(args), 1, now=now)
+
+    def send(self, args: tuple[Any, ...], *, now: bool = False) -> Awaitable[Any]:
+        """:meth:`execute` for a caller that awaits at once (``Scripts.call``): connected
+        and with nothing to retry, the reply's future itself, without two coroutines a
+        command on the way to it."""
+        link = self._link
+        if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
+            packed = _pack(args)
+            self.commands += 1
+            return link.call(packed, 1, now=now)
+        return self._send(_pack(args), 1, now=now)
 
     async def transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
         """``MULTI``, the commands, ``EXEC``, sent as one unit (never split, never

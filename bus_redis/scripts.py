@@ -80,12 +80,16 @@ class Scripts:
     async def call(self, name: str, keys: list[str], args: list[Any], *, now: bool = False) -> Any:
         """Run a script; its reply is returned undecoded (bytes). ``now``: sent at once
         (``Multiplexed.execute``)."""
-        argv = [len(keys), *keys, *args]
         if self.fast is not None:
             try:
-                return await self.fast.execute("EVALSHA", script_sha(name), *argv, now=now)
+                return await self.fast.send(
+                    ("EVALSHA", script_sha(name), len(keys), *keys, *args), now=now
+                )
             except NoScriptError:
-                return await self.fast.execute("EVAL", script_source(name), *argv, now=now)
+                return await self.fast.send(
+                    ("EVAL", script_source(name), len(keys), *keys, *args), now=now
+                )
+        argv = [len(keys), *keys, *args]
         try:
             return await self.redis.execute_command(
                 "EVALSHA", script_sha(name), *argv, **{NEVER_DECODE: True}

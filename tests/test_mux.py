@@ -201,6 +201,28 @@ async def test_the_bus_sends_its_scripts_over_it(real_redis: aioredis.Redis) -> 
     await bus.aclose()
 
 
+async def test_a_script_the_server_forgot_is_sent_whole_over_it(
+    real_redis: aioredis.Redis,
+) -> None:
+    """The first script call connects (no link yet); after ``SCRIPT FLUSH`` a call is
+    answered ``NOSCRIPT`` and sent again whole (``EVAL``), both over the one connection,
+    while concurrent calls keep their own replies."""
+    bus = RedisBus(real_redis)
+    assert bus.fast is not None
+    await real_redis.script_flush()
+    calls = [bus.acquire(f"t:forgot{i}", "w1", select=False) for i in range(5)]
+    acquired = await asyncio.gather(*calls)
+    assert all(a.token.endswith("|w1") for a in acquired)  # type: ignore[union-attr]
+    assert bus.fast.commands == 10  # each: EVALSHA refused, then EVAL
+    await real_redis.script_flush()
+    released = await asyncio.gather(
+        *(bus.release(f"t:forgot{i}", a.token) for i, a in enumerate(acquired))  # type: ignore[union-attr]
+    )
+    assert released == [True] * 5
+    assert await real_redis.exists(*(bus.keys.lease(f"t:forgot{i}") for i in range(5))) == 0
+    await bus.aclose()
+
+
 async def test_a_caller_cancelled_while_connecting_cancels_only_itself(
     real_redis: aioredis.Redis,
 ) -> None:
