@@ -18,8 +18,9 @@ processes, of redis-server (``INFO cpu``) and of the load generator (this proces
 Redis commands per turn (``INFO commandstats``: every client, commands run inside scripts
 included) with the script calls among them, and the cores the three kept busy (their CPU
 seconds over the window's wall seconds: a system already near the machine's core count
-cannot gain from another process, one that leaves cores idle can); min / median / max over
-repetitions. With
+cannot gain from another process, one that leaves cores idle can), and how often a serving
+process' event loop gave the CPU up to wait (its next wake-up starts with cold caches) or
+was preempted, per turn; min / median / max over repetitions. With
 ``--commandstats N``, each system's N costliest commands by Redis time per turn.
 
 With ``--apart``, N worker processes run as N deployments on the one redis-server (key
@@ -70,11 +71,24 @@ class Run:
     per_command: dict[str, tuple[float, float]]  # name -> (calls, Redis µs) per turn
     served: float  # turns served in the window / answers the load generator read in it
     cores: float  # CPU seconds of serving, Redis and the load generator per second of wall
+    blocked: float  # the serving processes' main threads: waits that gave the CPU up, a turn
+    preempted: float  # ... and times the kernel took the CPU from them, a turn
 
 
 async def _commandstats(redis: aioredis.Redis) -> dict[str, tuple[int, int]]:
     stats = await redis.info("commandstats")
     return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
+
+
+def _switches(pid: int) -> tuple[int, int]:
+    """Context switches of the process' main thread (its event loop): voluntary (it
+    waited), involuntary (preempted)."""
+    counts = dict.fromkeys(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"), 0)
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in counts:
+            counts[name] = int(value)
+    return counts["voluntary_ctxt_switches"], counts["nonvoluntary_ctxt_switches"]
 
 
 def _cpu_s(pid: int) -> float:
@@ -134,6 +148,10 @@ class _Serving:
 
     def cpu_s(self) -> float:
         return sum(_cpu_s(p.pid) for p in self.procs)
+
+    def switches(self) -> tuple[int, int]:
+        each = [_switches(p.pid) for p in self.procs]
+        return sum(v for v, _ in each), sum(n for _, n in each)
 
     def close(self) -> None:
         for w in self.workers:
@@ -210,6 +228,7 @@ async def run(
     warm = sessions * warm_rounds * procs
     done = 0
     mark: tuple[float, float, float, float, int, int, int] | None = None
+    switched = (0, 0)
     before: dict[str, tuple[int, int]] = {}
     # each answer's next message is sent by a task of its own, as a gateway's requests are:
     # sending them one after the other from the reading loop would pace every system by
@@ -244,6 +263,7 @@ async def run(
                     *await _redis_counts(redis, prefixes),
                 )
                 before = await _commandstats(redis)
+                switched = serving.switches()
             if done >= turns + warm:
                 break
             chat = ev.session_key.partition(":")[2]
@@ -258,6 +278,7 @@ async def run(
         wall = time.perf_counter() - mark[0]
         front = time.process_time() - mark[1]
         serve = serving.cpu_s() - mark[2]
+        blocked, preempted = (b - a for a, b in zip(switched, serving.switches(), strict=True))
         await feed.aclose()
         redis_cpu, calls, scripts, replies = await _redis_counts(redis, prefixes)
         after = await _commandstats(redis)
@@ -280,6 +301,8 @@ async def run(
         scripts=(scripts - mark[5]) / n,
         served=n / read,
         cores=(serve + redis_cpu - mark[3] + front) / wall,
+        blocked=blocked / n,
+        preempted=preempted / n,
         per_command={
             name: ((c - before.get(name, (0, 0))[0]) / n, (u - before.get(name, (0, 0))[1]) / n)
             for name, (c, u) in after.items()
@@ -372,6 +395,10 @@ async def main() -> None:
         print(f"  served / read      {_spread([r.served for r in rs], '.2f')}")
         busy = _spread([r.cores for r in rs], ".2f")
         print(f"  cores busy         {busy} of {os.cpu_count()} (all three together)")
+        blocked = _spread([r.blocked for r in rs], ".2f")
+        preempted = _spread([r.preempted for r in rs], ".2f")
+        print(f"  serving waits      {blocked} a turn (its loop gave the CPU up; then cold)")
+        print(f"  preempted          {preempted} a turn")
         top = sorted(rs[-1].per_command.items(), key=lambda kv: -kv[1][1])[: args.commandstats]
         for name, (calls, usec) in top:
             print(f"    {name:16} {calls:5.2f} calls {usec:7.1f} µs per turn")
