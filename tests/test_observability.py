@@ -15,8 +15,6 @@ from collections.abc import Iterator
 import pytest
 import redis.asyncio as aioredis
 from helpers import run_cli
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from replies import wait_until_async
 from servers import RedisServer, free_port, require_redis_server
 from workers import WorkerProcess
@@ -188,51 +186,3 @@ async def test_json_logs_and_sigterm_said_as_it_is(server: RedisServer) -> None:
     finally:
         await redis.aclose()
         worker.close()
-
-
-def _samples(registry: object, name: str) -> dict[str, float]:
-    """A family's samples but ``_created``, by name and labels."""
-    from prometheus_client import generate_latest
-
-    out = {}
-    for line in generate_latest(registry).decode().splitlines():  # type: ignore[arg-type]
-        if line.startswith(name) and "_created" not in line:
-            sample, value = line.rsplit(" ", 1)
-            out[sample] = float(value)
-    return out
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.one_of(
-            st.sampled_from([0.0, 0.005, 0.01, 0.25, 1.0, 300.0]),  # on a bound: its bucket
-            st.floats(min_value=0, max_value=1000, allow_nan=False),
-        ),
-        max_size=40,
-    )
-)
-def test_lock_free_metrics_render_as_prometheus_client_does(values: list[float]) -> None:
-    """``worker.ops.tally`` renders the very samples ``prometheus_client``'s own counter
-    and histogram would for the same observations (a value on a bound counts in it)."""
-    import prometheus_client as pc
-
-    from worker.ops import tally
-
-    buckets = (0.005, 0.01, 0.025, 0.25, 1, 300)
-    ours, theirs = pc.CollectorRegistry(), pc.CollectorRegistry()
-    h1 = tally.Histogram("t_seconds", "doc", buckets=buckets, registry=ours)
-    h2 = pc.Histogram("t_seconds", "doc", buckets=buckets, registry=theirs)
-    c1 = tally.Counter("t_turns", "doc", ["outcome"], registry=ours)
-    c2 = pc.Counter("t_turns", "doc", ["outcome"], registry=theirs)
-    for v in values:
-        h1.observe(v)
-        h2.observe(v)
-        outcome = "message" if v < 1 else "cancelled"
-        c1.labels(outcome).inc()
-        c2.labels(outcome).inc()
-    for family in ("t_seconds", "t_turns"):
-        mine, want = _samples(ours, family), _samples(theirs, family)
-        assert mine.keys() == want.keys()
-        for sample, value in want.items():
-            assert mine[sample] == pytest.approx(value), sample
