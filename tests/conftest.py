@@ -9,8 +9,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import fakeredis
-import hypothesis  # noqa: F401 - imported up front: its plugin's late import (terminal
-import pytest  # summary) can hit CPython 3.11.7's "AST constructor recursion depth mismatch"
+
+# imported up front, not late (pytest then rewrites them at a deep stack): a late import
+# can hit CPython 3.11.7's "AST constructor recursion depth mismatch" (hypothesis' plugin
+# at the terminal summary; its optimiser, which a test's first run of @given imports)
+import hypothesis
+import hypothesis.internal.conjecture.optimiser  # noqa: F401
+import pytest
 import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).parent))
