@@ -109,9 +109,9 @@ class Multiplexed:
         return await self._send(_pack(args), 1, now=now)
 
     def send(self, args: tuple[Any, ...], *, now: bool = False) -> Awaitable[Any]:
-        """:meth:`execute` for a caller that awaits at once (``Scripts.call``): connected
-        and with nothing to retry, the reply's future itself, without two coroutines a
-        command on the way to it."""
+        """What :meth:`execute` does, for a caller that awaits at once (``Scripts.call``):
+        connected and with nothing to retry, the reply's future itself, without two
+        coroutines a command on the way to it."""
         link = self._link
         if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
             packed = _pack(args)

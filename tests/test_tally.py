@@ -60,3 +60,23 @@ def test_lock_free_metrics_render_as_prometheus_client_does(values: list[float])
         assert mine.keys() == want.keys()
         for sample, value in want.items():
             assert mine[sample] == pytest.approx(value), sample
+
+
+def test_misuse_raises_as_prometheus_client_does() -> None:
+    registry = pc.CollectorRegistry()
+    labelled = tally.Counter("t_turns", "doc", ["outcome"], registry=registry)
+    plain = tally.Counter("t_plain", "doc", registry=registry)
+    for wrong in ((), ("a", "b")):
+        with pytest.raises(ValueError, match="takes label values"):
+            labelled.labels(*wrong)
+    with pytest.raises(ValueError, match="through labels"):
+        labelled.inc()
+    with pytest.raises(ValueError, match="takes label values"):
+        plain.labels("x")
+    with pytest.raises(ValueError, match="non-negative"):
+        plain.inc(-1)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):  # as between their own
+        pc.Counter("t_turns", "doc", registry=registry)
+    big = tally.Histogram("t_big", "doc", buckets=(1e6,), registry=registry)
+    big.observe(5)
+    assert 't_big_bucket{le="1e+06"} 1.0' in generate_latest(registry).decode()

@@ -5,7 +5,8 @@ turn). A worker's metrics have one writer, its event loop, and are read by a scr
 served by that same loop (``worker.ops.health``): plain numbers are enough. They are
 collected into the same registry and render as ``prometheus_client``'s would (``_total``
 for counters, cumulative ``_bucket`` / ``_sum`` / ``_count`` for histograms), without the
-``_created`` samples.
+``_created`` samples. A wrong number of label values or a negative increment raises
+``ValueError`` as there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 
 class Count:
@@ -24,6 +26,8 @@ class Count:
         self.value = 0.0
 
     def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
         self.value += amount
 
 
@@ -61,11 +65,14 @@ class Counter:
         return child
 
     def labels(self, *values: str) -> Count:
+        if len(values) != len(self.label_names) or not values:
+            raise ValueError(f"{self.name} takes label values for {self.label_names}")
         return self._child(tuple(str(v) for v in values))
 
     def inc(self, amount: float = 1.0) -> None:
-        assert self._plain is not None, "a labelled counter is counted through labels()"
-        self._plain.value += amount
+        if self._plain is None:
+            raise ValueError(f"{self.name} is counted through labels()")
+        self._plain.inc(amount)
 
     def describe(self) -> Iterator[Metric]:
         yield CounterMetricFamily(self.name, self.doc, labels=self.label_names)
@@ -97,7 +104,7 @@ class Histogram:
         cumulative, buckets = 0, []
         for bound, n in zip((*spread.bounds, float("inf")), counts, strict=True):
             cumulative += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            buckets.append((floatToGoString(bound), cumulative))  # type: ignore[no-untyped-call]
         family = HistogramMetricFamily(self.name, self.doc)
         family.add_metric([], buckets, sum_value=total)
         yield family
