@@ -18,16 +18,16 @@ _encode = json.JSONEncoder(ensure_ascii=False).encode
 
 class _Seconds(logging.Formatter):
     """``asctime`` with its date and time of day formatted once a second (a worker logs
-    a line a turn)."""
+    a line a turn); the format and the converter it was made with are part of the key."""
 
-    _second: tuple[int, str] = (-1, "")
+    _second: tuple[tuple[int, str | None, object], str] = ((-1, None, None), "")
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
-        second, text = self._second
-        if second != int(record.created):
-            second = int(record.created)
-            text = time.strftime(datefmt or "%Y-%m-%d %H:%M:%S", self.converter(second))
-            self._second = (second, text)
+        key = (int(record.created), datefmt, self.converter)
+        made, text = self._second
+        if made != key:
+            text = time.strftime(datefmt or "%Y-%m-%d %H:%M:%S", self.converter(key[0]))
+            self._second = (key, text)
         return text if datefmt else f"{text},{int(record.msecs):03d}"
 
 
