@@ -109,14 +109,8 @@ class Multiplexed:
         return await self._send(_pack(args), 1, now=now)
 
     def send(self, args: tuple[Any, ...], *, now: bool = False) -> Awaitable[Any]:
-        """What :meth:`execute` does, for a caller that awaits at once (``Scripts.call``):
-        connected and with nothing to retry, the reply's future itself, without two
-        coroutines a command on the way to it."""
-        link = self._link
-        if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
-            packed = _pack(args)
-            self.commands += 1
-            return link.call(packed, 1, now=now)
+        """:meth:`execute` for a caller that awaits at once (``Scripts.call``): connected
+        and with nothing to retry, the awaitable is the reply's future itself."""
         return self._send(_pack(args), 1, now=now)
 
     async def transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
@@ -137,14 +131,17 @@ class Multiplexed:
                 raise reply
         return list(done)
 
-    async def _send(self, packed: bytes, replies: int, *, now: bool = False) -> Any:
-        """``packed`` (``replies`` commands, one unit) on the connection; its reply, or
-        the list of its replies."""
+    def _send(self, packed: bytes, replies: int, *, now: bool = False) -> Awaitable[Any]:
+        """``packed`` (``replies`` commands, one unit) on the connection: its reply, or
+        the list of its replies. The common case (connected, nothing to retry) hands back
+        the link's future, no coroutine on the way."""
         link = self._link
         if self._retries == 0 and link is not None and link.usable and link.loop is _loop():
-            self.commands += replies  # the common case: connected, nothing to retry
-            return await link.call(packed, replies, now=now)
+            self.commands += replies
+            return link.call(packed, replies, now=now)
+        return self._send_retried(packed, replies, now=now)
 
+    async def _send_retried(self, packed: bytes, replies: int, *, now: bool) -> Any:
         async def once() -> Any:
             link = await self._connected()
             self.commands += replies

@@ -79,7 +79,7 @@ class Scripts:
 
     async def call(self, name: str, keys: list[str], args: list[Any], *, now: bool = False) -> Any:
         """Run a script; its reply is returned undecoded (bytes). ``now``: sent at once
-        (``Multiplexed.execute``)."""
+        (``Multiplexed.send``)."""
         if self.fast is not None:
             try:
                 return await self.fast.send(
