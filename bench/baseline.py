@@ -23,6 +23,10 @@ process' event loop gave the CPU up to wait (its next wake-up starts with cold c
 was preempted, per turn; min / median / max over repetitions. With
 ``--commandstats N``, each system's N costliest commands by Redis time per turn.
 
+With ``--floor``, ``bench/bus_floor.py`` runs too, after the loop: the worker's own lease and
+commit scripts and bus driven as the loop drives its own, with no worker around them
+(what the scripts cost, apart from what the worker's turn path adds).
+
 With ``--apart``, N worker processes run as N deployments on the one redis-server (key
 prefixes ``w0`` .. ``wN-1``, the sessions dealt among them, one frontend client each): no
 session, queue or session cache is shared, so what N processes on the cores cost shows
@@ -117,11 +121,12 @@ class _Serving:
 
     def __init__(self, url: str, system: str, prefixes: list[str]) -> None:
         self.system = system
-        if system.endswith("loop"):  # "loop", or "N loop": N copies sharing the queue
-            n = 1 if system == "loop" else int(system.split()[0])
+        if system.endswith("loop") or system == "floor":  # "N loop": N loops, one queue
+            n = 1 if system in ("loop", "floor") else int(system.split()[0])
+            script = "bus_floor.py" if system == "floor" else "baseline_loop.py"
             self.procs = [
                 subprocess.Popen(
-                    [sys.executable, str(BENCH / "baseline_loop.py"), url, CHANNEL, f"base{i}"],
+                    [sys.executable, str(BENCH / script), url, CHANNEL, f"base{i}"],
                     cwd=BENCH.parent,
                 )
                 for i in range(n)
@@ -215,7 +220,7 @@ async def run(
 ) -> Run:
     redis = aioredis.from_url(url, decode_responses=True)
     await redis.flushall()
-    procs = 1 if system.endswith("loop") else int(system.split()[0])
+    procs = 1 if system.endswith("loop") or system == "floor" else int(system.split()[0])
     prefixes = [f"w{i}" for i in range(procs)] if apart and system.endswith("proc") else ["agent"]
     if history:
         await _preload(redis, sessions, history, prefixes)
@@ -330,6 +335,12 @@ async def main() -> None:
         "--warm", type=int, default=5, help="warm-up turns per session and worker process"
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run bench/bus_floor.py: the worker's scripts and bus driven as the loop "
+        "drives its own (where the gap is: scripts and bus, or the worker's turn path)",
+    )
+    parser.add_argument(
         "--apart",
         action="store_true",
         help="N worker processes as N deployments sharing nothing but redis-server",
@@ -346,7 +357,11 @@ async def main() -> None:
     loops = ["loop" if n == "1" else f"{n} loop" for n in args.loop_procs.split(",")]
     if "loop" not in loops:
         loops.insert(0, "loop")
-    systems = [*loops, *(f"{n} proc" for n in args.procs.split(","))]
+    systems = [
+        *loops,
+        *(["floor"] if args.floor else []),
+        *(f"{n} proc" for n in args.procs.split(",")),
+    ]
     runs: dict[str, list[Run]] = {s: [] for s in systems}
     ratios: dict[str, list[float]] = {s: [] for s in systems}
     server = RedisServer().start()
