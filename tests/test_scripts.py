@@ -101,6 +101,7 @@ async def test_acquire_selects_then_commit_releases_when_empty(redis: aioredis.R
     assert isinstance(got, Acquired)
     assert isinstance(got.step, Entry)
     assert isinstance(await bus.acquire(K, "w2", member=K), Busy)
+    await redis.incr(bus.keys.control_hint(K))  # a hint with no marker behind it (careless)
 
     spec = CommitSpec(member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"role":"user"}'])
     version, gen, step = await bus.commit(K, got.token, "w1", spec, select=[K])
@@ -108,7 +109,10 @@ async def test_acquire_selects_then_commit_releases_when_empty(redis: aioredis.R
     assert gen
     assert isinstance(step, Released)
     left = [bus.keys.lease(K), bus.keys.inbound(K), bus.keys.pending(K), bus.keys.attempts(K)]
+    left.append(bus.keys.control_hint(K))  # the emptied stream goes with its hint
     assert not await redis.exists(*left)
+    assert await redis.zscore(bus.keys.queued("web"), K) is None
+    assert await redis.zscore(bus.keys.leases("web"), K) is None
 
 
 async def test_a_commit_of_many_rows_stores_each_once_after_the_rest(

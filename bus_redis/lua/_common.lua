@@ -82,7 +82,8 @@ local function field(fields, name)
 end
 
 -- streams: list of {in, attempts, hint, owner, ready, member, lease of S, queued index};
--- a caller that knows a stream holds nothing sets its `empty` (its head is not read)
+-- a caller that knows a stream holds nothing sets its `empty` (its head is not read), and
+-- its `deleted` when it deleted the stream, its attempts and its hint already
 local function streams_of(first_key, first_arg)
   local out = {}
   local n = 0
@@ -211,7 +212,7 @@ local function try_release(lease, pending, registry, key, streams)
   for _, s in ipairs(streams) do
     if not s.skip then
       emptied[s[6]] = true
-      redis.call('DEL', s[1], s[2], s[3])
+      if not s.deleted then redis.call('DEL', s[1], s[2], s[3]) end
       redis.call('ZREM', s[8], s[6])
     end
   end

@@ -38,7 +38,7 @@ if first then
     applied = #safe({}, 'XRANGE', KEYS[3], first, first) == 0
   end
 end
-local emptied = false
+local emptied, sole = false, false
 if not applied then
   local later = nil
   if at_head and ARGV[15] == first then
@@ -75,12 +75,13 @@ if not applied then
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[7])
   end
   -- its one entry was all S held, and S (= K) is the one stream selected below, which
-  -- deletes it then anyway: deleted now instead of XDEL + HDEL (a stream the lease keeps
-  -- is never deleted here: its last id must stay, so an explicit id never goes back)
-  local sole = string.sub(ARGV[13], 1, 1) == '1' and #KEYS == 21 and KEYS[15] == KEYS[3]
+  -- deletes it then anyway: deleted now, with its control hint (KEYS[17]), instead of
+  -- XDEL + HDEL, and not again on release (a stream the lease keeps is never deleted
+  -- here: its last id must stay, so an explicit id never goes back)
+  sole = string.sub(ARGV[13], 1, 1) == '1' and #KEYS == 21 and KEYS[15] == KEYS[3]
     and ARGV[17 + n] == ARGV[7]
   if emptied and sole then
-    redis.call('DEL', KEYS[3], KEYS[4])
+    redis.call('DEL', KEYS[3], KEYS[4], KEYS[17])
   else
     for id in string.gmatch(ARGV[2], '%S+') do
       redis.call('XDEL', KEYS[3], id)
@@ -117,7 +118,7 @@ local out = {'ok', version, gen}
 if string.sub(ARGV[13], 1, 1) ~= '1' then return out end
 local streams = streams_of(15, 17 + n)
 for _, st in ipairs(streams) do
-  if emptied and st[1] == KEYS[3] then st.empty = true end
+  if emptied and st[1] == KEYS[3] then st.empty, st.deleted = true, sole end
 end
 local nxt = next_or_release(KEYS[1], KEYS[10], KEYS[12], streams, ARGV[7], ARGV[4])
 for _, v in ipairs(nxt) do out[#out + 1] = v end
