@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis.codec import fields
 from bus_redis.results import (
     Acquired,
     Busy,
@@ -113,6 +114,29 @@ async def test_acquire_selects_then_commit_releases_when_empty(redis: aioredis.R
     assert not await redis.exists(*left)
     assert await redis.zscore(bus.keys.queued("web"), K) is None
     assert await redis.zscore(bus.keys.leases("web"), K) is None
+
+
+async def test_a_dead_letter_over_junk_at_its_key_still_commits_whole(
+    redis: aioredis.Redis,
+) -> None:
+    """A careless operator left a string where a channel's dead letters go: the commit that
+    dead-letters an entry replaces it instead of failing after the rows and the entry's
+    deletion were written (a retry would then find the commit applied and never write the
+    dead letter)."""
+    bus = await _queued(redis, "poison")
+    await redis.set(bus.keys.dead("web"), "an operator's note")
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
+    spec = CommitSpec(
+        member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"role":"user"}'],
+        reply='{"type":"error"}', dead='{"reason":"poison"}',
+    )  # fmt: skip
+    version, _gen, step = await bus.commit(K, got.token, "w1", spec, select=[K])
+    assert (version, isinstance(step, Released)) == (1, True)
+    dead = await redis.xrange(bus.keys.dead("web"))
+    assert [fields(f)["entry"] for _, f in dead] == ['{"reason":"poison"}']
+    assert len(await redis.xrange(bus.keys.out(K))) == 1
 
 
 async def test_a_commit_of_many_rows_stores_each_once_after_the_rest(
