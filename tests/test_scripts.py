@@ -234,6 +234,26 @@ async def test_a_stale_token_writes_nothing(redis: aioredis.Redis) -> None:
     assert await redis.xlen(bus.keys.inbound(K)) == 1
 
 
+async def test_a_consolidation_over_junk_at_the_archive_key_writes_everything(
+    redis: aioredis.Redis,
+) -> None:
+    """A careless operator left a string where a scope's history archive goes: the
+    consolidation replaces it instead of failing after the memory moved (its archive entry
+    would be lost for good: a retry finds the memory moved)."""
+    bus = await _queued(redis, "one")
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    memory, history = bus.keys.memory("web/a"), bus.keys.memory_history("web/a")
+    await redis.set(history, "an operator's note")
+    done = await bus.consolidate(
+        K, got.token, meta='{"last_consolidated":0}', version=0, scope="web/a", memory="facts",
+        memory_version=0, history="what was folded",
+    )  # fmt: skip
+    assert done == "ok"
+    assert await redis.hget(memory, "content") in ("facts", b"facts")
+    assert [fields(f)["entry"] for _, f in await redis.xrange(history)] == ["what was folded"]
+
+
 async def test_a_message_arriving_during_release_keeps_the_lease(redis: aioredis.Redis) -> None:
     bus = await _queued(redis, "one")
     got = await bus.acquire(K, "w1", member=K)

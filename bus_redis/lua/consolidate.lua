@@ -14,6 +14,11 @@
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
 if (redis.call('HGET', KEYS[2], 'version') or '0') ~= ARGV[3] then return {'moved'} end
 if (redis.call('HGET', KEYS[3], 'version') or '0') ~= ARGV[5] then return {'memory_moved'} end
+-- junk where the scope's archive belongs (an operator's) is replaced before anything is
+-- written: an error after the memory moved would lose the archive entry for good
+local archive = redis.call('TYPE', KEYS[4])
+archive = archive.ok or archive
+if ARGV[6] ~= '' and archive ~= 'stream' and archive ~= 'none' then redis.call('DEL', KEYS[4]) end
 redis.call('HSET', KEYS[2], 'meta', ARGV[2])
 local version = redis.call('HINCRBY', KEYS[2], 'version', 1)
 redis.call('HSET', KEYS[3], 'content', ARGV[4])
