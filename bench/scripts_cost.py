@@ -10,9 +10,9 @@ client), reads their notifications, then runs every session's turn as the worker
 ``bench/lua/done.lua``), alternately. ``INFO commandstats`` before and after each round's
 turns gives Redis' own time a turn: ``EVALSHA`` (a script's whole run), the commands inside
 the scripts, and how many there were. Without other clients and without the load of
-bench/baseline.py this figure moves little between runs, so it shows what a change to a
-script does to Redis' cost (a command fewer inside a script, say) where bench/baseline.py's
-turns/s cannot: those move with the box by more than such a change.
+bench/baseline.py its spread between runs is ~±10% (bench/baseline.py's turns/s: ±15-30%):
+enough to show what a change of several commands inside the scripts does to Redis' cost,
+not a change of one (alternate old and new, several repetitions each).
 """
 
 from __future__ import annotations
