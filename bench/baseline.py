@@ -25,7 +25,8 @@ was preempted, per turn; min / median / max over repetitions. With
 
 With ``--floor``, ``bench/bus_floor.py`` runs too, after the loop: the worker's own lease and
 commit scripts and bus driven as the loop drives its own, with no worker around them
-(what the scripts cost, apart from what the worker's turn path adds).
+(what the scripts cost, apart from what the worker's turn path adds); one worker process's
+turns/s is then also given over the floor's, per repetition.
 
 With ``--apart``, N worker processes run as N deployments on the one redis-server (key
 prefixes ``w0`` .. ``wN-1``, the sessions dealt among them, one frontend client each): no
@@ -400,6 +401,9 @@ async def main() -> None:
                 one = ratios["1 proc"]
                 scaling = [x / y for x, y in zip(same, one, strict=True)]
                 print(f"  that / 1 proc's    {_spread(scaling, '.2f')} (same repetition)")
+        if system == "1 proc" and "floor" in runs:  # the worker's gap over its own scripts
+            floor = [r.rate / f.rate for r, f in zip(rs, runs["floor"], strict=True)]
+            print(f"  ratio to floor     {_spread(floor, '.2f')} (same repetition)")
         cpu = [loop.serve_ms / r.serve_ms for r, loop in zip(rs, runs["loop"], strict=True)]
         print(f"  loop's CPU / this  {_spread(cpu, '.2f')} (serving CPU per turn)")
         print(f"  serving CPU/turn   {_spread([r.serve_ms * 1000 for r in rs], '.0f')} µs")
