@@ -237,6 +237,16 @@ class Keys:
         """Hash: subagent id -> what it does, of the session's running subagents."""
         return _session_key(self.prefix, "spawned", session_key)
 
+    def release(self, key: str, lease: str) -> list[str]:
+        """The KEYS of ``lua/release.lua`` for effective key ``K`` held under ``lease``: with
+        K's own inbound stream when K is one (every key but the unified one, under which
+        streams are folded)."""
+        channel = channel_of(key)
+        keys = [lease, self.pending(key), self.ready(channel), self.leases(channel)]
+        if channel != UNIFIED_CHANNEL:
+            keys.append(self.inbound(key))
+        return keys
+
     def deletion(self, session_key: str, lease: str, scope: str) -> list[str]:
         """The KEYS of ``lua/delete.lua`` for session ``S`` (fenced by ``lease``)."""
         channel = channel_of(session_key)

@@ -247,8 +247,7 @@ class RedisBus(ReadyQueues):
 
     async def release(self, key: str, token: str) -> bool:
         """Give the lease up now; re-notify the key when streams are still pending."""
-        k = self.keys
-        keys = [k.lease(key), k.pending(key), k.ready(channel_of(key)), k.leases(channel_of(key))]
+        keys = self.keys.release(key, self.keys.lease(key))
         return bool(await self.scripts.call("release", keys, [token, key, READY_MAXLEN]))
 
     async def commit(

@@ -145,8 +145,7 @@ class RedisSessionStore:
         try:
             deleted = await self.delete_held(key, lease, token)
         finally:
-            k = self.keys
-            release = [lease, k.pending(key), k.ready(channel_of(key)), k.leases(channel_of(key))]
+            release = self.keys.release(key, lease)
             await self._scripts.call("release", release, [token, key, 1_000_000])
         return deleted > 0
 
@@ -180,13 +179,7 @@ class RedisSessionStore:
                 if idle and await self.delete_held(key, lease, token) > 0:
                     deleted.append(key)
             finally:
-                k = self.keys
-                release = [
-                    lease,
-                    k.pending(key),
-                    k.ready(channel_of(key)),
-                    k.leases(channel_of(key)),
-                ]
+                release = self.keys.release(key, lease)
                 await self._scripts.call("release", release, [token, key, 1_000_000])
         return deleted
 

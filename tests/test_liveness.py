@@ -108,8 +108,10 @@ async def test_a_killed_holder_is_replaced_before_its_lease_runs_out(
     real_redis, spawn_workers, fake_llm
 ) -> None:  # type: ignore[no-untyped-def]
     """Default lease TTL (10 s): the survivor takes the session over with a new nonce while
-    the dead holder's lease is still valid, and answers it once."""
-    workers = {w.worker_id: w for w in spawn_workers(2)}
+    the dead holder's lease is still valid, and answers it once, from the takeover's own
+    notification (the stranded-stream sweep, which would find the message too, does not
+    run again during the test)."""
+    workers = {w.worker_id: w for w in spawn_workers(2, env={"AGENT_SWEEP_INTERVAL_MS": "600000"})}
     client = FrontendClient(real_redis)
     mid = await client.send(_m("f", "block takeover"))
     assert await asyncio.to_thread(fake_llm.started.wait, 20)
@@ -129,6 +131,7 @@ async def test_a_killed_holder_is_replaced_before_its_lease_runs_out(
     got = await collect(client, "web", {mid}, timeout_s=20)
     assert [ev.type for ev in got[mid] if ev.is_terminal] == ["message"]
     assert got[mid][-1].metadata["worker"] != dead.worker_id
+    assert time.monotonic() < runs_out  # answered too before the dead lease would run out
 
 
 @pytest.mark.real_redis

@@ -277,9 +277,12 @@ async def test_transient_owner_gets_the_forward(redis: aioredis.Redis) -> None:
     assert isinstance(got, Acquired)
     assert await bus.release(K, got.token)
     assert await bus.acquire(K, "other", member=K) == Forward("owner")
-    assert await redis.sismember(bus.keys.pending(K), K)  # joined before the forward
+    assert not await redis.exists(bus.keys.pending(K))  # K is its own stream: none kept
     assert await bus.acquire("unified:default", "other", member=K) == Private()
-    assert isinstance(await bus.acquire(K, "owner", member=K, claim_owner=True), Acquired)
+    owned = await bus.acquire(K, "owner", member=K, claim_owner=True)
+    assert isinstance(owned, Acquired)
+    assert isinstance(owned.step, Entry)  # the forwarded entry, read from S itself
+    assert json.loads(owned.step.payload)["content"] == "private"
 
 
 async def test_a_stop_marker_covers_exactly_the_messages_before_it(redis: aioredis.Redis) -> None:
@@ -371,10 +374,40 @@ async def test_an_expired_lease_is_swept_back_onto_its_channels_queue(
     assert await Registry(bus).sweeps.leases(["web"]) == [K]
     last = await redis.xrevrange(bus.keys.ready("web"), count=1)
     assert last[0][1] == {"session": K, "effective": "1"}
-    again = await bus.acquire(K, "w2")  # the re-notified key: its pending set names S
+    # the re-notified key is its own stream (nothing is folded under it): the worker
+    # acquires it as one (AgentLoop._serve_note), and finds the entry in it
+    again = await bus.acquire(K, "w2", member=K)
     assert isinstance(again, Acquired)
-    assert again.step == More((K,))
-    assert isinstance(await bus.next(K, again.token, [K]), Entry)
+    assert isinstance(again.step, Entry)
+
+
+async def test_a_release_without_a_commit_renotifies_a_key_whose_stream_holds_entries(
+    redis: aioredis.Redis,
+) -> None:
+    """A lease held without running a turn (an admin's delete, a blocking acquire) answers
+    a notification busy; a key that is its own stream keeps no pending set, so the release
+    re-notifies it when its stream holds entries, and not when it holds none."""
+    bus = RedisBus(redis, lock_ttl_ms=5000)
+    ready = bus.keys.ready("web")
+    held = await bus.acquire(K, "admin", select=False)
+    assert isinstance(held, Acquired)
+    assert await bus.release(K, held.token)
+    assert await redis.xlen(ready) == 0  # nothing queued: nobody is woken
+
+    held = await bus.acquire(K, "admin", select=False)
+    assert isinstance(held, Acquired)
+    await _queued(redis, "arrives meanwhile")
+    streams = bus.note_streams("w1", ["web"])
+    await bus.ensure_groups(streams)
+    notes = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+    assert isinstance(await bus.acquire(K, "w1", member=K, note=notes[0]), Busy)
+    assert await redis.xlen(ready) == 0  # answered busy: acknowledged and gone
+    assert await bus.release(K, held.token)
+    again = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+    assert [(n.session_key, n.effective) for n in again] == [(K, False)]
+    got = await bus.acquire(K, "w1", member=K, note=again[0])
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
 
 
 @pytest.mark.real_redis

@@ -206,7 +206,8 @@ end
 
 -- Nothing left in the known streams (select_next found every stream it did not leave
 -- alone empty: its head read met the end): forget them; release the lease only when the
--- pending set is empty (a stream notified meanwhile keeps the lease: 'more').
+-- pending set is empty (a stream notified meanwhile keeps the lease: 'more'; a key that
+-- is its own stream only has one when streams are folded under it: acquire.lua).
 local function try_release(lease, pending, registry, key, streams)
   local emptied = {}
   for _, s in ipairs(streams) do

@@ -27,9 +27,12 @@
 -- consecutive turns run on different workers):
 -- {meta, count, row ARGV[12], row ARGV[12] + 1, ...}: at most ARGV[13] rows, and none past
 -- the hash's count (a lookup of a field that is not there costs as much as one that is)
--- S joins K's pending set before any forward, so a forward lost with its owner is found
--- again by whoever acquires K next. The notification is acknowledged (and deleted) last,
--- so a script that fails midway (e.g. OOM) leaves it pending for redelivery.
+-- A stream S folded under another key K joins K's pending set before any forward or busy
+-- answer, so that whoever holds or acquires K next drains it (a forward lost with its owner
+-- included). A key that is its own stream (K = S) keeps no pending set: its holder reads S
+-- itself, and a release without a commit re-notifies K while S holds entries
+-- (release.lua). The notification is acknowledged (and deleted) last, so a script that
+-- fails midway (e.g. OOM) leaves it pending for redelivery.
 local function ack()
   if ARGV[10] ~= '' then
     redis.call('XACK', KEYS[6], ARGV[11], ARGV[10])
@@ -38,10 +41,8 @@ local function ack()
 end
 
 local owner = redis.call('HGET', KEYS[5], 'worker')
-if ARGV[4] ~= '' then
-  if ARGV[3] ~= ARGV[4] and (owner or redis.call('EXISTS', KEYS[8]) == 1) then
-    return {'private'}
-  end
+if ARGV[4] ~= '' and ARGV[3] ~= ARGV[4] then  -- S folded under K
+  if owner or redis.call('EXISTS', KEYS[8]) == 1 then return {'private'} end
   redis.call('SADD', KEYS[2], ARGV[4])
 end
 if owner and owner ~= ARGV[1] then
@@ -59,7 +60,7 @@ if ARGV[5] == '1' and redis.call('EXISTS', KEYS[5]) == 0 then
   redis.call('HSET', KEYS[5], 'worker', ARGV[1])
   redis.call('PEXPIRE', KEYS[5], ARGV[6])
 end
-redis.call('PEXPIRE', KEYS[2], 2 * ttl)
+if ARGV[4] ~= ARGV[3] then redis.call('PEXPIRE', KEYS[2], 2 * ttl) end  -- (K = S: none)
 redis.call('ZADD', KEYS[7], now_ms() + ttl, ARGV[3])
 local s = redis.call('HMGET', KEYS[3], 'version', 'gen', 'count')
 local memory = redis.call('HGET', KEYS[4], 'version') or '0'

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from bus_redis import ControlMessage, InboundMessage, OutboundMessage, RedisBus
 from bus_redis.codec import safe
-from bus_redis.keys import UNIFIED_CHANNEL
+from bus_redis.keys import UNIFIED_CHANNEL, channel_of
 from bus_redis.results import Acquired, Forward, Notification
 from bus_redis.streams import Retention
 from session_store import MemoryStore, SessionManager
@@ -299,8 +299,9 @@ class AgentLoop:
                 log.exception("serving %s failed", safe(note.session_key))
 
     async def _serve_note(self, note: Notification) -> None:
-        if note.effective:
-            key, member = note.session_key, ""
+        if note.effective:  # a key nothing is folded under is its own (only) stream
+            key = note.session_key
+            member = "" if channel_of(key) == UNIFIED_CHANNEL else key
         else:
             key, member = self.effective_key(note.session_key), note.session_key
         key, result, scope = await self.acquirer.acquire(key, member=member, note=note)
