@@ -28,6 +28,12 @@ commit scripts and bus driven as the loop drives its own, with no worker around 
 (what the scripts cost, apart from what the worker's turn path adds); one worker process's
 turns/s is then also given over the floor's, per repetition.
 
+With ``--plain-loop``, the loop runs a second time with its two scripts sent through
+redis-py's own client (``register_script``, its connection pool), as a loop is written
+the ordinary way and as issue 15 measured its yardstick; one worker process's turns/s is
+then also given over it, per repetition. The loop itself (``loop``) uses the worker's
+multiplexed connection, so that it pays what the worker pays per command.
+
 With ``--apart``, N worker processes run as N deployments on the one redis-server (key
 prefixes ``w0`` .. ``wN-1``, the sessions dealt among them, one frontend client each): no
 session, queue or session cache is shared, so what N processes on the cores cost shows
@@ -123,11 +129,12 @@ class _Serving:
     def __init__(self, url: str, system: str, prefixes: list[str]) -> None:
         self.system = system
         if system.endswith("loop") or system == "floor":  # "N loop": N loops, one queue
-            n = 1 if system in ("loop", "floor") else int(system.split()[0])
+            n = int(system.split()[0]) if system[0].isdigit() else 1
             script = "bus_floor.py" if system == "floor" else "baseline_loop.py"
+            plain = ["plain"] if system == "plain loop" else []
             self.procs = [
                 subprocess.Popen(
-                    [sys.executable, str(BENCH / script), url, CHANNEL, f"base{i}"],
+                    [sys.executable, str(BENCH / script), url, CHANNEL, f"base{i}", *plain],
                     cwd=BENCH.parent,
                 )
                 for i in range(n)
@@ -342,6 +349,13 @@ async def main() -> None:
         "drives its own (where the gap is: scripts and bus, or the worker's turn path)",
     )
     parser.add_argument(
+        "--plain-loop",
+        action="store_true",
+        help="also run the loop with its two scripts sent through redis-py's own client "
+        "(register_script, its pool) instead of the multiplexed connection: the yardstick "
+        "as issue 15 measured it; one worker process's turns/s is then also given over it",
+    )
+    parser.add_argument(
         "--apart",
         action="store_true",
         help="N worker processes as N deployments sharing nothing but redis-server",
@@ -360,6 +374,7 @@ async def main() -> None:
         loops.insert(0, "loop")
     systems = [
         *loops,
+        *(["plain loop"] if args.plain_loop else []),
         *(["floor"] if args.floor else []),
         *(f"{n} proc" for n in args.procs.split(",")),
     ]
@@ -380,7 +395,7 @@ async def main() -> None:
                 )
                 runs[system].append(r)
                 ratios[system].append(r.rate / runs["loop"][rep].rate)
-                print(f"  rep {rep + 1} {system:7} {r.rate:7.0f} turns/s", flush=True)
+                print(f"  rep {rep + 1} {system:10} {r.rate:7.0f} turns/s", flush=True)
     finally:
         server.cleanup()
     print(
@@ -404,6 +419,9 @@ async def main() -> None:
         if system == "1 proc" and "floor" in runs:  # the worker's gap over its own scripts
             floor = [r.rate / f.rate for r, f in zip(rs, runs["floor"], strict=True)]
             print(f"  ratio to floor     {_spread(floor, '.2f')} (same repetition)")
+        if system == "1 proc" and "plain loop" in runs:  # against the issue's own yardstick
+            plain = [r.rate / p.rate for r, p in zip(rs, runs["plain loop"], strict=True)]
+            print(f"  ratio to plain     {_spread(plain, '.2f')} (same repetition)")
         cpu = [loop.serve_ms / r.serve_ms for r, loop in zip(rs, runs["loop"], strict=True)]
         print(f"  loop's CPU / this  {_spread(cpu, '.2f')} (serving CPU per turn)")
         print(f"  serving CPU/turn   {_spread([r.serve_ms * 1000 for r in rs], '.0f')} µs")
