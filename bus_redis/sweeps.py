@@ -135,7 +135,7 @@ class Sweeps:
             silent = "" if dead_after_ms is None else dead_after_ms
             for key, value in held:
                 keys = [self.keys.lease(key), registry, self.keys.ready(channel), self.keys.alive]
-                args = [value, key, READY_MAXLEN, dead, silent]
+                args = [value, key, READY_MAXLEN, dead, silent, _unified(channel)]
                 reply = await self.bus.scripts.call("takeover", keys, args)
                 if isinstance(reply, list) and texts(reply)[:1] == ["!unusable"]:
                     await self.repair_ready(channel, texts(reply)[1])
@@ -155,7 +155,8 @@ class Sweeps:
         for channel in channels:
             keys = [self.keys.leases(channel), self.keys.ready(channel)]
             try:
-                reply = texts(await self.bus.scripts.call("sweep", keys, [limit, READY_MAXLEN]))
+                args = [limit, READY_MAXLEN, _unified(channel)]
+                reply = texts(await self.bus.scripts.call("sweep", keys, args))
             except ResponseError as exc:
                 log.warning("lease sweep of channel %s failed: %s", safe(channel), safe(str(exc)))
                 continue
@@ -340,3 +341,8 @@ class Sweeps:
         if any(isinstance(r, NoScriptError) for r in replies):
             await self.bus.scripts.load_all()
         return len(junk) + sum(1 for r in replies if r == 1)
+
+
+def _unified(channel: str) -> str:
+    """'1' for the unified channel, whose key's notifications are marked effective."""
+    return "1" if channel == UNIFIED_CHANNEL else "0"

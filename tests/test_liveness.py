@@ -40,11 +40,25 @@ async def test_takeover_deletes_only_the_dead_holders_leases_and_renotifies(
     assert await redis.get(K.lease("web:b")) == "n-web:b|alive"
     assert await redis.zrange(K.leases("web"), 0, -1) == ["web:b"]
     notes = [f for _, f in await redis.xrange(K.ready("web"))]
-    assert notes == [
-        {"session": "web:a", "effective": "1"},
-        {"session": "web:c", "effective": "1"},
-    ]
+    assert notes == [{"session": "web:a"}, {"session": "web:c"}]  # each its own stream
     assert await sweeps.takeover(["web"], "dead", dead_after_ms=800) == []  # idempotent
+
+
+async def test_the_unified_key_is_renotified_as_effective(redis: aioredis.Redis) -> None:
+    """Only the unified key drains a pending set: its re-notification says so, by the
+    takeover as by the lease sweep."""
+    bus = RedisBus(redis, lock_ttl_ms=10_000)
+    sweeps = Registry(bus).sweeps
+    u = "unified:default"
+    await bus.ensure_groups([K.ready("unified")])
+    await redis.set(K.lease(u), "n|dead", px=10_000)
+    await redis.zadd(K.leases("unified"), {u: 1})
+    await redis.zadd(K.alive, {"alive": 10_000, "dead": 1_000})
+    assert await sweeps.takeover(["unified"], "dead", dead_after_ms=800) == [u]
+    await redis.zadd(K.leases("unified"), {u: 1})  # and again, as if its lease ran out
+    assert await sweeps.leases(["unified"]) == [u]
+    notes = [f for _, f in await redis.xrange(K.ready("unified"))]
+    assert notes == [{"session": u, "effective": "1"}] * 2
 
 
 async def test_dead_workers_are_those_whose_beat_is_older_than_the_limit(

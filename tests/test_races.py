@@ -179,6 +179,37 @@ async def test_a_renotified_private_session_is_forwarded_to_its_owner(
     assert not await redis.exists(bus.keys.lease("web:q"))
 
 
+async def test_a_stale_renotification_never_drains_a_folded_stream_under_its_own_lease(
+    redis: aioredis.Redis,
+) -> None:
+    """Unified mode: a re-notification of S as its own key (a takeover or a lease sweep
+    of S's lease, when S was a private session) is served after S was folded under the
+    unified key, whose holder runs S's entry: it is served as a plain notification of S,
+    answered busy by the unified lease, and the entry is not selected a second time
+    under a lease of S's own."""
+    from bus_redis.results import Entry, Notification
+    from worker import AgentLoop, LoopConfig
+
+    s = "web:s"
+    await FrontendClient(redis).send(
+        InboundMessage(channel="web", sender_id="u", chat_id="s", content="hi")
+    )
+    bus = RedisBus(redis)
+    held = await bus.acquire("unified:default", "w1", member=s)  # S folded, its entry running
+    assert isinstance(held, Acquired)
+    assert isinstance(held.step, Entry)
+    other = RedisBus(redis)
+    loop = AgentLoop(other, ScriptedProvider(["x"]), config=LoopConfig(unified_session=True))
+    try:
+        await loop._serve_note(Notification(bus.keys.ready("web"), "", s, effective=True))
+    finally:
+        await other.aclose()
+        await bus.aclose()
+    assert not await redis.exists(bus.keys.lease(s))
+    assert await redis.xlen(bus.keys.inbound(s)) == 1  # still the unified holder's to commit
+    assert await redis.xlen(bus.keys.out(s)) == 0
+
+
 async def test_the_unified_queue_is_reclaimed_from_a_dead_consumer(
     redis_factory, make_loop
 ) -> None:  # type: ignore[no-untyped-def]

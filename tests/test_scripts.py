@@ -373,9 +373,9 @@ async def test_an_expired_lease_is_swept_back_onto_its_channels_queue(
     await redis.zadd(bus.keys.leases("web"), {K: 1})
     assert await Registry(bus).sweeps.leases(["web"]) == [K]
     last = await redis.xrevrange(bus.keys.ready("web"), count=1)
-    assert last[0][1] == {"session": K, "effective": "1"}
-    # the re-notified key is its own stream (nothing is folded under it): the worker
-    # acquires it as one (AgentLoop._serve_note), and finds the entry in it
+    # the re-notified key is its own stream (nothing is folded under it): a plain
+    # notification of it, which a worker of any version serves by reading the stream
+    assert last[0][1] == {"session": K}
     again = await bus.acquire(K, "w2", member=K)
     assert isinstance(again, Acquired)
     assert isinstance(again.step, Entry)
@@ -408,6 +408,37 @@ async def test_a_release_without_a_commit_renotifies_a_key_whose_stream_holds_en
     got = await bus.acquire(K, "w1", member=K, note=again[0])
     assert isinstance(got, Acquired)
     assert isinstance(got.step, Entry)
+
+
+async def test_a_busy_answer_names_the_stream_for_a_release_that_does_not(
+    redis: aioredis.Redis,
+) -> None:
+    """A rolling upgrade: a process from before the pending set was dropped for keys that
+    are their own stream (an admin tool, a worker) holds K = S without a turn, and its
+    release names no stream (4 KEYS): the notification answered busy meanwhile put S in
+    K's pending set, so that release still re-notifies K. Nothing joins the set on a turn's
+    own acquire."""
+    bus = RedisBus(redis, lock_ttl_ms=5000)
+    held = await bus.acquire(K, "old", select=False)
+    assert isinstance(held, Acquired)
+    await _queued(redis, "arrives during the hold")
+    streams = bus.note_streams("w1", ["web"])
+    await bus.ensure_groups(streams)
+    notes = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+    assert isinstance(await bus.acquire(K, "w1", member=K, note=notes[0]), Busy)
+    assert await redis.smembers(bus.keys.pending(K)) == {K}
+    assert 0 < await redis.pttl(bus.keys.pending(K)) <= 10_000
+    old_keys = bus.keys.release(K, bus.keys.lease(K))[:4]  # as the release before it
+    assert await bus.scripts.call("release", old_keys, [held.token, K, 1000]) == 1
+    again = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+    assert [n.session_key for n in again] == [K]
+    got = await bus.acquire(K, "w1", member=K, note=again[0])
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
+    spec = CommitSpec(member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"r":0}'])
+    _, _, step = await bus.commit(K, got.token, "w1", spec, select=[K])
+    assert isinstance(step, Released)
+    assert not await redis.exists(bus.keys.pending(K))  # gone with the release
 
 
 @pytest.mark.real_redis

@@ -29,10 +29,13 @@
 -- the hash's count (a lookup of a field that is not there costs as much as one that is)
 -- A stream S folded under another key K joins K's pending set before any forward or busy
 -- answer, so that whoever holds or acquires K next drains it (a forward lost with its owner
--- included). A key that is its own stream (K = S) keeps no pending set: its holder reads S
--- itself, and a release without a commit re-notifies K while S holds entries
--- (release.lua). The notification is acknowledged (and deleted) last, so a script that
--- fails midway (e.g. OOM) leaves it pending for redelivery.
+-- included). A key that is its own stream (K = S) keeps no pending set on its turns: its
+-- holder reads S itself, and a release without a commit re-notifies K while S holds
+-- entries (release.lua). Only a busy answer names S in K's pending set there (not a turn's
+-- cost: a note that met a held lease), so that a release that does not name S (a worker
+-- or admin tool from before 1aee1e9, in a rolling upgrade) still re-notifies K. The
+-- notification is acknowledged (and deleted) last, so a script that fails midway (e.g.
+-- OOM) leaves it pending for redelivery.
 local function ack()
   if ARGV[10] ~= '' then
     redis.call('XACK', KEYS[6], ARGV[11], ARGV[10])
@@ -53,6 +56,10 @@ local token = ARGV[8] .. '|' .. ARGV[1]
 local ttl = tonumber(ARGV[2])
 if not redis.call('SET', KEYS[1], token, 'NX', 'PX', ttl) then
   local holder = redis.call('GET', KEYS[1])
+  if ARGV[4] == ARGV[3] then  -- K = S (a folded S joined above)
+    redis.call('SADD', KEYS[2], ARGV[4])
+    redis.call('PEXPIRE', KEYS[2], 2 * ttl)
+  end
   ack()
   return {'busy', holder}
 end

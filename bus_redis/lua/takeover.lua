@@ -9,6 +9,8 @@
 -- ARGV[1] the lease value seen ('<nonce>|<dead worker>')  ARGV[2] K  ARGV[3] ready MAXLEN
 -- ARGV[4] dead worker id  ARGV[5] dead after (ms), or '' when the caller is that worker
 -- itself, starting (every lease under its id is a former life's)
+-- ARGV[6] '1' in the unified channel: the notification is marked effective (K drains a
+-- pending set); elsewhere K is its own stream, notified plainly (as sweep.lua does)
 -- returns 1 (taken over), 0 (the lease changed, or its holder beats), or
 -- {'!unusable', error} (ready queue)
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -19,7 +21,12 @@ if ARGV[5] ~= '' then
     return 0
   end
 end
-local r = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2], 'effective', '1')
+local r
+if ARGV[6] == '1' then
+  r = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2], 'effective', '1')
+else
+  r = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2])
+end
 if type(r) == 'table' and r.err then return {'!unusable', r.err} end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])

@@ -299,10 +299,11 @@ class AgentLoop:
                 log.exception("serving %s failed", safe(note.session_key))
 
     async def _serve_note(self, note: Notification) -> None:
-        if note.effective:  # a key nothing is folded under is its own (only) stream
-            key = note.session_key
-            member = "" if channel_of(key) == UNIFIED_CHANNEL else key
-        else:
+        if note.effective and channel_of(note.session_key) == UNIFIED_CHANNEL:
+            key, member = note.session_key, ""  # the streams pending under the unified key
+        else:  # any other key is its own stream: served as a plain notification of it, so
+            # that in unified mode a stream folded meanwhile is served under the unified
+            # key, never under a lease of its own while the unified holder runs its entry
             key, member = self.effective_key(note.session_key), note.session_key
         key, result, scope = await self.acquirer.acquire(key, member=member, note=note)
         crash_point("after_acquire")
