@@ -210,6 +210,46 @@ async def test_a_stale_renotification_never_drains_a_folded_stream_under_its_own
     assert await redis.xlen(bus.keys.out(s)) == 0
 
 
+async def test_a_stream_with_a_holder_of_its_own_is_busy_not_retried_as_its_own_key(
+    redis: aioredis.Redis,
+) -> None:
+    """Unified mode: S (not private) is held under its own lease (an admin's hold). Its
+    notification is answered busy at once, not retried as K = S: released in between,
+    S could be folded under the unified key by another worker and its entry selected
+    twice. The holder's release re-notifies S, and the unified key then takes it."""
+    from bus_redis.results import Busy, Entry, Notification
+    from worker import AgentLoop, LoopConfig
+
+    s = "web:s"
+    await FrontendClient(redis).send(
+        InboundMessage(channel="web", sender_id="u", chat_id="s", content="hi")
+    )
+    bus = RedisBus(redis)
+    own = await bus.acquire(s, "admin", select=False)
+    assert isinstance(own, Acquired)
+    other = RedisBus(redis)
+    loop = AgentLoop(other, ScriptedProvider(["x"]), config=LoopConfig(unified_session=True))
+    real, seen, folded = other.acquire, [], []
+
+    async def acquire(key: str, *args: Any, **kw: Any) -> Any:
+        got = await real(key, *args, **kw)
+        seen.append((key, got))
+        if len(seen) == 1:  # between this answer and what the worker does next: the hold
+            assert await bus.release(s, own.token)  # ends, another worker folds S
+            folded.append(await bus.acquire("unified:default", "w3", member=s))
+        return got
+
+    other.acquire = acquire  # type: ignore[method-assign]
+    try:
+        await loop._serve_note(Notification(bus.keys.ready("web"), "", s))
+    finally:
+        await other.aclose()
+        await bus.aclose()
+    assert [(key, type(got)) for key, got in seen] == [("unified:default", Busy)]
+    assert isinstance(folded[0], Acquired)
+    assert isinstance(folded[0].step, Entry)  # the entry, selected once: under the unified key
+
+
 async def test_the_unified_queue_is_reclaimed_from_a_dead_consumer(
     redis_factory, make_loop
 ) -> None:  # type: ignore[no-untyped-def]

@@ -17,8 +17,8 @@
 --          rows past them to read when it is behind ('0': no cached copy)
 -- ARGV[14] the cached copy's generation   ARGV[15] its version
 -- ARGV[16] S again (member of the stream keys)
--- returns {'private'}                  K ~= S but S is an open private session or has a
---                                      holder of its own: retry with K = S
+-- returns {'private'}                  K ~= S but S is an open private session: retry
+--                                      with K = S
 --       | {'forward', owner}           K belongs to another worker's private session
 --       | {'busy', holder}
 --       | {'acquired', token, version, generation, memory version, ahead, <next_or_release...>}
@@ -45,7 +45,15 @@ end
 
 local owner = redis.call('HGET', KEYS[5], 'worker')
 if ARGV[4] ~= '' and ARGV[3] ~= ARGV[4] then  -- S folded under K
-  if owner or redis.call('EXISTS', KEYS[8]) == 1 then return {'private'} end
+  if owner then return {'private'} end
+  -- S has a holder of its own (an admin's hold, a former private session's turn): busy,
+  -- answered here, and that holder drains S or re-notifies it on release (retried as
+  -- K = S instead, S could be folded under K in between and its entry selected twice)
+  local own = redis.call('GET', KEYS[8])
+  if own then
+    ack()
+    return {'busy', own}
+  end
   redis.call('SADD', KEYS[2], ARGV[4])
 end
 if owner and owner ~= ARGV[1] then
