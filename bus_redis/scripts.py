@@ -24,6 +24,7 @@ SCRIPT_NAMES = (
     "next",
     "commit",
     "release",
+    "hold",
     "renew",
     "emit",
     "sweep",

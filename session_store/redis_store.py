@@ -137,7 +137,7 @@ class RedisSessionStore:
         lease = self.keys.lease(key)
         deadline = time.monotonic() + timeout_s
         delay_s = 0.01
-        while not await self.redis.set(lease, token, nx=True, px=self.lock_ttl_ms):
+        while not await self._hold(key, lease, token):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"session {key!r} stayed busy for {timeout_s:.0f}s")
             await asyncio.sleep(delay_s)  # back off while a turn holds the lease
@@ -148,6 +148,11 @@ class RedisSessionStore:
             release = self.keys.release(key, lease)
             await self._scripts.call("release", release, [token, key, 1_000_000])
         return deleted > 0
+
+    async def _hold(self, key: str, lease: str, token: str) -> bool:
+        """Take K's lease for an operation that runs no turn (``lua/hold.lua``)."""
+        keys = [lease, self.keys.leases(channel_of(key))]
+        return bool(int(await self._scripts.call("hold", keys, [token, self.lock_ttl_ms, key])))
 
     async def prune_idle(self, channel: str, older_than_ms: int, *, limit: int = 100) -> list[str]:
         """Delete up to ``limit`` of the channel's stored sessions not updated for
@@ -162,7 +167,7 @@ class RedisSessionStore:
             key = text(raw)
             token = f"{secrets.token_hex(8)}|prune"
             lease = self.keys.lease(key)
-            if not await self.redis.set(lease, token, nx=True, px=self.lock_ttl_ms):
+            if not await self._hold(key, lease, token):
                 continue  # a turn runs: not idle
             try:
                 score = await self.redis.zscore(index, key)

@@ -54,6 +54,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
                     k.leases("web"), k.journal(K), k.pulse("web")],
                    ["n|w", "", "", 100, 1000, "", K, "", "w", "", 1000, "", "0j", "g", "", 0]),
         "release": ([k.lease(K), k.pending(K), k.ready("web"), k.leases("web")], ["n|w", K, 100]),
+        "hold": ([k.lease(K), k.leases("web")], ["n|admin", 1000, K]),
         "renew": ([k.lease(K), k.pending(K), k.leases("web")], ["x", 1000, K]),
         "sweep": ([k.leases("web"), k.ready("web")], [100, 100]),
         "emit": ([k.lease(K), k.out(K), k.pulse("web")], ["x", "{}", 100, 1000]),
@@ -408,6 +409,28 @@ async def test_a_release_without_a_commit_renotifies_a_key_whose_stream_holds_en
     got = await bus.acquire(K, "w1", member=K, note=again[0])
     assert isinstance(got, Acquired)
     assert isinstance(got.step, Entry)
+
+
+async def test_an_admin_hold_is_swept_like_a_turn_s_lease_when_its_holder_dies(
+    redis: aioredis.Redis,
+) -> None:
+    """`sessions delete` and the idle prune hold a lease without a turn: it enters the
+    lease registry, so that a message answered busy meanwhile is re-notified by the lease
+    sweep one TTL after the holder died; a release takes it out."""
+    from bus_redis.registry import Registry
+    from session_store import RedisSessionStore
+
+    bus = await _queued(redis)
+    store = RedisSessionStore(redis, bus.keys, lock_ttl_ms=5000)
+    lease = bus.keys.lease(K)
+    assert await store._hold(K, lease, "t|admin")
+    assert not await store._hold(K, lease, "u|admin")  # one holder
+    assert await redis.zscore(bus.keys.leases("web"), K) is not None
+    await redis.delete(lease)  # the admin process died; its lease ran out
+    await redis.zadd(bus.keys.leases("web"), {K: 1})
+    assert await Registry(bus).sweeps.leases(["web"]) == [K]
+    assert await store.delete(K) is False  # nothing stored: held, then released
+    assert await redis.zscore(bus.keys.leases("web"), K) is None
 
 
 async def test_a_busy_answer_names_the_stream_for_a_release_that_does_not(
