@@ -27,6 +27,12 @@ from session_store.codec import (
 from session_store.models import Session
 from session_store.protocol import SessionInfo
 
+# the holder names in the leases of operations that run no turn (``_hold``): in the lease
+# registry like a turn's, so no worker may take one as its id (the liveness takeover
+# would take a live hold for a dead worker's lease; worker.config rejects them)
+ADMIN_HOLDER, PRUNE_HOLDER = "admin", "prune"
+NON_TURN_HOLDERS = frozenset({ADMIN_HOLDER, PRUNE_HOLDER})
+
 ROWS_AHEAD = 24  # rows read with the head fields when catching up (one round trip): a dozen
 # two-row turns that ran on other workers
 
@@ -133,7 +139,7 @@ class RedisSessionStore:
     async def delete(self, key: str, *, timeout_s: float = 30.0) -> bool:
         """Delete a stored session under its lease: a running turn finishes (and commits)
         first, and cannot re-create the hash afterwards from a stale copy."""
-        token = f"{secrets.token_hex(8)}|admin"
+        token = f"{secrets.token_hex(8)}|{ADMIN_HOLDER}"
         lease = self.keys.lease(key)
         deadline = time.monotonic() + timeout_s
         delay_s = 0.01
@@ -165,7 +171,7 @@ class RedisSessionStore:
         deleted: list[str] = []
         for raw in await self.redis.zrangebyscore(index, "-inf", cutoff, start=0, num=limit):
             key = text(raw)
-            token = f"{secrets.token_hex(8)}|prune"
+            token = f"{secrets.token_hex(8)}|{PRUNE_HOLDER}"
             lease = self.keys.lease(key)
             if not await self._hold(key, lease, token):
                 continue  # a turn runs: not idle

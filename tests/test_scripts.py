@@ -433,6 +433,29 @@ async def test_an_admin_hold_is_swept_like_a_turn_s_lease_when_its_holder_dies(
     assert await redis.zscore(bus.keys.leases("web"), K) is None
 
 
+async def test_delete_and_prune_hold_the_lease_in_the_registry(redis: aioredis.Redis) -> None:
+    """What `sessions delete` and the idle prune do under the lease, they do with the
+    lease entered in the registry (``hold.lua``), and leave none behind."""
+    from session_store import RedisSessionStore
+
+    bus = await _queued(redis)
+    store = RedisSessionStore(redis, bus.keys, lock_ttl_ms=5000)
+    registry = bus.keys.leases("web")
+    seen: list[float | None] = []
+
+    async def delete_held(key: str, lease: str, token: str) -> int:
+        seen.append(await redis.zscore(registry, key))
+        return 0
+
+    store.delete_held = delete_held  # type: ignore[method-assign]
+    await store.delete(K)
+    await redis.zadd(bus.keys.sessions_index("web"), {K: 1})  # idle since long ago
+    assert await store.prune_idle("web", 1000) == []
+    assert len(seen) == 2
+    assert all(score is not None for score in seen)
+    assert await redis.zscore(registry, K) is None
+
+
 async def test_a_busy_answer_names_the_stream_for_a_release_that_does_not(
     redis: aioredis.Redis,
 ) -> None:

@@ -96,3 +96,22 @@ def test_the_command_line_takes_what_a_user_tries() -> None:
         "AGENT_METRICS_PORT",
     ):
         assert name in helptext
+
+
+@pytest.mark.parametrize("reserved", ["admin", "prune"])
+def test_a_worker_may_not_take_the_name_of_a_hold_without_a_turn(
+    reserved: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sessions delete` and the idle prune hold a lease as `<nonce>|admin` / `|prune`,
+    entered in the lease registry: a worker of that id found dead (or starting) would
+    have its takeover delete a live hold. Such an id is refused where it is set."""
+    from pydantic import ValidationError
+
+    from worker.config import LoopConfig
+
+    with pytest.raises(ValidationError, match="is reserved"):
+        LoopConfig(worker_id=reserved)
+    monkeypatch.setenv("AGENT_WORKER_ID", reserved)
+    with pytest.raises(ValidationError, match="is reserved"):
+        Settings()
+    assert LoopConfig(worker_id=f"{reserved}-1").worker_id == f"{reserved}-1"

@@ -11,9 +11,10 @@ import socket
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bus_redis.schema import DEFAULT_MAX_PAYLOAD_BYTES
+from session_store.redis_store import NON_TURN_HOLDERS
 
 
 def default_worker_id() -> str:
@@ -65,6 +66,16 @@ class LoopConfig(BaseModel):
     subagent_max_iterations: int = Field(default=8, ge=1)  # a subagent's tool rounds
     # a subagent's time, at most (below the job queue's own limit of 600 s)
     subagent_timeout_s: float = Field(default=300.0, gt=0, le=550)
+
+    @field_validator("worker_id")
+    @classmethod
+    def _not_a_non_turn_holder(cls, value: str) -> str:
+        if value in NON_TURN_HOLDERS:
+            raise ValueError(
+                f"worker id {value!r} is reserved: it names the holder of a lease taken "
+                "without a turn (sessions delete, the idle prune)"
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod
