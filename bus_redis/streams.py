@@ -178,16 +178,23 @@ class RedisBus(ReadyQueues):
         note: Notification | None = None,
         memory_key: str = "",
         cached: Cached | None = None,
+        fold: str = "",
     ) -> AcquireResult:
         """Take the lease of ``key`` (see ``lua/acquire.lua``); ``note`` is acknowledged
         inside the script, only once it succeeded. With ``cached`` (the worker's copy of
         the durable session), a copy that is behind gets the rows it lacks in the same call
-        (``Acquired.ahead``)."""
+        (``Acquired.ahead``). ``fold``: the key streams are folded under (unified mode), so
+        that a stream's own acquire answers busy while that key's holder has it pending."""
         skeys, sargs = self._streams([member] if member and select else [])
         n = self.names(key)
         s = self.names(member) if member else n
         keys = [n.lease, n.pending, n.session, memory_key or n.session, s.owner]
         keys += [note.stream if note and note.entry_id else n.lease, n.channel.leases, s.lease]
+        if fold and key == member and key != fold:
+            f = self.names(fold)
+            keys += [f.lease, f.pending]
+        else:
+            keys += [n.lease, n.pending]  # nothing folded to look at
         args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
         nonce = fresh_nonce()
         args += [self.owner_ttl_ms, "1" if select else "0", nonce, READY_MAXLEN]

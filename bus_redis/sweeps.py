@@ -235,24 +235,27 @@ class Sweeps:
         private one is served)."""
         k = self.keys
         channels = list(dict.fromkeys(channel_of(s) for s in sessions))
+        u = f"{UNIFIED_CHANNEL}:default"
         async with self.bus.raw.pipeline(transaction=False) as pipe:
             for s in sessions:
                 pipe.xrange(k.inbound(s), "-", "+", count=1)
                 pipe.exists(k.lease(s))
                 pipe.exists(k.owner(s))
+                pipe.sismember(k.pending(u), s)
             for c in channels:
                 pipe.xinfo_groups(k.ready(c))
                 pipe.xlen(k.ready(c))
-            pipe.exists(k.lease(f"{UNIFIED_CHANNEL}:default"))
+            pipe.exists(k.lease(u))
             res: list[Any] = await pipe.execute(raise_on_error=False)
         unified_held = res[-1] == 1
-        queues = res[3 * len(sessions) : -1]
+        queues = res[4 * len(sessions) : -1]
         delivered = {
             c: _delivered_ms(queues[2 * j], queues[2 * j + 1]) for j, c in enumerate(channels)
         }
         look = _Look([], [], {})
         for i, s in enumerate(sessions):
-            first, held, private = res[3 * i], res[3 * i + 1] == 1, res[3 * i + 2] == 1
+            first, held, private = res[4 * i], res[4 * i + 1] == 1, res[4 * i + 2] == 1
+            folded = res[4 * i + 3] == 1  # the unified holder's to drain
             if isinstance(first, Exception) or not first:
                 if not held and not private:
                     look.empty.append(s)
@@ -266,7 +269,10 @@ class Sweeps:
             look.later[s] = now + recheck_ms
             if held or _waiting(delivered[channel_of(s)], first_ms, now):
                 continue
-            if private or not unified or not unified_held:
+            # a stream folded under the held unified key is its holder's; one that is not in
+            # its pending set (that set ran out while a re-notification of the key waited)
+            # is re-notified: a duplicate is answered busy and joins the set
+            if private or not unified or not unified_held or not folded:
                 look.stranded.append(s)
         return look
 

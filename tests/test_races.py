@@ -250,6 +250,113 @@ async def test_a_stream_with_a_holder_of_its_own_is_busy_not_retried_as_its_own_
     assert isinstance(folded[0].step, Entry)  # the entry, selected once: under the unified key
 
 
+async def test_a_private_retry_never_takes_a_stream_folded_meanwhile(
+    redis: aioredis.Redis,
+) -> None:
+    """Unified mode: the notification of S is answered 'private' (S is w1's private
+    session). Before the worker retries with K = S, the private session ends (a discard
+    drops the owner record) and another worker folds S under the unified key and selects
+    its entry. The retry is answered busy: never the same entry under S's own lease too."""
+    from bus_redis.results import Busy, Entry, Notification, Private
+    from worker import AgentLoop, LoopConfig
+
+    s = "web:s"
+    await FrontendClient(redis).send(
+        InboundMessage(channel="web", sender_id="u", chat_id="s", content="hi")
+    )
+    bus = RedisBus(redis)
+    await redis.hset(bus.keys.owner(s), "worker", "w1")
+    other = RedisBus(redis)
+    loop = AgentLoop(other, ScriptedProvider(["x"]), config=LoopConfig(unified_session=True))
+    real, seen, folded = other.acquire, [], []
+
+    async def acquire(key: str, *args: Any, **kw: Any) -> Any:
+        got = await real(key, *args, **kw)
+        seen.append((key, got))
+        if len(seen) == 1:  # between this answer and the retry: the private session ends,
+            await redis.delete(bus.keys.owner(s))  # another worker folds S
+            folded.append(await bus.acquire("unified:default", "w3", member=s))
+        return got
+
+    other.acquire = acquire  # type: ignore[method-assign]
+    try:
+        await loop._serve_note(Notification(bus.keys.ready("web"), "", s))
+    finally:
+        await other.aclose()
+        await bus.aclose()
+    assert [(key, type(got)) for key, got in seen] == [("unified:default", Private), (s, Busy)]
+    assert isinstance(folded[0], Acquired)
+    assert isinstance(folded[0].step, Entry)  # selected once: under the unified key
+    assert not await redis.exists(bus.keys.lease(s))
+
+
+async def test_an_owner_whose_record_ran_out_never_takes_a_stream_folded_meanwhile(
+    redis: aioredis.Redis,
+) -> None:
+    """Unified mode: w1 holds S's private session in memory, but its owner record ran out
+    (a stall): another worker folded S under the unified key and runs its entry. w1's
+    acquire of S as its own key is answered busy, not a second selection of the entry."""
+    from bus_redis.results import Busy, Entry
+
+    s, u = "web:s", "unified:default"
+    await FrontendClient(redis).send(
+        InboundMessage(channel="web", sender_id="u", chat_id="s", content="hi")
+    )
+    w1, w3 = RedisBus(redis), RedisBus(redis)
+    folded = await w3.acquire(u, "w3", member=s)
+    assert isinstance(folded, Acquired)
+    assert isinstance(folded.step, Entry)
+    mine = await w1.acquire(s, "w1", member=s, claim_owner=True, fold=u)
+    assert isinstance(mine, Busy)
+    assert not await redis.exists(w1.keys.owner(s))  # nothing claimed on a busy answer
+    assert await redis.sismember(w1.keys.pending(u), s)  # still the unified holder's
+    await w1.aclose()
+    await w3.aclose()
+
+
+async def test_a_stream_the_unified_pending_set_lost_is_renotified_while_the_key_is_held(
+    redis: aioredis.Redis,
+) -> None:
+    """Unified mode: the unified key's release re-notified it, but its pending set ran out
+    (2 lease TTLs) before that note was served (every worker down, or busy, that long):
+    the note finds nothing, and S's entry has no notification. The stranded-stream sweep
+    re-notifies S although the unified key is held again by then; a stream that is in the
+    held key's pending set is left to its holder."""
+    from bus_redis.registry import Registry
+    from bus_redis.results import Entry, Released
+
+    s, t, u = "web:s", "web:t", "unified:default"
+    client = FrontendClient(redis)
+    bus = RedisBus(redis)
+    streams = bus.note_streams("w", ["web", "unified"])
+    await bus.ensure_groups(streams)
+
+    async def read() -> list[Any]:
+        return await bus.read_notifications("w", streams, count=10, block_ms=10)
+
+    await client.send(_m("s", "waits"))
+    [note] = await read()
+    held = await bus.acquire(u, "h", member=s, note=note)
+    assert isinstance(held, Acquired)
+    assert isinstance(held.step, Entry)
+    assert await bus.release(u, held.token)  # a shutdown: an effective note of U queued
+    await redis.delete(bus.keys.pending(u))  # ... and the pending set ran out meanwhile
+    [note] = await read()
+    assert note.effective
+    done = await bus.acquire(u, "w2", note=note)  # what the worker does with it
+    assert isinstance(done, Acquired)
+    assert isinstance(done.step, Released)
+    await client.send(_m("t", "keeps U busy"))
+    [note] = await read()
+    busy = await bus.acquire(u, "w3", member=t, note=note)  # U held, T in its pending set
+    assert isinstance(busy, Acquired)
+    sweeps = Registry(bus).sweeps
+    await redis.zadd(bus.keys.queued("web"), {t: 0})
+    assert sorted(await sweeps.queued("web", unified=True, in_flight_ms=0)) == [s]
+    assert [n.session_key for n in await read()] == [s]
+    await bus.aclose()
+
+
 async def test_the_unified_queue_is_reclaimed_from_a_dead_consumer(
     redis_factory, make_loop
 ) -> None:  # type: ignore[no-untyped-def]

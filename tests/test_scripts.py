@@ -46,7 +46,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         k.queued("web"),
     ]
     calls = {
-        "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), k.leases("web"), k.lease(K), *stream],
+        "acquire": ([k.lease(K), k.pending(K), k.session(K), k.session(K), k.owner(K), k.lease(K), k.leases("web"), k.lease(K), k.lease(K), k.pending(K), *stream],
                     ["w", 1000, K, K, "0", 1000, "1", "n", 100, "", "workers", 0, 0, "", 0, K]),
         "next": ([k.lease(K), k.pending(K), k.leases("web"), *stream], ["n|w", K, 100, K]),
         "commit": ([k.lease(K), k.session(K), *stream[:2], k.out(K), k.sessions_index("web"),

@@ -7,7 +7,10 @@
 -- KEYS[6] notes    the stream the notification came from (ready queue or inbox)
 -- KEYS[7] leases   P:{C}:leases      lease registry of K's channel (K -> expiry ms)
 -- KEYS[8] lease S  P:{C}:lease:S     the notified stream's own lease (= KEYS[1] when K = S)
--- KEYS[9..15]      stream keys of S (see _common.lua), only when selecting
+-- KEYS[9] lease U  the lease of the key streams fold under (unified mode), = KEYS[1] when
+--                  none (no stream is folded: nothing to look at)
+-- KEYS[10] pending U  that key's pending set
+-- KEYS[11..17]     stream keys of S (see _common.lua), only when selecting
 -- ARGV[1] worker id   ARGV[2] lease ttl ms   ARGV[3] K   ARGV[4] S ('' when none)
 -- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
 -- ARGV[6] owner ttl ms   ARGV[7] '1' to select the first entry (or release at once)
@@ -55,6 +58,17 @@ if ARGV[4] ~= '' and ARGV[3] ~= ARGV[4] then  -- S folded under K
     return {'busy', own}
   end
   redis.call('SADD', KEYS[2], ARGV[4])
+elseif ARGV[4] == ARGV[3] and KEYS[9] ~= KEYS[1]
+    and redis.call('SISMEMBER', KEYS[10], ARGV[4]) == 1 then
+  -- K = S, and S is folded under the unified key U: while U is held, U's holder drains S
+  -- (or leaves it, re-notified, once S is private): busy, never S's entry selected under
+  -- S's own lease too (a retry after 'private' when the private session ended meanwhile;
+  -- an owner whose record ran out while S was folded)
+  local unified = redis.call('GET', KEYS[9])
+  if unified then
+    ack()
+    return {'busy', unified}
+  end
 end
 if owner and owner ~= ARGV[1] then
   ack()
@@ -81,7 +95,7 @@ local s = redis.call('HMGET', KEYS[3], 'version', 'gen', 'count')
 local memory = redis.call('HGET', KEYS[4], 'version') or '0'
 local nxt = {}
 if ARGV[7] == '1' then
-  nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(9, 16), ARGV[3], ARGV[9])
+  nxt = next_or_release(KEYS[1], KEYS[2], KEYS[7], streams_of(11, 16), ARGV[3], ARGV[9])
 end
 local ahead = {}
 local want = tonumber(ARGV[13])

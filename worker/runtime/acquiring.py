@@ -53,6 +53,7 @@ class Acquirer:
                 memory_key=rt.memory.key(scope) if scope else "",
                 # a lease taken to run a turn reads what the cached copy lacks with it
                 cached=rt.sessions.cached_for_acquire(key) if select and not transient else None,
+                fold=UNIFIED_SESSION_KEY if rt.config.unified_session else "",
             )
             if not isinstance(result, Private):
                 return key, result, scope
