@@ -32,10 +32,15 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class ControlReached:
-    """A discard or delete marker at the head of stream ``member`` was consumed."""
+    """A discard, new or delete marker at the head of stream ``member``: a discard was
+    consumed; a new or delete marker (``marker``, its id) stays at the head until the
+    holder's next ``next`` consumes it, after its effect (``attempts``: how often it was
+    reached, as an entry's deliveries are counted)."""
 
     member: str
     op: str
+    marker: str = ""
+    attempts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +159,8 @@ def parse_step(raw: list[Any]) -> Step | None:
     if kind == "entry":  # (the payload, maybe large, is decoded once)
         return Entry(text(raw[1]), text(raw[2]), payload_text(raw[3]), int(raw[4]), text(raw[5]))
     if kind == "control":
-        return ControlReached(text(raw[1]), text(raw[2]))
+        marker, attempts = (text(raw[3]), int(raw[4])) if len(raw) > 4 else ("", 0)
+        return ControlReached(text(raw[1]), text(raw[2]), marker, attempts)
     if kind == "more":
         return More(tuple(texts(raw[1:])))
     if kind == "again":

@@ -28,6 +28,7 @@ from bus_redis.results import (
     Busy,
     Cached,
     CommitSpec,
+    ControlReached,
     Forward,
     Late,
     Lost,
@@ -224,11 +225,16 @@ class RedisBus(ReadyQueues):
             )
         return Acquired(parts[1], version, gen, memory, parse_step(raw[6:]), ahead)
 
-    async def next(self, key: str, token: str, members: Iterable[str]) -> Step:
+    async def next(
+        self, key: str, token: str, members: Iterable[str], *, done: ControlReached | None = None
+    ) -> Step:
+        """The next step of a held key; ``done``: a new or delete marker the holder acted
+        on, consumed first (its stream must be among ``members``)."""
         skeys, sargs = self._streams(members)
         k = self.keys
         keys = [k.lease(key), k.pending(key), k.leases(channel_of(key)), *skeys]
-        reply = await self.scripts.call("next", keys, [token, key, READY_MAXLEN, *sargs])
+        marker = [done.member, done.marker] if done is not None and done.marker else ["", ""]
+        reply = await self.scripts.call("next", keys, [token, key, READY_MAXLEN, *marker, *sargs])
         return parse_step(reply) or Lost()
 
     async def peek(self, member: str, *, after: str, count: int) -> list[tuple[str, str | None]]:

@@ -357,6 +357,30 @@ async def test_a_stream_the_unified_pending_set_lost_is_renotified_while_the_key
     await bus.aclose()
 
 
+async def test_a_delete_that_never_takes_effect_is_dropped_after_its_deliveries(
+    redis_factory, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """A delete marker stays at the head until its effect is done; one reached more often
+    than AGENT_MAX_DELIVERIES (every holder died or failed before deleting) is dropped
+    without its effect, as a poison entry is, instead of blocking its chat for good. The
+    message after it is answered."""
+    r = redis_factory()
+    client = FrontendClient(r)
+    bus = RedisBus(r)
+    s = "web:s"
+    await client.delete(s)
+    [(marker, _)] = await r.xrange(bus.keys.inbound(s))
+    await r.hset(bus.keys.attempts(s), marker, 5)  # five holders died with it
+    before = '{"role": "user", "content": "before"}'
+    await r.hset(bus.keys.session(s), mapping={"count": 1, "version": 1, "m:0": before})
+    mid = await client.send(_m("s", "after it", id="m1"))
+    make_loop(ScriptedProvider(["answered"]), max_deliveries=5)
+    got = await collect(client, "web", {mid})
+    assert [e.content for e in got[mid] if e.content] == ["answered"]
+    assert await r.hget(bus.keys.session(s), "m:0") == before  # not deleted
+    assert not await r.hexists(bus.keys.attempts(s), marker)
+
+
 async def test_the_unified_queue_is_reclaimed_from_a_dead_consumer(
     redis_factory, make_loop
 ) -> None:  # type: ignore[no-untyped-def]

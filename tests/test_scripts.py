@@ -314,6 +314,67 @@ async def test_a_discard_marker_reached_at_the_head_is_reported(redis: aioredis.
     assert isinstance(await bus.next(K, got.token, [K]), Released)
 
 
+async def test_a_delete_marker_outlives_a_holder_killed_before_it_deleted(
+    redis: aioredis.Redis,
+) -> None:
+    """A delete marker reached at the head stays there until the holder's next call after
+    the deletion: a holder killed in between (its lease taken over or run out) leaves it
+    to the next holder, who deletes the stored chat (before: the marker was consumed when
+    reached, and the chat stayed stored for good)."""
+    from session_store import RedisSessionStore
+
+    bus = await _queued(redis, "hello")
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, Entry)
+    spec = CommitSpec(member=K, entry_ids=[got.step.entry_id], meta="{}", rows=['{"r":0}'])
+    await bus.commit(K, got.token, "w1", spec, select=[K])
+    assert await redis.exists(bus.keys.session(K))
+    await FrontendClient(redis).delete(K)
+    held = await bus.acquire(K, "w1", member=K)
+    assert isinstance(held, Acquired)
+    assert isinstance(held.step, ControlReached)
+    assert (held.step.op, held.step.attempts) == ("delete", 1)
+    await redis.delete(bus.keys.lease(K))  # kill -9 of w1 before it deleted; lease gone
+    await _queued(redis, "after the delete")
+    again = await bus.acquire(K, "w2", member=K)
+    assert isinstance(again, Acquired)
+    assert again.step == ControlReached(K, "delete", held.step.marker, 2)
+    store = RedisSessionStore(redis, bus.keys)
+    assert await store.delete_held(K, bus.keys.lease(K), again.token) == 1
+    after = await bus.next(K, again.token, [K], done=again.step)
+    assert isinstance(after, Entry)  # the message sent after the delete, now
+    assert json.loads(after.payload)["content"] == "after the delete"
+    assert not await redis.exists(bus.keys.session(K))
+    assert not await redis.exists(bus.keys.control_hint(K))  # the marker counted no more
+    assert not await redis.hexists(bus.keys.attempts(K), held.step.marker)
+
+
+async def test_of_a_run_of_markers_the_last_delete_is_kept_and_consumed_once(
+    redis: aioredis.Redis,
+) -> None:
+    """discard, new, delete, new at the head: the discard and the first new are consumed
+    (the delete does what they do), the delete is kept until the holder's next call, which
+    consumes it (a client retry of that call consumes nothing more); then the last new."""
+    bus = await _queued(redis)
+    client = FrontendClient(redis)
+    for op in ("discard", "new", "delete", "new"):
+        await client.control(op, K)
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, ControlReached)
+    assert (got.step.op, got.step.attempts) == ("delete", 1)
+    assert await redis.xlen(bus.keys.inbound(K)) == 2  # the delete and the last new
+    step = await bus.next(K, got.token, [K], done=got.step)
+    assert isinstance(step, ControlReached)
+    assert (step.op, step.attempts) == ("new", 1)
+    retried = await bus.next(K, got.token, [K], done=got.step)  # a client retry: the
+    assert retried == ControlReached(K, "new", step.marker, 2)  # delete is gone already
+    assert int(await redis.get(bus.keys.control_hint(K)) or 0) == 1
+    assert isinstance(await bus.next(K, got.token, [K], done=step), Released)
+    assert not await redis.exists(bus.keys.inbound(K), bus.keys.control_hint(K))
+
+
 async def test_acquire_acknowledges_its_notification_itself(redis: aioredis.Redis) -> None:
     await _queued(redis, "one")
     bus = RedisBus(redis)

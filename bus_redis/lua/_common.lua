@@ -132,34 +132,53 @@ local function covering_op(s, id)
   return ''
 end
 
--- Consume control markers at the head of a stream (everything before them is done), at
--- most HEAD_BATCH per call. Returns the oldest real entry (or nil), the op of a consumed
--- discard, new or delete marker (delete wins over new, new over discard: each also does
--- what the weaker does), and whether the
--- batch ran out before a real entry or the end (the caller answers 'again').
+-- Consume control markers at the head of a stream (everything before them is done),
+-- reading at most HEAD_BATCH per call. A new or delete marker is not consumed here: its
+-- effect (the session folded into memory, the stored session deleted) is the holder's to
+-- do, so the marker stays at the head until the holder's next call consumes it
+-- (`consume_marker`, next.lua): a holder that dies first leaves it for the next one. Of a
+-- run of markers, the last delete is the one kept (a delete also does what new and
+-- discard do), else the first new; the markers before it are consumed.
+-- Returns the oldest real entry (or nil), the op reached (discard, new or delete; nil
+-- none), the id of the marker kept ('' none), and whether the batch ran out before a real
+-- entry or the end (the caller answers 'again').
 local function head(s)
-  local discarded = nil
-  local consumed = {}
-  local hinted = 0  -- markers the hint counts (an interrupt marker is not counted)
-  local entry = nil
-  while #consumed < HEAD_BATCH do
-    local e = entry_after(s[1], consumed[#consumed] or '0-0')
+  local run, ops, keep, entry = {}, {}, nil, nil
+  while #run < HEAD_BATCH do
+    local e = entry_after(s[1], run[#run] or '0-0')
     if not e then break end
     local op = field(e[2], 'control')
     if not op then entry = e break end
-    consumed[#consumed + 1] = e[1]
-    if op ~= 'interrupt' then hinted = hinted + 1 end
-    if (RANK[op] or 0) > (RANK[discarded] or 0) then discarded = op end
+    run[#run + 1] = e[1]
+    ops[#run] = op
+    if op == 'delete' or (op == 'new' and not keep) then keep = #run end
   end
-  if #consumed > 0 then
-    redis.call('XDEL', s[1], unpack(consumed))
+  local upto = keep and keep - 1 or #run
+  local discarded = nil
+  local hinted = 0  -- markers the hint counts (an interrupt marker is not counted)
+  for i = 1, upto do
+    if ops[i] ~= 'interrupt' then hinted = hinted + 1 end
+    if (RANK[ops[i]] or 0) > (RANK[discarded] or 0) then discarded = ops[i] end
+  end
+  if upto > 0 then
+    redis.call('XDEL', s[1], unpack(run, 1, upto))
     redis.call('HDEL', s[2], '_mark')
   end
   if hinted > 0 then
     local n = safe(false, 'DECRBY', s[3], hinted)  -- a hint that is no integer is junk
     if not n or n <= 0 then redis.call('DEL', s[3]) end
   end
-  return entry, discarded, (not entry and #consumed == HEAD_BATCH)
+  if keep then return nil, ops[keep], run[keep], false end
+  return entry, discarded, '', (not entry and #run == HEAD_BATCH)
+end
+
+-- The new or delete marker `id` at the head of stream s, acted on by the holder: consumed
+-- (once: a client retry finds it gone and counts nothing twice).
+local function consume_marker(s, id)
+  if redis.call('XDEL', s[1], id) == 0 then return end
+  redis.call('HDEL', s[2], id, '_mark')
+  local n = safe(false, 'DECRBY', s[3], 1)
+  if not n or n <= 0 then redis.call('DEL', s[3]) end
 end
 
 -- Whether a stream folded under K (S ~= K) must be left alone: it is no longer pending
@@ -186,9 +205,12 @@ local function select_next(streams, key, pending, maxlen)
     if leave_alone(s, key, pending, maxlen) then
       s.skip = true
     else
-      local e, discarded, more = nil, nil, false
-      if not s.empty then e, discarded, more = head(s) end
-      if discarded then return {'control', s[6], discarded} end
+      local e, discarded, kept, more = nil, nil, '', false
+      if not s.empty then e, discarded, kept, more = head(s) end
+      if discarded then  -- a kept marker counts its deliveries as an entry does
+        local attempts = kept ~= '' and redis.call('HINCRBY', s[2], kept, 1) or 0
+        return {'control', s[6], discarded, kept, attempts}
+      end
       if more then return {'again'} end
       if e and (not best_entry or id_less(e[1], best_entry[1])) then
         best, best_entry = i, e

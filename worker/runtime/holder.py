@@ -2,7 +2,8 @@
 
 drain():  step = acquire's first entry (what one entry becomes: ``EntryPolicy``, entry.py)
           loop: Entry -> handle() -> fenced commit (+ select next / release)
-                ControlReached (discard / delete marker) -> forget (delete) the session, next()
+                ControlReached (discard / new / delete marker) -> forget (fold, delete) the
+                  session, next() (which consumes a new or delete marker kept at the head)
                 More  -> next() over the grown stream set
                 Released / Lost -> done
 """
@@ -81,8 +82,15 @@ class SessionHolder(EntryPolicy):
                     self.members.add(step.member)
                     step = await self._process(step)
                 elif isinstance(step, ControlReached):
-                    await self.discarded(step.member, step.op)
-                    step = await self._next()
+                    self.members.add(step.member)  # (its stream: where next() consumes it)
+                    if step.attempts > self.rt.config.max_deliveries:
+                        log.error(
+                            "a %s of %s was reached %d times without taking effect: dropped",
+                            step.op, safe(step.member), step.attempts,
+                        )  # fmt: skip
+                    else:
+                        await self.discarded(step.member, step.op)
+                    step = await self._next(step)
                 elif isinstance(step, Again):  # bounded work per call: other clients between
                     if self.rt.turns.stopping:  # shutting down: hand the rest over
                         await self.rt.bus.release(self.key, self.token)
@@ -100,8 +108,8 @@ class SessionHolder(EntryPolicy):
         finally:
             await self.lease.stop()
 
-    async def _next(self) -> Step:
-        return await self.rt.bus.next(self.key, self.token, sorted(self.members))
+    async def _next(self, done: ControlReached | None = None) -> Step:
+        return await self.rt.bus.next(self.key, self.token, sorted(self.members), done=done)
 
     async def discarded(self, member: str, op: str = "discard") -> None:
         """A discard or delete reached stream ``member``: forget its session (a private one
