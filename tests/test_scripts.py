@@ -375,6 +375,26 @@ async def test_of_a_run_of_markers_the_last_delete_is_kept_and_consumed_once(
     assert not await redis.exists(bus.keys.inbound(K), bus.keys.control_hint(K))
 
 
+async def test_of_a_run_of_news_only_the_last_is_kept(redis: aioredis.Redis) -> None:
+    """new, new, new at the head: the first two are consumed (the last does what they do),
+    so each call reads the run once instead of re-reading the markers left behind the one
+    kept; the message after them comes next."""
+    bus = await _queued(redis)
+    client = FrontendClient(redis)
+    for op in ("new", "new", "new"):
+        await client.control(op, K)
+    await _queued(redis, "after the news")
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, ControlReached)
+    assert (got.step.op, got.step.attempts) == ("new", 1)
+    assert await redis.xlen(bus.keys.inbound(K)) == 2  # the last new and the message
+    assert int(await redis.get(bus.keys.control_hint(K)) or 0) == 1
+    after = await bus.next(K, got.token, [K], done=got.step)
+    assert isinstance(after, Entry)
+    assert json.loads(after.payload)["content"] == "after the news"
+
+
 async def test_acquire_acknowledges_its_notification_itself(redis: aioredis.Redis) -> None:
     await _queued(redis, "one")
     bus = RedisBus(redis)

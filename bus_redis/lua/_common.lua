@@ -138,7 +138,8 @@ end
 -- do, so the marker stays at the head until the holder's next call consumes it
 -- (`consume_marker`, next.lua): a holder that dies first leaves it for the next one. Of a
 -- run of markers, the last delete is the one kept (a delete also does what new and
--- discard do), else the first new; the markers before it are consumed.
+-- discard do), else the last new (two news in a row do what the second does); the
+-- markers before it are consumed, so a run of markers is read once, not once per marker.
 -- Returns the oldest real entry (or nil), the op reached (discard, new or delete; nil
 -- none), the id of the marker kept ('' none), and whether the batch ran out before a real
 -- entry or the end (the caller answers 'again').
@@ -151,7 +152,9 @@ local function head(s)
     if not op then entry = e break end
     run[#run + 1] = e[1]
     ops[#run] = op
-    if op == 'delete' or (op == 'new' and not keep) then keep = #run end
+    if op == 'delete' or (op == 'new' and (not keep or ops[keep] == 'new')) then
+      keep = #run
+    end
   end
   local upto = keep and keep - 1 or #run
   local discarded = nil
