@@ -239,12 +239,12 @@ class Keys:
 
     def release(self, key: str, lease: str) -> list[str]:
         """The KEYS of ``lua/release.lua`` for effective key ``K`` held under ``lease``: with
-        K's own inbound stream when K is one (every key but the unified one, under which
-        streams are folded)."""
+        K's own inbound stream, attempts hash and control hint when K is one (every key
+        but the unified one, under which streams are folded)."""
         channel = channel_of(key)
         keys = [lease, self.pending(key), self.ready(channel), self.leases(channel)]
         if channel != UNIFIED_CHANNEL:
-            keys.append(self.inbound(key))
+            keys += [self.inbound(key), self.attempts(key), self.control_hint(key)]
         return keys
 
     def deletion(self, session_key: str, lease: str, scope: str) -> list[str]:

@@ -123,7 +123,13 @@ class Private:
     """The notified stream is an open private session: acquire it under its own key."""
 
 
-AcquireResult = Acquired | Busy | Forward | Private
+@dataclass(frozen=True, slots=True)
+class Fold:
+    """The notified stream is no private session (any more) and streams are folded under
+    another key (unified mode): acquire it under that key."""
+
+
+AcquireResult = Acquired | Busy | Forward | Private | Fold
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from redis.exceptions import NoScriptError
 
 from bus_redis.mux import Multiplexed
 
-_WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers"})
+_WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers", "release"})
 SCRIPT_NAMES = (
     "acquire",
     "next",

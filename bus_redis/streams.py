@@ -29,6 +29,7 @@ from bus_redis.results import (
     Cached,
     CommitSpec,
     ControlReached,
+    Fold,
     Forward,
     Late,
     Lost,
@@ -208,6 +209,8 @@ class RedisBus(ReadyQueues):
         parts = texts(raw[:5])
         if parts[0] == "private":
             return Private()
+        if parts[0] == "fold":
+            return Fold()
         if parts[0] == "forward":
             return Forward(parts[1])
         if parts[0] == "busy" and parts[1] == f"{nonce}|{worker_id}":
@@ -258,10 +261,14 @@ class RedisBus(ReadyQueues):
         keys = [k.lease(key), k.pending(key), k.leases(channel_of(key))]
         return bool(await self.scripts.call("renew", keys, [token, self.lock_ttl_ms, key]))
 
-    async def release(self, key: str, token: str) -> bool:
-        """Give the lease up now; re-notify the key when streams are still pending."""
+    async def release(self, key: str, token: str, *, done: ControlReached | None = None) -> bool:
+        """Give the lease up now; re-notify the key when streams are still pending.
+        ``done``: a new or delete marker at the head of K's own stream the holder acted
+        on, consumed first."""
         keys = self.keys.release(key, self.keys.lease(key))
-        return bool(await self.scripts.call("release", keys, [token, key, READY_MAXLEN]))
+        marker = done.marker if done is not None and done.member == key else ""
+        args = [token, key, READY_MAXLEN, marker]
+        return bool(await self.scripts.call("release", keys, args))
 
     async def commit(
         self,

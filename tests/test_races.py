@@ -256,8 +256,9 @@ async def test_a_private_retry_never_takes_a_stream_folded_meanwhile(
     """Unified mode: the notification of S is answered 'private' (S is w1's private
     session). Before the worker retries with K = S, the private session ends (a discard
     drops the owner record) and another worker folds S under the unified key and selects
-    its entry. The retry is answered busy: never the same entry under S's own lease too."""
-    from bus_redis.results import Busy, Entry, Notification, Private
+    its entry. The retry is answered 'fold' (S is no private session any more), and the
+    acquire of the unified key then busy: never the same entry under S's own lease too."""
+    from bus_redis.results import Busy, Entry, Fold, Notification, Private
     from worker import AgentLoop, LoopConfig
 
     s = "web:s"
@@ -284,10 +285,77 @@ async def test_a_private_retry_never_takes_a_stream_folded_meanwhile(
     finally:
         await other.aclose()
         await bus.aclose()
-    assert [(key, type(got)) for key, got in seen] == [("unified:default", Private), (s, Busy)]
+    u = "unified:default"
+    assert [(key, type(got)) for key, got in seen] == [(u, Private), (s, Fold), (u, Busy)]
     assert isinstance(folded[0], Acquired)
     assert isinstance(folded[0].step, Entry)  # selected once: under the unified key
     assert not await redis.exists(bus.keys.lease(s))
+
+
+async def test_a_private_retry_when_the_unified_key_is_free_runs_under_it(
+    redis: aioredis.Redis,
+) -> None:
+    """Unified mode: the notification of S is answered 'private'; before the retry with
+    K = S the private session ends, and the unified key is free. The retry is answered
+    'fold' and the turn runs under the unified key: its history is the unified session's,
+    never a durable session stored under S (nor S's own lease taken)."""
+    from bus_redis.results import Fold, Notification, Private
+    from worker import AgentLoop, LoopConfig
+
+    s, u = "web:s", "unified:default"
+    await FrontendClient(redis).send(
+        InboundMessage(channel="web", sender_id="u", chat_id="s", content="hi")
+    )
+    bus = RedisBus(redis)
+    await redis.hset(bus.keys.owner(s), "worker", "w1")
+    loop = AgentLoop(bus, ScriptedProvider(["x"]), config=LoopConfig(unified_session=True))
+    real, seen = bus.acquire, []
+
+    async def acquire(key: str, *args: Any, **kw: Any) -> Any:
+        got = await real(key, *args, **kw)
+        seen.append((key, got))
+        if len(seen) == 1:  # between this answer and the retry: the private session ends
+            await redis.delete(bus.keys.owner(s))
+        return got
+
+    bus.acquire = acquire  # type: ignore[method-assign]
+    try:
+        await loop._serve_note(Notification(bus.keys.ready("web"), "", s))
+    finally:
+        await bus.aclose()
+    assert [(key, type(got)) for key, got in seen] == [(u, Private), (s, Fold), (u, Acquired)]
+    assert not await redis.exists(bus.keys.session(s), bus.keys.lease(s))
+    assert '"hi"' in str(await redis.hvals(bus.keys.session(u)))
+    assert await redis.xlen(bus.keys.inbound(s)) == 0
+
+
+async def test_after_a_private_session_ends_its_next_message_joins_the_unified_session(
+    redis_factory, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """Unified mode: a private session's stream is served under its own lease; a discard
+    ends the session, and a message sent after it without the override's requirement is
+    durable: it is answered in the unified session (stored there, never under the
+    stream's own key), the stream's holder having handed it over."""
+    from bus_redis import Keys
+
+    loop = make_loop(ScriptedProvider(["opened?", "durable answer"]), unified_session=True)
+    client = FrontendClient(redis_factory())
+    keys, s = Keys(), "web:p"
+    _, opened = await client.open_transient("web", "p", session_key=s)
+    await collect(client, "web", {opened})
+    private = {"session_key_override": s, "require_existing_session": True}
+    first = await client.send(_m("p", "a private message", id="e1", **private))
+    await collect(client, "web", {first})
+    await client.discard(s)
+    later = await client.send(_m("p", "a durable message", id="e2", session_key_override=s))
+    got = await collect(client, "web", {later})
+    assert got[later][-1].content == "durable answer"
+    await until(lambda: not loop.holders)
+    stored = str(await redis_factory().hvals(keys.session("unified:default")))
+    assert "a durable message" in stored
+    assert "durable answer" in stored
+    assert "a private message" not in stored
+    assert not await redis_factory().exists(keys.session(s))
 
 
 async def test_an_owner_whose_record_ran_out_never_takes_a_stream_folded_meanwhile(

@@ -117,6 +117,35 @@ async def test_new_folds_the_conversation_into_memory_then_starts_afresh(  # typ
     assert await redis.hget(K.session("web:n"), "count") == "2"
 
 
+async def test_new_in_unified_mode_starts_the_shared_conversation_afresh(  # type: ignore[no-untyped-def]
+    redis_factory, make_loop
+) -> None:
+    """Unified mode: a chat's history is the shared session's, so `new` on any chat folds
+    that session into memory and clears it (nanobot's /new there), not a session stored
+    under the chat's own key (there is none)."""
+    calls: list[list[dict[str, object]]] = []
+
+    async def answer(**kw: object) -> LLMResponse:
+        messages = kw["messages"]
+        calls.append(messages)  # type: ignore[arg-type]
+        if "Summarise" in str(messages[0]["content"]):  # type: ignore[index]
+            return LLMResponse(content="the user's name is Ada")
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer), unified_session=True)
+    redis = redis_factory()
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("a", "my name is Ada"), timeout_s=10)).content == "ok"
+    await client.new("web:b")  # another chat: the conversation is one
+    assert (await client.ask(_msg("b", "who am I?"), timeout_s=10)).content == "ok"
+    summary_call = next(c for c in calls if "Summarise" in str(c[0]["content"]))
+    assert "my name is Ada" in str(summary_call[1]["content"])
+    last = calls[-1]
+    assert "the user's name is Ada" in str(last[0]["content"])  # memory in the new prompt
+    assert [m["content"] for m in last[1:]] == ["who am I?"]  # the old rows are gone
+    assert await redis.hget(K.session("unified:default"), "count") == "2"
+
+
 async def test_new_keeps_the_conversation_when_the_summary_fails(  # type: ignore[no-untyped-def]
     redis_factory, make_loop
 ) -> None:

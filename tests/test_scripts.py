@@ -395,6 +395,26 @@ async def test_of_a_run_of_news_only_the_last_is_kept(redis: aioredis.Redis) -> 
     assert json.loads(after.payload)["content"] == "after the news"
 
 
+async def test_a_release_consumes_the_marker_its_holder_acted_on(redis: aioredis.Redis) -> None:
+    """A holder that gives S up right after a delete's effect (unified mode: S's private
+    session ended) consumes the kept marker in the release, fenced, and S is re-notified
+    for the message after it."""
+    bus = await _queued(redis)
+    await FrontendClient(redis).delete(K)
+    await _queued(redis, "after the delete")
+    got = await bus.acquire(K, "w1", member=K)
+    assert isinstance(got, Acquired)
+    assert isinstance(got.step, ControlReached)
+    ready = await redis.xlen(bus.keys.ready("web"))
+    assert not await bus.release(K, "other|w2", done=got.step)  # not ours: nothing done
+    assert await redis.xlen(bus.keys.inbound(K)) == 2
+    assert await bus.release(K, got.token, done=got.step)
+    assert await redis.xlen(bus.keys.inbound(K)) == 1  # the message, re-notified
+    assert await redis.xlen(bus.keys.ready("web")) == ready + 1
+    assert not await redis.exists(bus.keys.control_hint(K), bus.keys.lease(K))
+    assert not await redis.hexists(bus.keys.attempts(K), got.step.marker)
+
+
 async def test_acquire_acknowledges_its_notification_itself(redis: aioredis.Redis) -> None:
     await _queued(redis, "one")
     bus = RedisBus(redis)

@@ -22,6 +22,9 @@
 -- ARGV[16] S again (member of the stream keys)
 -- returns {'private'}                  K ~= S but S is an open private session: retry
 --                                      with K = S
+--       | {'fold'}                     K = S is folded under U (KEYS[9]) and S is no
+--                                      private session (no owner, none claimed): retry
+--                                      with K = U
 --       | {'forward', owner}           K belongs to another worker's private session
 --       | {'busy', holder}
 --       | {'acquired', token, version, generation, memory version, ahead, <next_or_release...>}
@@ -58,6 +61,11 @@ if ARGV[4] ~= '' and ARGV[3] ~= ARGV[4] then  -- S folded under K
     return {'busy', own}
   end
   redis.call('SADD', KEYS[2], ARGV[4])
+elseif ARGV[4] == ARGV[3] and KEYS[9] ~= KEYS[1] and not owner and ARGV[5] ~= '1' then
+  -- K = S, S is folded under the unified key U, and S is no private session (a retry
+  -- after 'private' whose session ended meanwhile): its durable turns are U's, never
+  -- stored under S's own lease
+  return {'fold'}
 elseif ARGV[4] == ARGV[3] and KEYS[9] ~= KEYS[1]
     and redis.call('SISMEMBER', KEYS[10], ARGV[4]) == 1 then
   -- K = S, and S is folded under the unified key U: while U is held, U's holder drains S

@@ -6,9 +6,15 @@
 -- itself (effective) when streams are pending under it.
 -- KEYS[1] lease  KEYS[2] pending  KEYS[3] ready stream of K's channel
 -- KEYS[4] lease registry of K's channel  KEYS[5] (optional) inbound stream of K = S
+-- KEYS[6] (with KEYS[5]) attempts hash of S  KEYS[7] its control hint
 -- ARGV[1] token  ARGV[2] K  ARGV[3] ready MAXLEN
+-- ARGV[4] (optional, with KEYS[5..7]) the id of a new or delete marker at the head of S
+--         the holder acted on: consumed first (as next.lua does)
 -- returns 1 released, 0 not ours
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if KEYS[7] and ARGV[4] and ARGV[4] ~= '' then
+  consume_marker({KEYS[5], KEYS[6], KEYS[7]}, ARGV[4])
+end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[4], ARGV[2])
 -- (a ready queue that takes no entry (junk): the sweeps find the key again)

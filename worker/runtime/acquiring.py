@@ -1,8 +1,8 @@
 """Acquiring leases: which key, which memory version, and waiting for a busy one.
 
 ``Acquirer.acquire`` takes the lease of an effective key for a notification (retrying
-with the stream's own key when acquire answers that the stream is a private session or
-has a holder of its own); ``acquire_blocking`` waits (with backoff) for a key held by a
+with the stream's own key when acquire answers that the stream is a private session, and
+with the unified key again when that private session ended meanwhile); ``acquire_blocking`` waits (with backoff) for a key held by a
 running turn, for the in-process API and consolidation.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bus_redis.results import Acquired, AcquireResult, Forward, Notification, Private
+from bus_redis.results import Acquired, AcquireResult, Fold, Forward, Notification, Private
 from session_store import OWNER_SCOPE, UNIFIED_SESSION_KEY
 from worker.runtime.context import Runtime
 from worker.runtime.outcomes import SessionNotActiveError
@@ -55,9 +55,12 @@ class Acquirer:
                 cached=rt.sessions.cached_for_acquire(key) if select and not transient else None,
                 fold=UNIFIED_SESSION_KEY if rt.config.unified_session else "",
             )
-            if not isinstance(result, Private):
+            if isinstance(result, Private):
+                key = member
+            elif isinstance(result, Fold):  # a private session that ended meanwhile
+                key = UNIFIED_SESSION_KEY
+            else:
                 return key, result, scope
-            key = member
 
     async def acquire_blocking(self, key: str) -> tuple[Acquired, str]:
         """Wait for the lease of ``key`` while another holder runs a turn."""

@@ -3,7 +3,8 @@
 drain():  step = acquire's first entry (what one entry becomes: ``EntryPolicy``, entry.py)
           loop: Entry -> handle() -> fenced commit (+ select next / release)
                 ControlReached (discard / new / delete marker) -> forget (fold, delete) the
-                  session, next() (which consumes a new or delete marker kept at the head)
+                  session, next() (which consumes a new or delete marker kept at the head);
+                  unified mode, a private session's own lease: release (re-notified)
                 More  -> next() over the grown stream set
                 Released / Lost -> done
 """
@@ -29,6 +30,7 @@ from bus_redis.results import (
     Released,
     Step,
 )
+from session_store import UNIFIED_SESSION_KEY
 from worker.jobs.consolidation import fold_into_memory
 from worker.runtime.context import Runtime
 from worker.runtime.entry import EntryPolicy
@@ -90,6 +92,11 @@ class SessionHolder(EntryPolicy):
                         )  # fmt: skip
                     else:
                         await self.discarded(step.member, step.op)
+                    if self._folds_again(step.member):
+                        # the private session this lease served ended: what S holds next
+                        # is durable, the unified session's to answer (re-notified)
+                        await self.rt.bus.release(self.key, self.token, done=step)
+                        break
                     step = await self._next(step)
                 elif isinstance(step, Again):  # bounded work per call: other clients between
                     if self.rt.turns.stopping:  # shutting down: hand the rest over
@@ -108,19 +115,34 @@ class SessionHolder(EntryPolicy):
         finally:
             await self.lease.stop()
 
+    def _folds_again(self, member: str) -> bool:
+        """Unified mode: a stream held under its own key (a private session) whose session
+        was just forgotten is folded under the unified key again."""
+        rt = self.rt
+        return (
+            rt.config.unified_session
+            and member == self.key != UNIFIED_SESSION_KEY
+            and not rt.sessions.is_transient(member)
+        )
+
     async def _next(self, done: ControlReached | None = None) -> Step:
         return await self.rt.bus.next(self.key, self.token, sorted(self.members), done=done)
 
     async def discarded(self, member: str, op: str = "discard") -> None:
-        """A discard or delete reached stream ``member``: forget its session (a private one
-        is gone); a delete also removes the stored session and its events, fenced by the
-        lease this holder runs under."""
+        """A discard, new or delete reached stream ``member``: forget its session (a private
+        one is gone); a delete also removes the stored session and its events, a new folds
+        the stored history into memory first (in unified mode the shared session's), fenced
+        by the lease this holder runs under."""
         owned = self.rt.turns.disown(member)
         self.rt.sessions.invalidate(member)
         if owned is not None:
             await self.rt.registry.drop_owner(member, self.rt.worker_id, owned)
+        # a new conversation starts where the chat's history is stored: in unified mode the
+        # shared session (nanobot's /new there); a delete removes the chat's own session
+        stored = self.key if op == "new" and self.key == UNIFIED_SESSION_KEY else member
         if op == "new" and owned is None:
-            folded = await fold_into_memory(self.rt, self.key, self.token, member)
+            self.rt.sessions.invalidate(stored)
+            folded = await fold_into_memory(self.rt, self.key, self.token, stored)
             if folded == "lost":
                 self.lease.lost = True
             if folded != "ok":
@@ -128,7 +150,7 @@ class SessionHolder(EntryPolicy):
             self.memory_scope = ""  # the next turn under this lease reads the folded memory
         if op in ("delete", "new") and owned is None:
             deleted = await self.rt.sessions.store.delete_held(
-                member, self.rt.bus.keys.lease(self.key), self.token
+                stored, self.rt.bus.keys.lease(self.key), self.token
             )
             if deleted < 0:
                 self.lease.lost = True
