@@ -74,6 +74,17 @@ class Keys:
         return f"{self.prefix}:discovery"
 
     @property
+    def mode(self) -> str:
+        """The session mode the workers on this Redis run in (per-session, single-owner,
+        unified): set by the first worker, checked by every later one."""
+        return f"{self.prefix}:mode"
+
+    @property
+    def jobs(self) -> str:
+        """The background job queue (arq's sorted set; arq's own keys are ``arq:*``)."""
+        return f"{self.prefix}:jobs"
+
+    @property
     def sweeper(self) -> str:
         """Short-lived lock: which worker runs the stranded-stream sweep this period."""
         return f"{self.prefix}:sweeper"

@@ -15,7 +15,8 @@ from gateway.settings import GatewaySettings
 EPILOG = """\
 configuration (environment; options override):
   AGENT_REDIS_URL / AGENT_GATEWAY_REDIS_URL   Redis URL, as the channel's gateway ACL user
-  AGENT_KEY_PREFIX                            key prefix (default agent)
+  AGENT_KEY_PREFIX / AGENT_GATEWAY_KEY_PREFIX key prefix (default agent)
+  AGENT_GATEWAY_HOST / AGENT_GATEWAY_PORT     where it listens (127.0.0.1 / 8080)
   AGENT_GATEWAY_CHANNEL                       the channel served (default web)
   AGENT_GATEWAY_FOLLOWUP                      double texting for messages naming none: inject,
                                               queue, interrupt or reject (default: the workers')
@@ -23,10 +24,14 @@ configuration (environment; options override):
   AGENT_GATEWAY_TOKENS_FILE                   a file of 'TOKEN USER' lines
   AGENT_GATEWAY_TRUSTED_PROXIES               addresses/networks whose user header is believed
   AGENT_GATEWAY_USER_HEADER                   that header (default X-Forwarded-User)
+  AGENT_GATEWAY_METRICS_NETWORKS              who may read /metrics (127.0.0.1/32,::1/128)
   AGENT_GATEWAY_TICKET_TTL_S                  lifetime of EventSource/WebSocket tickets (60)
   AGENT_GATEWAY_MAX_SESSIONS_PER_USER         durable chats per user (500)
   AGENT_GATEWAY_MAX_TEMPORARY_PER_USER        open temporary chats per user (5; more discards
                                               the oldest)
+  AGENT_GATEWAY_SESSION_TTL_S                 a chat whose session the workers no longer
+                                              store leaves its user's list this long after
+                                              its creation (7776000; 0: kept)
   AGENT_GATEWAY_MAX_WAITING_PER_CHAT          entries one chat may have waiting for the
                                               workers (10; more: 429)
   AGENT_GATEWAY_MAX_WAITING_CHATS_PER_USER    chats of one user with entries waiting (8)
@@ -45,6 +50,11 @@ configuration (environment; options override):
                                               one connection each
   AGENT_GATEWAY_TEMPORARY_DISABLED_TOOLS      tools a temporary chat never gets
                                               (create_goal,update_goal,spawn,cron)
+  AGENT_GATEWAY_KEEPALIVE_S                   an event stream's keep-alive comment (15)
+  AGENT_GATEWAY_SSE_RETRY_MS                  an EventSource's reconnect delay (2000)
+  AGENT_GATEWAY_WAIT_MAX_S                    the longest ?wait= or completion wait (120)
+  AGENT_GATEWAY_HISTORY_LIMIT                 the most messages a history read gives (200)
+  AGENT_GATEWAY_LOG_LEVEL                     log level (INFO)
 With no token and no trusted proxy configured every request is refused (401).
 Generate the Redis user with: agent-worker acl gateway --channel C --password PW
 """

@@ -115,3 +115,17 @@ def test_a_worker_may_not_take_the_name_of_a_hold_without_a_turn(
     with pytest.raises(ValidationError, match="is reserved"):
         Settings()
     assert LoopConfig(worker_id=f"{reserved}-1").worker_id == f"{reserved}-1"
+
+
+def test_an_agent_variable_no_setting_reads_is_named_but_tooling_variables_are_not() -> None:
+    from worker.cli.main import unknown_variables
+
+    env = {
+        "AGENT_MAX_ITERATION": "3",  # a typo of AGENT_MAX_ITERATIONS
+        "AGENT_MAX_ITERATIONS": "3",
+        "AGENT_FAULT_POINTS": "after_read",  # the crash tests' fault points
+        "AGENT_FAULT_STALL_S": "2",
+        "AGENT_GATEWAY_HOST": "127.0.0.1",
+        "PATH": "/bin",
+    }
+    assert unknown_variables(env) == ["AGENT_MAX_ITERATION"]

@@ -17,18 +17,22 @@ from worker.settings import Settings
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(
         "acl",
-        help="print the ACL SETUSER lines for a frontend or gateway (one channel) or workers",
+        help="print the ACL SETUSER lines for a frontend or gateway (one channel), workers, "
+        "or the admin (Redis's default user)",
         description="Print Redis commands (run them with redis-cli as an admin). A frontend "
         "user may publish, stop/discard and read events in its own channel only; the "
         "channel is also registered so that workers serve it. A gateway (agent-gateway) "
         "gets a frontend's grants plus read-only looks at its channel's sessions and its "
-        "own P:{C}:gw:* keys (docs/ACL.md).",
+        "own P:{C}:gw:* keys (docs/ACL.md). 'default' sets a password on Redis's default "
+        "user, the admin that runs these lines.",
     )
     common(p)
     p.add_argument("role", choices=["frontend", "gateway", "worker", "default"])
     p.add_argument("--channel", help="frontend / gateway: the channel it serves")
     p.add_argument("--password", required=True, help="the user's password (8+ characters)")
-    p.add_argument("--user", help="user name (default frontend-CHANNEL / agent-worker)")
+    p.add_argument(
+        "--user", help="user name (default frontend-CHANNEL / gateway-CHANNEL / agent-worker)"
+    )
     # role default: the admin's password (Redis's default user), for a deployment's start-up
     p.add_argument(
         "--apply",

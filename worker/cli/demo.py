@@ -26,7 +26,11 @@ CHANNEL = "demo"
 
 
 def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser("demo", help="run the embedded demo (own Redis, two workers, echo provider)")
+    p = sub.add_parser(
+        "demo",
+        help="run the embedded demo (own Redis, two workers, the echo provider, or the openai "
+        "one when OPENAI_API_KEY is set)",
+    )
     p.add_argument(
         "--keep",
         action="store_true",
@@ -144,7 +148,8 @@ async def _conversation(script: _Script, loops: list[AgentLoop], redis_url: str)
     await client.discard(key)
     await script.say("alice", "Are you still there?", session=key)
     print(
-        f"\nTry it yourself: agent-worker chat --redis-url {redis_url} --prefix demo (with demo --keep)"
+        f"\nTry it yourself: agent-worker chat --redis-url {redis_url} --prefix demo "
+        f"--channel {CHANNEL} (with demo --keep)"
     )
 
 

@@ -65,8 +65,9 @@ def load_settings(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-# AGENT_* names read by other parts (the gateway, the test and bench tooling)
-OTHER_AGENT_VARIABLES = ("AGENT_GATEWAY_", "AGENT_WORKER_PYTHON", "AGENT_TEST_")
+# AGENT_* names read by other parts (the gateway, the test and bench tooling, the fault
+# points the crash tests set: worker/runtime/faults.py)
+OTHER_AGENT_VARIABLES = ("AGENT_GATEWAY_", "AGENT_WORKER_PYTHON", "AGENT_TEST_", "AGENT_FAULT_")
 
 
 def unknown_variables(environ: dict[str, str]) -> list[str]:

@@ -16,6 +16,7 @@ from arq import create_pool
 from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
 
+from bus_redis.keys import Keys
 from worker.jobs.base import JobHandler
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 class ArqJobQueue:
     def __init__(self, redis_url: str, prefix: str) -> None:
         self.settings = RedisSettings.from_dsn(redis_url)
-        self.queue_name = f"{prefix}:jobs"
+        self.queue_name = Keys(prefix).jobs
         self.handlers: dict[str, JobHandler] = {}
         self._enqueue_pool: ArqRedis | None = None
         self._worker: Worker | None = None

@@ -90,7 +90,7 @@ async def check_can_serve(
     if alive and info and (info.get("host"), info.get("pid")) != me:
         raise _in_use(worker_id, info.get("host"), info.get("pid"))
     mode = "unified" if unified else "single-owner" if single_owner else "per-session"
-    key = f"{bus.keys.prefix}:mode"
+    key = bus.keys.mode
     await bus.redis.set(key, mode, nx=True)
     current = text(await bus.redis.get(key))
     if current != mode:
