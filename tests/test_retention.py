@@ -146,18 +146,34 @@ async def test_new_in_unified_mode_starts_the_shared_conversation_afresh(  # typ
     assert await redis.hget(K.session("unified:default"), "count") == "2"
 
 
-async def test_new_keeps_the_conversation_when_the_summary_fails(  # type: ignore[no-untyped-def]
+async def test_new_starts_afresh_when_the_summary_fails_and_archives_the_rows(  # type: ignore[no-untyped-def]
     redis_factory, make_loop
 ) -> None:
+    """As nanobot's /new: the conversation is cleared even when the summary fails; its
+    rows are kept, as they are, in the scope's history archive (a [RAW] entry) and the
+    memory is left as it was."""
+    prompts: list[list[dict[str, object]]] = []
+
     async def answer(**kw: object) -> LLMResponse:
-        if "Summarise" in str(kw["messages"][0]["content"]):  # type: ignore[index]
+        messages = kw["messages"]
+        if "Summarise" in str(messages[0]["content"]):  # type: ignore[index]
             raise RuntimeError("the model is down")
+        prompts.append(messages)  # type: ignore[arg-type]
         return LLMResponse(content="ok")
 
     make_loop(ScriptedProvider(handler=answer))
     redis = redis_factory()
     client = FrontendClient(redis)
+    await redis.hset(K.memory("web/scope:team"), mapping={"content": "likes tea", "version": 3})
     assert (await client.ask(_msg("k", "remember me"), timeout_s=10)).content == "ok"
     await client.new("web:k")
     assert (await client.ask(_msg("k", "still there?"), timeout_s=10)).content == "ok"
-    assert await redis.hget(K.session("web:k"), "count") == "4"  # nothing lost
+    assert [m["content"] for m in prompts[-1][1:]] == ["still there?"]  # a new conversation
+    assert await redis.hget(K.session("web:k"), "count") == "2"
+    assert await redis.hget(K.memory("web/scope:team"), "content") == "likes tea"
+    archive = await redis.xrange(K.memory_history("web/scope:team"))
+    assert len(archive) == 1
+    entry = archive[0][1]["entry"]
+    assert "[RAW] 2 messages" in entry
+    assert "user: remember me" in entry  # nothing lost
+    assert "assistant: ok" in entry

@@ -29,6 +29,7 @@ from worker.runtime.context import Runtime
 log = logging.getLogger(__name__)
 KEEP_RECENT = 8
 FOLD_ATTEMPTS = 3
+RAW_MAX_CHARS = 1 << 20  # a [RAW] archive entry at most (a long conversation's newest rows)
 JOB_NAME = "consolidate"
 PROMPT = (
     "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
@@ -53,7 +54,7 @@ async def fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
     budget = rt.config.memory_max_chars
     current = await rt.memory.read_memory(scope)
     version = rt.memory.version(scope)
-    text = "\n".join(f"{m.get('role')}: {m.get('content')}" for m in rows)
+    text = _transcript(rows)
     user = f"# Current memory\n{current or '(empty)'}\n\n# Conversation\n{text}"
     reply = await rt.provider.chat_with_retry(
         messages=[
@@ -65,6 +66,24 @@ async def fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
     memory, history = _read(reply.content or "", current)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
     return Fold(bounded(memory, budget), f"[{stamp}] {history}"[:1000], version)
+
+
+async def raw_fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
+    """When the summary failed: the memory as it is and the rows, as they are, as one
+    ``[RAW]`` entry of the scope's history archive (at most ``RAW_MAX_CHARS``, the newest
+    rows kept)."""
+    current = await rt.memory.read_memory(scope)
+    version = rt.memory.version(scope)
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
+    head = f"[{stamp}] [RAW] {len(rows)} messages\n"
+    text = _transcript(rows)
+    if len(text) > RAW_MAX_CHARS:
+        text = "(older rows cut)\n" + bounded(text, RAW_MAX_CHARS)
+    return Fold(current or "", head + text, version)
+
+
+def _transcript(rows: list[dict[str, Any]]) -> str:
+    return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in rows)
 
 
 def _read(content: str, current: str) -> tuple[str, str]:
@@ -159,8 +178,9 @@ class Consolidator:
 async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> str:
     """``new`` (nanobot's ``/new``): the rows of stored session ``member`` not consolidated
     yet are folded into its scope's long-term memory, fenced by the lease of ``key`` the
-    caller holds, before the session is deleted. ``'ok'`` (nothing to fold counts),
-    ``'failed'`` (the fold failed: keep the session) or ``'lost'`` (the lease)."""
+    caller holds, before the session is deleted; when the summary fails, the rows are
+    archived as they are (``raw_fold``, nanobot's raw archive). ``'ok'`` (nothing to fold
+    counts), ``'failed'`` (nothing could be written: keep the session) or ``'lost'``."""
     for _ in range(FOLD_ATTEMPTS):
         session = await rt.sessions.store.load(member)
         if session is None or not session.scope:
@@ -170,10 +190,15 @@ async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> st
             return "ok"
         try:
             folded = await fold(rt, session.scope, rows)
-        except Exception as exc:
-            log.warning("new conversation in %s: summary failed (%s); session kept",
-                        safe(member), type(exc).__name__)  # fmt: skip
-            return "failed"
+        except Exception as exc:  # nanobot's raw archive: the rows as they are, not lost
+            log.warning("new conversation in %s: summary failed (%s); its rows are archived "
+                        "as they are", safe(member), type(exc).__name__)  # fmt: skip
+            try:
+                folded = await raw_fold(rt, session.scope, rows)
+            except Exception as raw_exc:
+                log.warning("new conversation in %s: archiving failed (%s); session kept",
+                            safe(member), type(raw_exc).__name__)  # fmt: skip
+                return "failed"
         session.last_consolidated = len(session.messages)
         result = await rt.bus.consolidate(
             key,

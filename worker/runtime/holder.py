@@ -146,7 +146,7 @@ class SessionHolder(EntryPolicy):
             if folded == "lost":
                 self.lease.lost = True
             if folded != "ok":
-                return  # kept: better an old conversation than a lost one
+                return  # nothing written (not even the rows as they are): kept, not lost
             self.memory_scope = ""  # the next turn under this lease reads the folded memory
         if op in ("delete", "new") and owned is None:
             deleted = await self.rt.sessions.store.delete_held(
