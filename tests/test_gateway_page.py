@@ -96,7 +96,8 @@ def test_send_stream_stop_and_a_temporary_chat(browser: Any, stack: Stack) -> No
     page = _page(browser, stack, ALICE_TOKEN)
     _say(page, "hello page")
     _assistant(page, "re: hello page").wait_for()
-    assert page.locator("[data-testid=session]").count() == 1
+    # the list is refreshed beside the send, not before the answer: it may come after it
+    _until(page, "document.querySelectorAll('[data-testid=session]').length === 1")
     hostile = "<b>bold</b><img src=x onerror=window.pwned=1>"
     _say(page, hostile)
     _assistant(page, "re: <b>bold</b>").wait_for()
