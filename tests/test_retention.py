@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
@@ -15,6 +16,7 @@ from replies import wait_until_async
 from bus_redis import FrontendClient, InboundMessage, Keys
 from session_store import RedisSessionStore
 from worker.agent.providers import LLMResponse
+from worker.jobs.consolidation import RAW_MAX_BYTES, raw_fold
 
 K = Keys()
 
@@ -177,3 +179,29 @@ async def test_new_starts_afresh_when_the_summary_fails_and_archives_the_rows(  
     assert "[RAW] 2 messages" in entry
     assert "user: remember me" in entry  # nothing lost
     assert "assistant: ok" in entry
+
+
+async def test_a_raw_archive_entry_keeps_the_newest_rows_within_its_bound() -> None:
+    """A [RAW] entry is one script argument: at most RAW_MAX_BYTES of UTF-8 (the compose
+    file's proto-max-bulk-len is 1 MB), the newest rows kept from a whole line on."""
+
+    class Memory:
+        async def read_memory(self, scope: str) -> str:
+            return "likes tea"
+
+        def version(self, scope: str) -> int:
+            return 7
+
+    rt = SimpleNamespace(memory=Memory())
+    rows = [{"role": "user", "content": f"row {i} " + "é" * 1000} for i in range(600)]
+    folded = await raw_fold(rt, "web/scope:team", rows)  # type: ignore[arg-type]
+    head, _, body = folded.history.partition("\n")
+    assert head.endswith("[RAW] 600 messages")
+    assert len(body.encode()) <= RAW_MAX_BYTES + len("(older rows cut)\n")
+    assert body.startswith("(older rows cut)\nuser: row ")  # a whole row first
+    assert body.endswith("row 599 " + "é" * 1000)
+    assert (folded.memory, folded.memory_version) == ("likes tea", 7)
+    small = await raw_fold(rt, "web/scope:team", rows[:2])  # type: ignore[arg-type]
+    assert small.history.partition("\n")[2] == "\n".join(
+        f"user: row {i} " + "é" * 1000 for i in range(2)
+    )

@@ -29,7 +29,9 @@ from worker.runtime.context import Runtime
 log = logging.getLogger(__name__)
 KEEP_RECENT = 8
 FOLD_ATTEMPTS = 3
-RAW_MAX_CHARS = 1 << 20  # a [RAW] archive entry at most (a long conversation's newest rows)
+# a [RAW] archive entry at most, in UTF-8 bytes (a long conversation's newest rows): well
+# under the compose file's proto-max-bulk-len of 1 MB, which a script argument must meet
+RAW_MAX_BYTES = 512 * 1024
 JOB_NAME = "consolidate"
 PROMPT = (
     "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
@@ -70,15 +72,17 @@ async def fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
 
 async def raw_fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
     """When the summary failed: the memory as it is and the rows, as they are, as one
-    ``[RAW]`` entry of the scope's history archive (at most ``RAW_MAX_CHARS``, the newest
+    ``[RAW]`` entry of the scope's history archive (at most ``RAW_MAX_BYTES``, the newest
     rows kept)."""
     current = await rt.memory.read_memory(scope)
     version = rt.memory.version(scope)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
     head = f"[{stamp}] [RAW] {len(rows)} messages\n"
     text = _transcript(rows)
-    if len(text) > RAW_MAX_CHARS:
-        text = "(older rows cut)\n" + bounded(text, RAW_MAX_CHARS)
+    raw = text.encode()
+    if len(raw) > RAW_MAX_BYTES:  # the newest bytes, from the first whole line among them
+        tail = raw[-RAW_MAX_BYTES:].decode(errors="ignore")
+        text = "(older rows cut)\n" + tail.partition("\n")[2]
     return Fold(current or "", head + text, version)
 
 
