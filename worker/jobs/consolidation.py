@@ -31,7 +31,7 @@ KEEP_RECENT = 8
 FOLD_ATTEMPTS = 3
 # a [RAW] archive entry at most, in UTF-8 bytes (a long conversation's newest rows): well
 # under the compose file's proto-max-bulk-len of 1 MB, which a script argument must meet
-RAW_MAX_BYTES = 512 * 1024
+RAW_MAX_BYTES = 128 * 1024  # about the unconsolidated window (AGENT_CONSOLIDATE_ABOVE_TOKENS)
 JOB_NAME = "consolidate"
 PROMPT = (
     "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
