@@ -201,6 +201,14 @@ async def test_a_raw_archive_entry_keeps_the_newest_rows_within_its_bound() -> N
     assert body.startswith("(older rows cut)\nuser: row ")  # a whole row first
     assert body.endswith("row 599 " + "é" * 1000)
     assert (folded.memory, folded.memory_version) == ("likes tea", 7)
+    huge = [rows[0], {"role": "user", "content": "x" * (2 * RAW_MAX_BYTES) + "the end"}]
+    alone = (await raw_fold(rt, "web/scope:team", huge)).history  # type: ignore[arg-type]
+    assert (
+        alone.partition("\n")[2]
+        == "(older rows cut)\n"
+        + ("x" * 2 * RAW_MAX_BYTES)[-(RAW_MAX_BYTES - len("the end")) :]
+        + "the end"
+    )  # the newest row alone over the bound: its newest part, not nothing
     small = await raw_fold(rt, "web/scope:team", rows[:2])  # type: ignore[arg-type]
     assert small.history.partition("\n")[2] == "\n".join(
         f"user: row {i} " + "é" * 1000 for i in range(2)

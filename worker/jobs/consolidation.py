@@ -81,8 +81,10 @@ async def raw_fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
     text = _transcript(rows)
     raw = text.encode()
     if len(raw) > RAW_MAX_BYTES:  # the newest bytes, from the first whole line among them
-        tail = raw[-RAW_MAX_BYTES:].decode(errors="ignore")
-        text = "(older rows cut)\n" + tail.partition("\n")[2]
+        tail = raw[-RAW_MAX_BYTES:].decode(errors="ignore")  # (a character cut: dropped)
+        _, newline, rest = tail.partition("\n")
+        # the newest row alone over the bound: its newest part, rather than nothing
+        text = "(older rows cut)\n" + (rest if newline and rest else tail)
     return Fold(current or "", head + text, version)
 
 
