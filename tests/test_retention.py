@@ -16,7 +16,7 @@ from replies import wait_until_async
 from bus_redis import FrontendClient, InboundMessage, Keys
 from session_store import RedisSessionStore
 from worker.agent.providers import LLMResponse
-from worker.jobs.consolidation import RAW_MAX_BYTES, raw_fold
+from worker.jobs.consolidation import RAW_CUT, RAW_MAX_BYTES, raw_fold
 
 K = Keys()
 
@@ -182,8 +182,9 @@ async def test_new_starts_afresh_when_the_summary_fails_and_archives_the_rows(  
 
 
 async def test_a_raw_archive_entry_keeps_the_newest_rows_within_its_bound() -> None:
-    """A [RAW] entry is one script argument: at most RAW_MAX_BYTES of UTF-8 (the compose
-    file's proto-max-bulk-len is 1 MB), the newest rows kept from a whole line on."""
+    """A [RAW] entry is one script argument: at most RAW_MAX_BYTES of UTF-8 in all (the
+    compose file's proto-max-bulk-len is 1 MB), the transcript's newest bytes kept, never
+    half a character, and never nothing (a newest row alone over the bound)."""
 
     class Memory:
         async def read_memory(self, scope: str) -> str:
@@ -197,18 +198,17 @@ async def test_a_raw_archive_entry_keeps_the_newest_rows_within_its_bound() -> N
     folded = await raw_fold(rt, "web/scope:team", rows)  # type: ignore[arg-type]
     head, _, body = folded.history.partition("\n")
     assert head.endswith("[RAW] 600 messages")
-    assert len(body.encode()) <= RAW_MAX_BYTES + len("(older rows cut)\n")
-    assert body.startswith("(older rows cut)\nuser: row ")  # a whole row first
+    assert RAW_MAX_BYTES - 1 <= len(folded.history.encode()) <= RAW_MAX_BYTES  # (é: 2 bytes)
+    assert body.startswith(RAW_CUT)
     assert body.endswith("row 599 " + "é" * 1000)
     assert (folded.memory, folded.memory_version) == ("likes tea", 7)
+    exact = [{"role": "user", "content": "y" * RAW_MAX_BYTES}]  # with its header: over
+    assert len((await raw_fold(rt, "s", exact)).history.encode()) == RAW_MAX_BYTES  # type: ignore[arg-type]
     huge = [rows[0], {"role": "user", "content": "x" * (2 * RAW_MAX_BYTES) + "the end"}]
     alone = (await raw_fold(rt, "web/scope:team", huge)).history  # type: ignore[arg-type]
-    assert (
-        alone.partition("\n")[2]
-        == "(older rows cut)\n"
-        + ("x" * 2 * RAW_MAX_BYTES)[-(RAW_MAX_BYTES - len("the end")) :]
-        + "the end"
-    )  # the newest row alone over the bound: its newest part, not nothing
+    assert len(alone.encode()) == RAW_MAX_BYTES
+    assert alone.partition("\n")[2].startswith(RAW_CUT + "xxx")
+    assert alone.endswith("x" * 1000 + "the end")  # its newest part, not nothing
     small = await raw_fold(rt, "web/scope:team", rows[:2])  # type: ignore[arg-type]
     assert small.history.partition("\n")[2] == "\n".join(
         f"user: row {i} " + "é" * 1000 for i in range(2)

@@ -32,6 +32,7 @@ FOLD_ATTEMPTS = 3
 # a [RAW] archive entry at most, in UTF-8 bytes (a long conversation's newest rows): well
 # under the compose file's proto-max-bulk-len of 1 MB, which a script argument must meet
 RAW_MAX_BYTES = 128 * 1024  # about the unconsolidated window (AGENT_CONSOLIDATE_ABOVE_TOKENS)
+RAW_CUT = "(older part cut)\n"  # where a [RAW] entry's transcript starts when it was cut
 JOB_NAME = "consolidate"
 PROMPT = (
     "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
@@ -72,19 +73,19 @@ async def fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
 
 async def raw_fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
     """When the summary failed: the memory as it is and the rows, as they are, as one
-    ``[RAW]`` entry of the scope's history archive (at most ``RAW_MAX_BYTES``, the newest
-    rows kept)."""
+    ``[RAW]`` entry of the scope's history archive: at most ``RAW_MAX_BYTES`` of UTF-8 in
+    all, the transcript's newest bytes kept when it is longer (from wherever the cut falls:
+    a newest row longer than the bound keeps its newest part)."""
     current = await rt.memory.read_memory(scope)
     version = rt.memory.version(scope)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
     head = f"[{stamp}] [RAW] {len(rows)} messages\n"
     text = _transcript(rows)
     raw = text.encode()
-    if len(raw) > RAW_MAX_BYTES:  # the newest bytes, from the first whole line among them
-        tail = raw[-RAW_MAX_BYTES:].decode(errors="ignore")  # (a character cut: dropped)
-        _, newline, rest = tail.partition("\n")
-        # the newest row alone over the bound: its newest part, rather than nothing
-        text = "(older rows cut)\n" + (rest if newline and rest else tail)
+    room = RAW_MAX_BYTES - len(head.encode())
+    if len(raw) > room:  # a character the cut splits is dropped (errors="ignore")
+        room -= len(RAW_CUT.encode())
+        text = RAW_CUT + raw[-room:].decode(errors="ignore")
     return Fold(current or "", head + text, version)
 
 
