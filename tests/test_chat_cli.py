@@ -17,6 +17,9 @@ from collections.abc import Callable
 import pytest
 from helpers import run_cli
 
+from bus_redis import FrontendClient, Keys
+from worker.cli.frontend import _Chat
+
 pytestmark = pytest.mark.real_redis
 
 
@@ -237,3 +240,18 @@ def test_bad_keys_and_scopes_are_refused_in_one_line() -> None:
         assert res.returncode == 2, args
         assert res.stderr.count("\n") == 1, args
         assert res.stderr.startswith("agent-worker: "), args
+
+
+async def test_new_in_a_private_session_publishes_a_discard(redis) -> None:  # type: ignore[no-untyped-def]
+    """/new in a private session is its discard, and says so on the wire: a `new` on the
+    private key could be applied to a shared session once the private one has ended
+    (unified mode); in the stored chat it stays a `new`."""
+    chat, keys = _Chat(FrontendClient(redis), "cli", "walk"), Keys()
+    chat.transient = "cli:walk-private-abc123"
+    assert await chat.handle("/new")
+    assert chat.transient is None
+    marker = await redis.xrange(keys.inbound("cli:walk-private-abc123"))
+    assert [fields for _id, fields in marker] == [{"control": "discard"}]
+    assert await chat.handle("/new")
+    marker = await redis.xrange(keys.inbound("cli:walk"))
+    assert [fields for _id, fields in marker] == [{"control": "new"}]

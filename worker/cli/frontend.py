@@ -234,11 +234,12 @@ class _Chat:
             print(f"[back to {self.session_key}]")
         elif line == "/new":
             key = self.session_key
-            await self.client.new(key)
-            if self.transient is not None:
-                self.transient = None
+            if self.transient is not None:  # a private session's new is its discard: said
+                await self.client.discard(key)  # so, never a `new` a worker could apply to
+                self.transient = None  # a shared session once the private one has ended
                 print(f"[private session {key} discarded; back to {self.session_key}]")
             else:
+                await self.client.new(key)
                 print(f"[new conversation in {key}: the previous one goes into long-term memory]")
         elif line in ("/stop", "/discard"):
             op, key = line[1:], self.session_key
@@ -249,6 +250,7 @@ class _Chat:
                 self.transient = None
                 print(f"[private session {key} discarded; back to {self.session_key}]")
             else:
+                await self.client.new(key)
                 print(
                     f"[discard sent for {key}: workers forget their copy; its history stays stored]"
                 )
