@@ -252,6 +252,7 @@ async def test_new_in_a_private_session_publishes_a_discard(redis) -> None:  # t
     assert chat.transient is None
     marker = await redis.xrange(keys.inbound("cli:walk-private-abc123"))
     assert [fields for _id, fields in marker] == [{"control": "discard"}]
+    assert await chat.handle("/discard")  # in the stored chat: a discard, nothing else
     assert await chat.handle("/new")
     marker = await redis.xrange(keys.inbound("cli:walk"))
-    assert [fields for _id, fields in marker] == [{"control": "new"}]
+    assert [fields for _id, fields in marker] == [{"control": "discard"}, {"control": "new"}]

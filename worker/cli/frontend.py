@@ -250,7 +250,6 @@ class _Chat:
                 self.transient = None
                 print(f"[private session {key} discarded; back to {self.session_key}]")
             else:
-                await self.client.new(key)
                 print(
                     f"[discard sent for {key}: workers forget their copy; its history stays stored]"
                 )
