@@ -119,7 +119,8 @@ async def control(args: argparse.Namespace, settings: Settings) -> int:
 HELP = """commands:
   /temp      open a private session (never stored; gone when discarded or its worker leaves)
   /durable   back to the stored chat
-  /new       start a fresh conversation (the previous one is summarised into memory)
+  /new       start a fresh conversation (the previous one is summarised into memory;
+             in a private session: discard it)
   /stop      stop the running turn (messages queued before it are cancelled too)
   /discard   forget the current session (a private one is gone; a stored one keeps its history)
   /help      this list
