@@ -236,6 +236,13 @@ class Keys:
         """Content-free owner record of a transient session (hash, TTL)."""
         return _session_key(self.prefix, "owner", session_key)
 
+    def private_mark(self, session_key: str) -> str:
+        """Content-free string with a TTL: the session was opened private. Set before
+        the opening commit, renewed with the owner record and kept for
+        ``Retention.private_mark_ms`` after the session ends, so that a ``new`` reached on
+        its stream then is a discard, never a fold of the shared session (unified mode)."""
+        return _session_key(self.prefix, "private", session_key)
+
     def journal(self, session_key: str) -> str:
         """Hash: the tool journal of the turn running under effective key K (worker-only)."""
         return _session_key(self.prefix, "journal", session_key)

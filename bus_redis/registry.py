@@ -81,20 +81,32 @@ class Registry:
         return await self.registered_channels() | await self.discover_channels(steps=None)
 
     # --- transient owners -----------------------------------------------------------
+    def _owner_keys(self, key: str) -> list[str]:
+        k = self.keys
+        return [k.owner(key), k.owners(channel_of(key)), k.out(key), k.private_mark(key)]
+
     async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:
-        keys = [self.keys.owner(key), self.keys.owners(channel_of(key)), self.keys.out(key)]
-        args = ["renew", worker_id, member, self.bus.owner_ttl_ms]
-        return bool(await self.bus.scripts.call("owner", keys, args))
+        args = ["renew", worker_id, member, self.bus.owner_ttl_ms, self._mark_ms]
+        return bool(await self.bus.scripts.call("owner", self._owner_keys(key), args))
 
     async def drop_owner(self, key: str, worker_id: str, member: str) -> None:
-        keys = [self.keys.owner(key), self.keys.owners(channel_of(key)), self.keys.out(key)]
-        await self.bus.scripts.call("owner", keys, ["drop", worker_id, member, 0])
+        args = ["drop", worker_id, member, 0, self._mark_ms]
+        await self.bus.scripts.call("owner", self._owner_keys(key), args)
 
     async def abandon_owner(self, key: str, worker_id: str) -> None:
         """Delete our owner record but keep its registry entry, so that
         :meth:`report_owner_lost` tells the frontend."""
-        keys = [self.keys.owner(key), self.keys.owners(channel_of(key)), self.keys.out(key)]
-        await self.bus.scripts.call("owner", keys, ["abandon", worker_id, "", 0])
+        args = ["abandon", worker_id, "", 0, self._mark_ms]
+        await self.bus.scripts.call("owner", self._owner_keys(key), args)
+
+    @property
+    def _mark_ms(self) -> int:
+        return self.bus.retention.private_mark_ms
+
+    async def was_private(self, key: str) -> bool:
+        """Whether ``key`` was opened as a private session (its mark outlives it by
+        ``Retention.private_mark_ms``)."""
+        return bool(await self.redis.exists(self.keys.private_mark(key)))
 
     async def due_owners(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
         now_ms = int(time.time() * 1000)

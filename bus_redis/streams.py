@@ -55,6 +55,9 @@ class Retention:
     maxlen: int = 1000
     ttl_ms: int = 3_600_000
     transient_ttl_ms: int = 60_000
+    # a private session's mark outlives it this long (0: kept), as long as an idle durable
+    # session is kept (AGENT_SESSION_TTL_S)
+    private_mark_ms: int = 90 * 86_400_000
 
 
 class _Channel:
@@ -283,6 +286,8 @@ class RedisBus(ReadyQueues):
         Returns ``(version, generation, step)``; version -1 when nothing was written: the
         lease was lost (``Lost``) or a message arrived after ``spec.late_after`` (``Late``)."""
         r = self.retention
+        if spec.owner_op == "set":  # a private session opens: marked first, never after
+            await self.mark_private(spec.member)
         skeys, sargs = self._streams(select or [])
         n, m = self.names(key), self.names(spec.member)
         index = n.channel.sessions_index
@@ -305,6 +310,14 @@ class RedisBus(ReadyQueues):
         if parts[0] == "late":
             return -1, "", Late()
         return int(parts[1]), parts[2], parse_step(raw[3:])
+
+    async def mark_private(self, member: str) -> None:
+        """Mark stream ``member`` as a private session's (see ``Keys.private_mark``); a
+        mark left by an opening that was never committed makes only a ``new`` a discard."""
+        ms = self.retention.private_mark_ms
+        await self.redis.set(
+            self.keys.private_mark(member), "1", px=ms + self.owner_ttl_ms if ms else None
+        )
 
     async def emit(
         self, key: str, token: str, member: str, payload: str, *, transient: bool

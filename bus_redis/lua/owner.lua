@@ -1,8 +1,14 @@
 -- owner: renew or drop the owner record of a transient session.
 -- KEYS[1] owner  KEYS[2] owners registry  KEYS[3] the session's event stream
+-- KEYS[4] the session's private mark (content-free: it was opened private)
 -- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry)
 -- ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
+-- ARGV[5] how long the mark outlives the session, ms (0: kept)
 -- returns 1 done, 0 the record is not ours (renew: it expired or moved)
+-- The mark is renewed with the record (a session that predates it gets one) and set to
+-- outlive the session by ARGV[5] when it ends: a `new` reached on its stream later (a
+-- crash between the record's drop and the marker's consumption, a frontend's /new after
+-- the session was closed) is a discard, never a fold of the shared unified session.
 -- The private session ends with 'drop' (discarded) and 'abandon' (closed, its worker
 -- leaves): its events are deleted with it, so none of its text outlives it in Redis
 -- (an XDEL'd event's bytes stay in the stream's memory while its node has live entries).
@@ -23,11 +29,21 @@ local function empty_events(key)
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('DEL', key) end
 end
 
+local function mark(extra_ms)
+  local ms = tonumber(ARGV[5])
+  if ms > 0 then
+    redis.call('SET', KEYS[4], '1', 'PX', ms + extra_ms)
+  else
+    redis.call('SET', KEYS[4], '1')
+  end
+end
+
 local cur = redis.call('HGET', KEYS[1], 'worker')
 if ARGV[1] == 'abandon' then
   if cur == ARGV[2] then
     redis.call('DEL', KEYS[1])
     empty_events(KEYS[3])
+    mark(0)
   end
   return 1
 end
@@ -35,6 +51,7 @@ if ARGV[1] == 'drop' then
   if cur == ARGV[2] then
     redis.call('DEL', KEYS[1])
     empty_events(KEYS[3])
+    mark(0)
   end
   redis.call('ZREM', KEYS[2], ARGV[3])
   return 1
@@ -43,5 +60,6 @@ if cur ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+mark(tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
 return 1

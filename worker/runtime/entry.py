@@ -165,7 +165,7 @@ class EntryPolicy(Held):
         if op.scope is not None:
             session.scope = self.rt.scope_for(op.channel, op.scope, op.sender_id)
         member = owner_member(key, op.channel, op.chat_id)
-        self.rt.turns.own(key, member)
+        self.rt.turns.own(key, member, opening=True)
         spec.owner_op, spec.owner_member, spec.transient = "set", member, True
         out = OutboundMessage(
             type="message",

@@ -140,6 +140,8 @@ class SessionHolder(EntryPolicy):
         # a new conversation starts where the chat's history is stored: in unified mode the
         # shared session (nanobot's /new there); a delete removes the chat's own session
         stored = self.key if op == "new" and self.key == UNIFIED_SESSION_KEY else member
+        if owned is None and stored != member and await self.rt.registry.was_private(member):
+            return  # a private session's new is a discard, also once it ended
         if op == "new" and owned is None:
             self.rt.sessions.invalidate(stored)
             folded = await fold_into_memory(self.rt, self.key, self.token, stored)
@@ -306,6 +308,9 @@ class SessionHolder(EntryPolicy):
             if not self.transient:
                 rt.sessions.invalidate(self.key)
             raise
+        finally:
+            if spec.owner_op == "set":  # the record is written (or never will be by it)
+                rt.turns.opened(spec.member)
         if isinstance(step, Late):  # nothing written: the turn goes on
             return version, step
         if version < 0:

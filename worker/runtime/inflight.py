@@ -35,6 +35,7 @@ class TurnRegistry:
         self._slots: dict[str, Slot] = {}
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
         self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
+        self._opening: set[str] = set()  # transient keys whose opening commit is on its way
         # per channel: controls with no slot yet (session -> when)
         self._recent: dict[str, OrderedDict[str, float]] = {}
         self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
@@ -131,9 +132,19 @@ class TurnRegistry:
         return len(self._slots)
 
     # --- transient sessions this worker owns -------------------------------------------
-    def own(self, key: str, member: str) -> None:
+    def own(self, key: str, member: str, *, opening: bool = False) -> None:
+        """``opening``: its owner record is written by a commit still to come (until
+        :meth:`opened`, a renewal that finds no record is no sign of its loss)."""
         self._owned[key] = member
         self._used[key] = time.monotonic()
+        if opening:
+            self._opening.add(key)
+
+    def opened(self, key: str) -> None:
+        self._opening.discard(key)
+
+    def is_opening(self, key: str) -> bool:
+        return key in self._opening
 
     def touch(self, key: str) -> None:
         if key in self._owned:
@@ -146,6 +157,7 @@ class TurnRegistry:
 
     def disown(self, key: str) -> str | None:
         self._used.pop(key, None)
+        self._opening.discard(key)
         return self._owned.pop(key, None)
 
     def owned(self) -> dict[str, str]:

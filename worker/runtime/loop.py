@@ -79,7 +79,10 @@ class AgentLoop:
         # one source of timings: the loop's config decides the bus's lease and retention
         bus.lock_ttl_ms, bus.owner_ttl_ms = config.lock_ttl_ms, config.owner_ttl_ms
         bus.retention = Retention(
-            config.reply_maxlen, config.reply_ttl_ms, config.transient_reply_ttl_ms
+            config.reply_maxlen,
+            config.reply_ttl_ms,
+            config.transient_reply_ttl_ms,
+            int(config.session_ttl_s * 1000),
         )
         self.worker_id = config.worker_id
         self.rt = Runtime.build(

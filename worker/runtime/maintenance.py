@@ -90,8 +90,8 @@ class Maintenance:
             await self.close_private(key, "the private session was closed after being idle")
         for key, member in rt.turns.owned().items():
             if not await rt.registry.renew_owner(key, rt.worker_id, member):
-                if key in rt.turns.running():  # its opening commit may be on its way
-                    continue
+                if key in rt.turns.running() or rt.turns.is_opening(key):
+                    continue  # its opening commit is on its way
                 log.warning("owner record of a transient session expired; session dropped")
                 rt.forget(key)
         await self.check_owned()

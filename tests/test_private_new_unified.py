@@ -1,0 +1,175 @@
+"""Unified mode: a `new` published on a private chat's key is a discard of that private
+session, also once the session has ended (closed when idle, its worker gone): it never
+reaches the shared conversation every other chat stores under `unified:default`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from replies import collect, wait_until_async
+
+from bus_redis import FrontendClient, InboundMessage, Keys
+from worker.agent.providers import LLMResponse
+
+K = Keys()
+UNIFIED = "unified:default"
+
+
+def _msg(chat: str, text: str, **kw: object) -> InboundMessage:
+    return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, **kw)  # type: ignore[arg-type]
+
+
+async def test_new_on_an_ended_private_key_leaves_the_shared_conversation(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    summaries: list[str] = []
+
+    async def answer(**kw: object) -> LLMResponse:
+        messages = kw["messages"]
+        if "Summarise" in str(messages[0]["content"]):  # type: ignore[index]
+            summaries.append(str(messages))
+            return LLMResponse(content="the user's name is Ada")
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True)
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("a", "my name is Ada"), timeout_s=10)).content == "ok"
+    key, _ = await client.open_transient("web", "p", session_key="web:p")
+    private = {"session_key_override": key, "require_existing_session": True}
+    assert (await client.ask(_msg("p", "a secret", **private), timeout_s=10)).content == "ok"
+
+    await loop.maintenance.close_private(key, "idle")  # the private session ends
+    assert key not in loop.turns.owned()
+
+    async def lease_free() -> bool:  # the marker is then reached under the unified key
+        return not await redis.exists(K.lease(key))
+
+    assert await wait_until_async(lease_free, timeout_s=10)
+    await client.new(key)  # a frontend that publishes `new` for a private chat's /new
+
+    async def marker_reached() -> bool:
+        return not await redis.xlen(K.inbound(key))
+
+    assert await wait_until_async(marker_reached, timeout_s=10)
+    assert (await client.ask(_msg("a", "who am I?"), timeout_s=10)).content == "ok"
+    rows = " ".join(await redis.hvals(K.session(UNIFIED)))
+    assert "my name is Ada" in rows  # the shared conversation is kept
+    assert summaries == []  # and was not folded into memory
+    assert "a secret" not in rows
+
+
+async def test_a_private_key_stays_marked_when_its_owner_record_runs_out(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The mark is written before the opening commit and outlives the owner record: a
+    worker killed before it could drop the record (or the marker) leaves the key marked."""
+    summaries: list[str] = []
+
+    async def answer(**kw: object) -> LLMResponse:
+        if "Summarise" in str(kw["messages"][0]["content"]):  # type: ignore[index]
+            summaries.append("folded")
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True, session_ttl_s=3600)
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("a", "my name is Ada"), timeout_s=10)).content == "ok"
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    assert 3600_000 < await redis.pttl(K.private_mark(key)) <= 3600_000 + 15_000
+    # the state a kill -9 leaves once the owner record ran out: no record, no owner here
+    loop.rt.forget(key)
+    await redis.delete(K.owner(key))
+    await client.new(key)
+
+    async def marker_reached() -> bool:
+        return not await redis.xlen(K.inbound(key))
+
+    assert await wait_until_async(marker_reached, timeout_s=10)
+    assert (await client.ask(_msg("a", "who am I?"), timeout_s=10)).content == "ok"
+    assert "my name is Ada" in " ".join(await redis.hvals(K.session(UNIFIED)))
+    assert summaries == []
+
+
+async def test_new_on_a_chat_never_private_still_folds_the_shared_conversation(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The mark is per key: a durable chat's `new` is nanobot's /new of the shared session."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        if "Summarise" in str(kw["messages"][0]["content"]):  # type: ignore[index]
+            return LLMResponse(content="the user's name is Ada")
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer), unified_session=True)
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("a", "my name is Ada"), timeout_s=10)).content == "ok"
+    _, opened = await client.open_transient("web", "p", session_key="web:p")  # another key
+    await collect(client, "web", {opened})
+    await client.new("web:b")
+    assert (await client.ask(_msg("b", "who am I?"), timeout_s=10)).content == "ok"
+    rows = " ".join(await redis.hvals(K.session(UNIFIED)))
+    assert "my name is Ada" not in rows
+    assert await redis.hget(K.session(UNIFIED), "count") == "2"
+
+
+async def test_the_mark_is_renewed_with_the_owner_record_and_outlives_the_session(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), session_ttl_s=3600)
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    await redis.delete(K.private_mark(key))  # a session opened before marks existed
+    member = loop.turns.owned()[key]
+    assert await loop.rt.registry.renew_owner(key, loop.worker_id, member)
+    assert 3600_000 < await redis.pttl(K.private_mark(key)) <= 3600_000 + 15_000
+    await loop.maintenance.close_private(key, "idle")
+    assert 3590_000 < await redis.pttl(K.private_mark(key)) <= 3600_000
+    assert not await redis.exists(K.owner(key))
+
+
+async def test_the_mark_is_kept_when_sessions_are(redis: aioredis.Redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer), session_ttl_s=0)  # AGENT_SESSION_TTL_S=0
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    assert await redis.pttl(K.private_mark(key)) == -1
+
+
+async def test_a_renewal_during_the_opening_commit_keeps_the_session(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The worker owns a private session from its opening, before the commit writes the
+    owner record: a maintenance tick in between finds no record and must not drop it."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer))
+    reached, go = asyncio.Event(), asyncio.Event()
+    mark = loop.bus.mark_private
+
+    async def held_mark(member: str) -> None:  # the opening commit, held before its script
+        reached.set()
+        await go.wait()
+        await mark(member)
+
+    loop.bus.mark_private = held_mark
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await asyncio.wait_for(reached.wait(), 10)
+    assert not await redis.exists(K.owner(key))
+    await loop.maintenance.tick()  # renews what the worker owns: no record yet
+    go.set()
+    await collect(client, "web", {opened})
+    private = {"session_key_override": key, "require_existing_session": True}
+    reply = await client.ask(_msg("p", "still here?", **private), timeout_s=10)
+    assert (reply.code, reply.content) == (None, "ok")
