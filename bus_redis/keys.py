@@ -239,7 +239,7 @@ class Keys:
     def private_mark(self, session_key: str) -> str:
         """Content-free string with a TTL: the session was opened private. Set before
         the opening commit, renewed with the owner record and kept for
-        ``Retention.private_mark_ms`` after the session ends, so that a ``new`` reached on
+        ``Retention.session_ttl_ms`` after the session ends, so that a ``new`` reached on
         its stream then is a discard, never a fold of the shared session (unified mode)."""
         return _session_key(self.prefix, "private", session_key)
 

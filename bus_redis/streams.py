@@ -55,9 +55,9 @@ class Retention:
     maxlen: int = 1000
     ttl_ms: int = 3_600_000
     transient_ttl_ms: int = 60_000
-    # a private session's mark outlives it this long (0: kept), as long as an idle durable
-    # session is kept (AGENT_SESSION_TTL_S)
-    private_mark_ms: int = 90 * 86_400_000
+    # how long an idle durable session is kept (AGENT_SESSION_TTL_S; 0: for good): a
+    # private session's mark outlives it this long, a scope's archive keeps entries so long
+    session_ttl_ms: int = 90 * 86_400_000
 
 
 class _Channel:
@@ -314,7 +314,7 @@ class RedisBus(ReadyQueues):
     async def mark_private(self, member: str) -> None:
         """Mark stream ``member`` as a private session's (see ``Keys.private_mark``); a
         mark left by an opening that was never committed makes only a ``new`` a discard."""
-        ms = self.retention.private_mark_ms
+        ms = self.retention.session_ttl_ms
         await self.redis.set(
             self.keys.private_mark(member), "1", px=ms + self.owner_ttl_ms if ms else None
         )
@@ -351,6 +351,7 @@ class RedisBus(ReadyQueues):
         k = self.keys
         keys = [k.lease(key), k.session(key), k.memory(scope), k.memory_history(scope)]
         args = [token, meta, version, memory, memory_version, history, HISTORY_MAXLEN]
+        args.append(self.retention.session_ttl_ms)
         return texts(await self.scripts.call("consolidate", keys, args))[0]
 
     async def delete_session(self, key: str, token: str, scope: str) -> int:

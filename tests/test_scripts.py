@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.codec import fields
 from bus_redis.results import (
     Acquired,
@@ -26,6 +26,7 @@ from bus_redis.results import (
     Released,
 )
 from bus_redis.scripts import SCRIPT_NAMES, Scripts
+from bus_redis.streams import Retention
 
 K = "web:s"
 
@@ -58,11 +59,12 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "renew": ([k.lease(K), k.pending(K), k.leases("web")], ["x", 1000, K]),
         "sweep": ([k.leases("web"), k.ready("web")], [100, 100]),
         "emit": ([k.lease(K), k.out(K), k.pulse("web")], ["x", "{}", 100, 1000]),
-        "owner": ([k.owner(K), k.owners("web"), k.out(K)], ["renew", "w", "m", 1000]),
+        "owner": ([k.owner(K), k.owners("web"), k.out(K), k.private_mark(K)],
+                  ["renew", "w", "m", 1000, 0]),
         "owner_lost": ([k.owner(K), k.owners("web"), k.out(K), k.ready("web"), k.pulse("web")],
                        ["m", "{}", K, 100, 1000]),
         "consolidate": ([k.lease(K), k.session(K), k.memory("web/a"), k.memory_history("web/a")],
-                        ["x", "{}", 0, "s", 0, "h", 100]),
+                        ["x", "{}", 0, "s", 0, "h", 100, 0]),
         "delete": (k.deletion(K, k.lease(K), ""), ["x", K]),
         "journal": ([k.lease(K), k.journal(K)], ["x", f"{K}|1-1", 1000, "{}"]),
         "cron_add": ([k.lease(K), k.cron_defs("web"), k.cron_due("web"), k.crons(K)],
@@ -253,6 +255,31 @@ async def test_a_consolidation_over_junk_at_the_archive_key_writes_everything(
     assert done == "ok"
     assert await redis.hget(memory, "content") in ("facts", b"facts")
     assert [fields(f)["entry"] for _, f in await redis.xrange(history)] == ["what was folded"]
+
+
+async def test_the_archive_keeps_no_entry_longer_than_an_idle_session(
+    redis: aioredis.Redis,
+) -> None:
+    """A scope's archive holds old rows' text: each append drops entries older than the
+    session retention and the archive expires that long after its last append; with
+    retention off (0) nothing is dropped."""
+    history = Keys().memory_history("web/a")
+    for keep_ms, left in ((0, ["long ago", "what was folded"]), (60_000, ["what was folded"])):
+        await redis.delete(history, Keys().session(K), Keys().memory("web/a"))
+        await redis.xadd(history, {"entry": "long ago"}, id="1000-0")
+        bus = await _queued(redis, "one")
+        bus.retention = Retention(session_ttl_ms=keep_ms)
+        got = await bus.acquire(K, "w1", member=K)
+        assert isinstance(got, Acquired)
+        done = await bus.consolidate(
+            K, got.token, meta='{"last_consolidated":0}', version=0, scope="web/a",
+            memory="facts", memory_version=0, history="what was folded",
+        )  # fmt: skip
+        assert done == "ok"
+        assert [fields(f)["entry"] for _, f in await redis.xrange(history)] == left
+        ttl = await redis.pttl(history)
+        assert ttl == -1 if keep_ms == 0 else 0 < ttl <= keep_ms
+        await bus.release(K, got.token)
 
 
 async def test_a_message_arriving_during_release_keeps_the_lease(redis: aioredis.Redis) -> None:

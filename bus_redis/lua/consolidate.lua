@@ -8,7 +8,10 @@
 -- ARGV[1] token  ARGV[2] session meta JSON (with the new last_consolidated)
 -- ARGV[3] expected session version  ARGV[4] the updated memory text
 -- ARGV[5] the memory version it was made from  ARGV[6] history entry ('' none)
--- ARGV[7] archive MAXLEN
+-- ARGV[7] archive MAXLEN  ARGV[8] how long the archive keeps an entry, ms (0: for good)
+-- The archive holds the text of old rows (a [RAW] entry is a verbatim transcript), so it
+-- keeps nothing longer than an idle session is kept: each append drops the entries older
+-- than ARGV[8] (at most MAXLEN of them) and sets the archive to expire ARGV[8] after it.
 -- returns {'lost'} | {'moved'} (the session changed) | {'memory_moved'} (memory changed)
 --       | {'ok', session version, memory version}
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
@@ -24,6 +27,12 @@ local version = redis.call('HINCRBY', KEYS[2], 'version', 1)
 redis.call('HSET', KEYS[3], 'content', ARGV[4])
 local mv = redis.call('HINCRBY', KEYS[3], 'version', 1)
 if ARGV[6] ~= '' then
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'entry', ARGV[6])
+  local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'entry', ARGV[6])
+  local keep = tonumber(ARGV[8]) or 0
+  if keep > 0 then
+    local now = tonumber(string.match(id, '^(%d+)'))
+    redis.call('XTRIM', KEYS[4], 'MINID', string.format('%.0f', math.max(0, now - keep)))
+    redis.call('PEXPIRE', KEYS[4], keep)
+  end
 end
 return {'ok', version, mv}
