@@ -173,3 +173,34 @@ async def test_a_renewal_during_the_opening_commit_keeps_the_session(  # type: i
     private = {"session_key_override": key, "require_existing_session": True}
     reply = await client.ask(_msg("p", "still here?", **private), timeout_s=10)
     assert (reply.code, reply.content) == (None, "ok")
+
+
+async def test_a_closed_private_session_is_not_claimed_again_by_its_own_worker(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Closing a private session reports it lost, which re-notifies its stream; the worker
+    reads that notification while closing: its acquire must not claim the session (and
+    write the owner record again), which the worker has forgotten by then."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer))
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    report = loop.rt.registry.report_owner_lost
+
+    async def report_then_wait(member: str, event_json: str) -> bool:
+        reported = await report(member, event_json)
+
+        async def notification_served() -> bool:  # acquired (and released) by the worker
+            return not await redis.xlen(K.ready("web"))
+
+        assert await wait_until_async(notification_served, timeout_s=10)
+        return reported
+
+    loop.rt.registry.report_owner_lost = report_then_wait
+    await loop.maintenance.close_private(key, "idle")
+    assert not await redis.exists(K.owner(key))
+    assert key not in loop.turns.owned()

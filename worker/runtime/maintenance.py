@@ -209,9 +209,11 @@ class Maintenance:
         member = rt.turns.owned().get(key)
         if member is None:
             return
+        # forgotten here first: a notification read meanwhile (the loss report re-notifies
+        # S) must not acquire S claiming the session, which would write its record again
+        rt.forget(key)
         await rt.registry.abandon_owner(key, rt.worker_id)
         await rt.registry.report_owner_lost(member, self._lost_event(member, why))
-        rt.forget(key)
 
     @staticmethod
     def _lost_event(
@@ -232,12 +234,12 @@ class Maintenance:
         """On shutdown: our transient sessions die with us; tell their frontends now."""
         rt = self.rt
         for key, member in rt.turns.owned().items():
+            rt.forget(key)  # first, as in close_private
             try:
                 await rt.registry.abandon_owner(key, rt.worker_id)
                 await rt.registry.report_owner_lost(member, self._lost_event(member))
             except (RedisError, OSError):
                 log.warning("could not report a transient session as lost")
-            rt.forget(key)
         if rt.background:
             await asyncio.wait(set(rt.background), timeout=2)
         streams = self.streams()
