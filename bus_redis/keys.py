@@ -237,10 +237,10 @@ class Keys:
         return _session_key(self.prefix, "owner", session_key)
 
     def private_mark(self, session_key: str) -> str:
-        """Content-free string with a TTL: the session was opened private. Set before
-        the opening commit, renewed with the owner record and kept for
-        ``Retention.session_ttl_ms`` after the session ends, so that a ``new`` reached on
-        its stream then is a discard, never a fold of the shared session (unified mode)."""
+        """Unified mode: a content-free string with a TTL, the session was opened private.
+        Set when its opening is handled, renewed with the owner record and kept for
+        ``RedisBus.private_mark_ms`` after the session ends, so that a ``new`` reached on
+        its stream then is a discard, never a fold of the shared session."""
         return _session_key(self.prefix, "private", session_key)
 
     def journal(self, session_key: str) -> str:

@@ -101,11 +101,11 @@ class Registry:
 
     @property
     def _mark_ms(self) -> int:
-        return self.bus.retention.session_ttl_ms
+        return self.bus.private_mark_ms
 
     async def was_private(self, key: str) -> bool:
-        """Whether ``key`` was opened as a private session (its mark outlives it by
-        ``Retention.session_ttl_ms``)."""
+        """Whether ``key`` was opened as a private session (unified mode: its mark
+        outlives it by ``RedisBus.private_mark_ms``)."""
         return bool(await self.redis.exists(self.keys.private_mark(key)))
 
     async def due_owners(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:

@@ -44,6 +44,7 @@ from bus_redis.scripts import Scripts
 __all__ = ["READY_MAXLEN", "WORKER_GROUP", "RedisBus", "Retention"]
 
 HISTORY_MAXLEN = 10_000  # dated consolidation entries kept per scope
+MARK_KEEP_MS = 90 * 86_400_000  # a private mark's life past its session when sessions stay
 PULSE_MAXLEN = 10_000  # pulses a channel keeps (the scripts say it too)
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class RedisBus(ReadyQueues):
         self.lock_ttl_ms = lock_ttl_ms
         self.owner_ttl_ms = owner_ttl_ms
         self.retention = retention or Retention()
+        self.marks_private = False  # unified mode: private sessions' keys are marked
         # the turn path's commands share one pipelined connection (bus_redis.mux)
         self.fast = Multiplexed.for_client(redis)
         self.scripts = Scripts(redis, self.fast)
@@ -286,8 +288,6 @@ class RedisBus(ReadyQueues):
         Returns ``(version, generation, step)``; version -1 when nothing was written: the
         lease was lost (``Lost``) or a message arrived after ``spec.late_after`` (``Late``)."""
         r = self.retention
-        if spec.owner_op == "set":  # a private session opens: marked first, never after
-            await self.mark_private(spec.member)
         skeys, sargs = self._streams(select or [])
         n, m = self.names(key), self.names(spec.member)
         index = n.channel.sessions_index
@@ -311,13 +311,21 @@ class RedisBus(ReadyQueues):
             return -1, "", Late()
         return int(parts[1]), parts[2], parse_step(raw[3:])
 
+    @property
+    def private_mark_ms(self) -> int:
+        """How long a private session's mark outlives it (see ``Keys.private_mark``): as
+        long as an idle durable session is kept, 90 days when those are kept for good; 0:
+        no marks (only the unified mode reads them)."""
+        if not self.marks_private:
+            return 0
+        return self.retention.session_ttl_ms or MARK_KEEP_MS
+
     async def mark_private(self, member: str) -> None:
-        """Mark stream ``member`` as a private session's (see ``Keys.private_mark``); a
-        mark left by an opening that was never committed makes only a ``new`` a discard."""
-        ms = self.retention.session_ttl_ms
-        await self.redis.set(
-            self.keys.private_mark(member), "1", px=ms + self.owner_ttl_ms if ms else None
-        )
+        """Mark stream ``member`` as a private session's before its opening is handled; a
+        mark left by an opening that came to nothing makes only a ``new`` a discard."""
+        ms = self.private_mark_ms
+        if ms:
+            await self.redis.set(self.keys.private_mark(member), "1", px=ms + self.owner_ttl_ms)
 
     async def emit(
         self, key: str, token: str, member: str, payload: str, *, transient: bool

@@ -5,6 +5,7 @@ reaches the shared conversation every other chat stores under `unified:default`.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
@@ -120,7 +121,7 @@ async def test_the_mark_is_renewed_with_the_owner_record_and_outlives_the_sessio
     async def answer(**kw: object) -> LLMResponse:
         return LLMResponse(content="ok")
 
-    loop = make_loop(ScriptedProvider(handler=answer), session_ttl_s=3600)
+    loop = make_loop(ScriptedProvider(handler=answer), session_ttl_s=3600, unified_session=True)
     client = FrontendClient(redis)
     key, opened = await client.open_transient("web", "p", session_key="web:p")
     await collect(client, "web", {opened})
@@ -133,15 +134,46 @@ async def test_the_mark_is_renewed_with_the_owner_record_and_outlives_the_sessio
     assert not await redis.exists(K.owner(key))
 
 
-async def test_the_mark_is_kept_when_sessions_are(redis: aioredis.Redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+async def test_marks_are_bounded_in_time_and_made_in_unified_mode_only(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Sessions kept for good (AGENT_SESSION_TTL_S=0) do not keep marks for good: 90 days.
+    In per-session mode nothing reads a mark, so none is written (a key naming the chat)."""
+
     async def answer(**kw: object) -> LLMResponse:
         return LLMResponse(content="ok")
 
-    make_loop(ScriptedProvider(handler=answer), session_ttl_s=0)  # AGENT_SESSION_TTL_S=0
+    make_loop(ScriptedProvider(handler=answer), session_ttl_s=0, unified_session=True)
     client = FrontendClient(redis)
     key, opened = await client.open_transient("web", "p", session_key="web:p")
     await collect(client, "web", {opened})
-    assert await redis.pttl(K.private_mark(key)) == -1
+    assert 90 * 86_400_000 < await redis.pttl(K.private_mark(key)) <= 90 * 86_400_000 + 15_000
+    await client.discard(key)
+
+    async def ended() -> bool:
+        return not await redis.exists(K.owner(key))
+
+    assert await wait_until_async(ended, timeout_s=10)
+    assert 0 < await redis.pttl(K.private_mark(key)) <= 90 * 86_400_000
+
+
+async def test_per_session_mode_writes_no_mark(redis: aioredis.Redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer))
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient(
+        "web", "u1-t-0123abcd", session_key="web:u1-t-0123abcd"
+    )
+    await collect(client, "web", {opened})
+    await client.discard(key)
+
+    async def ended() -> bool:
+        return not await redis.exists(K.owner(key))
+
+    assert await wait_until_async(ended, timeout_s=10)
+    assert not await redis.exists(K.private_mark(key))
 
 
 async def test_a_renewal_during_the_opening_commit_keeps_the_session(  # type: ignore[no-untyped-def]
@@ -155,14 +187,15 @@ async def test_a_renewal_during_the_opening_commit_keeps_the_session(  # type: i
 
     loop = make_loop(ScriptedProvider(handler=answer))
     reached, go = asyncio.Event(), asyncio.Event()
-    mark = loop.bus.mark_private
+    commit = loop.bus.commit
 
-    async def held_mark(member: str) -> None:  # the opening commit, held before its script
-        reached.set()
-        await go.wait()
-        await mark(member)
+    async def held_commit(*args: Any, **kw: Any) -> Any:  # the opening commit, held
+        if args[3].owner_op == "set":
+            reached.set()
+            await go.wait()
+        return await commit(*args, **kw)
 
-    loop.bus.mark_private = held_mark
+    loop.bus.commit = held_commit
     client = FrontendClient(redis)
     key, opened = await client.open_transient("web", "p", session_key="web:p")
     await asyncio.wait_for(reached.wait(), 10)
@@ -204,3 +237,86 @@ async def test_a_closed_private_session_is_not_claimed_again_by_its_own_worker( 
     await loop.maintenance.close_private(key, "idle")
     assert not await redis.exists(K.owner(key))
     assert key not in loop.turns.owned()
+
+
+async def test_new_covering_a_queued_open_is_no_fold_of_the_shared_conversation(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The user's /new (published as `new`) comes before the worker got to the opening
+    (the unified holder is busy with another chat's turn): the opening is cancelled, and
+    the key is marked all the same, so the `new` folds nothing (a second reader's test)."""
+    summaries: list[str] = []
+    gate, busy = asyncio.Event(), asyncio.Event()
+
+    async def answer(**kw: object) -> LLMResponse:
+        messages = kw["messages"]
+        if "Summarise" in str(messages[0]["content"]):  # type: ignore[index]
+            summaries.append("folded")
+            return LLMResponse(content="the user's name is Ada")
+        if "hold on" in str(messages[-1]["content"]):  # type: ignore[index]
+            busy.set()
+            await gate.wait()
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer), unified_session=True)
+    client = FrontendClient(redis)
+    assert (await client.ask(_msg("a", "my name is Ada"), timeout_s=10)).content == "ok"
+    held = await client.send(_msg("a", "hold on"))  # the unified holder is busy with it
+    await asyncio.wait_for(busy.wait(), 10)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await client.new(key)
+    gate.set()
+    got = await collect(client, "web", {held, opened})
+    assert [e.code for e in got[opened] if e.is_terminal] == ["cancelled"]
+
+    async def marker_reached() -> bool:
+        return not await redis.xlen(K.inbound(key))
+
+    assert await wait_until_async(marker_reached, timeout_s=10)
+    assert (await client.ask(_msg("a", "who am I?"), timeout_s=10)).content == "ok"
+    assert summaries == []
+    assert "my name is Ada" in " ".join(await redis.hvals(K.session(UNIFIED)))
+
+
+async def test_a_renewal_answered_after_the_opening_commit_keeps_the_session(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The renewal runs in Redis before the opening commit (no record yet) but its answer
+    is read after the commit's: the tick looked at the opening before it asked, and keeps
+    the session (a second reader's test)."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer))
+    reached, go, renewed, opened_now = (asyncio.Event() for _ in range(4))
+    commit, opened, renew = loop.bus.commit, loop.turns.opened, loop.rt.registry.renew_owner
+
+    async def held_commit(*args: Any, **kw: Any) -> Any:
+        if args[3].owner_op == "set":
+            reached.set()
+            await go.wait()
+        return await commit(*args, **kw)
+
+    def opened_hook(key: str) -> None:
+        opened(key)
+        opened_now.set()
+
+    async def late_answer(key: str, worker_id: str, member: str) -> bool:
+        done = await renew(key, worker_id, member)  # runs in Redis now: no record yet
+        renewed.set()
+        await opened_now.wait()  # ... its answer is read after the commit's
+        return done
+
+    loop.bus.commit, loop.turns.opened = held_commit, opened_hook
+    loop.rt.registry.renew_owner = late_answer
+    client = FrontendClient(redis)
+    key, first = await client.open_transient("web", "p", session_key="web:p")
+    await asyncio.wait_for(reached.wait(), 10)
+    tick = asyncio.create_task(loop.maintenance.tick())
+    await asyncio.wait_for(renewed.wait(), 10)
+    go.set()
+    await asyncio.wait_for(tick, 10)
+    await collect(client, "web", {first})
+    assert await redis.hget(K.owner(key), "worker") == loop.worker_id
+    assert key in loop.turns.owned()

@@ -3,7 +3,7 @@
 -- KEYS[4] the session's private mark (content-free: it was opened private)
 -- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry)
 -- ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
--- ARGV[5] how long the mark outlives the session, ms (0: kept)
+-- ARGV[5] how long the mark outlives the session, ms (0: no mark, per-session mode)
 -- returns 1 done, 0 the record is not ours (renew: it expired or moved)
 -- The mark is renewed with the record (a session that predates it gets one) and set to
 -- outlive the session by ARGV[5] when it ends: a `new` reached on its stream later (a
@@ -30,12 +30,8 @@ local function empty_events(key)
 end
 
 local function mark(extra_ms)
-  local ms = tonumber(ARGV[5])
-  if ms > 0 then
-    redis.call('SET', KEYS[4], '1', 'PX', ms + extra_ms)
-  else
-    redis.call('SET', KEYS[4], '1')
-  end
+  local ms = tonumber(ARGV[5]) or 0
+  if ms > 0 then redis.call('SET', KEYS[4], '1', 'PX', ms + extra_ms) end
 end
 
 local cur = redis.call('HGET', KEYS[1], 'worker')

@@ -77,6 +77,8 @@ class EntryPolicy(Held):
             return spec
         reply_to = payload.id or entry.entry_id
         spec.message_id = reply_to
+        if isinstance(payload, OpenTransient):  # marked whatever becomes of the opening
+            await rt.bus.mark_private(entry.member)  # (cancelled, refused, dead-lettered)
 
         def fail(code: str, detail: str) -> CommitSpec:
             out = error(payload.channel, payload.chat_id, entry.member, reply_to, code, detail)

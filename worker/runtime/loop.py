@@ -84,6 +84,7 @@ class AgentLoop:
             config.transient_reply_ttl_ms,
             int(config.session_ttl_s * 1000),
         )
+        bus.marks_private = config.unified_session
         self.worker_id = config.worker_id
         self.rt = Runtime.build(
             config,

@@ -89,9 +89,10 @@ class Maintenance:
         for key in rt.turns.idle(rt.config.private_idle_s):
             await self.close_private(key, "the private session was closed after being idle")
         for key, member in rt.turns.owned().items():
+            opening = rt.turns.is_opening(key)  # before: the answer may come after the commit's
             if not await rt.registry.renew_owner(key, rt.worker_id, member):
-                if key in rt.turns.running() or rt.turns.is_opening(key):
-                    continue  # its opening commit is on its way
+                if opening or key in rt.turns.running() or rt.turns.is_opening(key):
+                    continue  # its opening commit is (or was) on its way
                 log.warning("owner record of a transient session expired; session dropped")
                 rt.forget(key)
         await self.check_owned()
