@@ -238,9 +238,11 @@ class FrontendClient(EventFollower):
         """Open a private session; returns ``(session_key, reply_to)``.
 
         Later messages for it must carry ``session_key_override=session_key`` and
-        ``require_existing_session=True``.
+        ``require_existing_session=True``. Without ``session_key``, a key of its own
+        (``<channel>:<chat_id>-private-<random>``), never the chat's durable one: the two
+        would share a stream, and in unified mode the key stays marked private.
         """
-        key = session_key or f"{channel}:{chat_id}"
+        key = session_key or f"{channel}:{chat_id}-private-{uuid.uuid4().hex[:16]}"
         op = OpenTransient(
             op="open_transient",
             id=uuid.uuid4().hex,

@@ -17,22 +17,31 @@
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
 if (redis.call('HGET', KEYS[2], 'version') or '0') ~= ARGV[3] then return {'moved'} end
 if (redis.call('HGET', KEYS[3], 'version') or '0') ~= ARGV[5] then return {'memory_moved'} end
--- junk where the scope's archive belongs (an operator's) is replaced before anything is
--- written: an error after the memory moved would lose the archive entry for good
-local archive = redis.call('TYPE', KEYS[4])
-archive = archive.ok or archive
-if ARGV[6] ~= '' and archive ~= 'stream' and archive ~= 'none' then redis.call('DEL', KEYS[4]) end
-redis.call('HSET', KEYS[2], 'meta', ARGV[2])
-local version = redis.call('HINCRBY', KEYS[2], 'version', 1)
-redis.call('HSET', KEYS[3], 'content', ARGV[4])
-local mv = redis.call('HINCRBY', KEYS[3], 'version', 1)
+-- The archive entry is written first: an append that fails (junk at the key, an archive
+-- whose last id is the maximal one: replaced) must not leave the memory moved and the
+-- session's last_consolidated past rows that no archive entry holds.
 if ARGV[6] ~= '' then
-  local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'entry', ARGV[6])
+  local added = redis.pcall('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'entry', ARGV[6])
+  if type(added) == 'table' and added.err then
+    local err = tostring(added.err)
+    -- an operator's junk or a spent id space is replaced; anything else (out of memory)
+    -- fails the script before it wrote anything
+    if not (string.find(err, 'WRONGTYPE', 1, true) or string.find(err, 'exhausted', 1, true)) then
+      return redis.error_reply(err)
+    end
+    redis.call('DEL', KEYS[4])
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[7], '*', 'entry', ARGV[6])
+  end
   local keep = tonumber(ARGV[8]) or 0
-  if keep > 0 then
-    local now = tonumber(string.match(id, '^(%d+)'))
+  if keep > 0 then  -- counted from the server's clock, not from an id an operator chose
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     redis.call('XTRIM', KEYS[4], 'MINID', string.format('%.0f', math.max(0, now - keep)))
     redis.call('PEXPIRE', KEYS[4], keep)
   end
 end
+redis.call('HSET', KEYS[2], 'meta', ARGV[2])
+local version = redis.call('HINCRBY', KEYS[2], 'version', 1)
+redis.call('HSET', KEYS[3], 'content', ARGV[4])
+local mv = redis.call('HINCRBY', KEYS[3], 'version', 1)
 return {'ok', version, mv}

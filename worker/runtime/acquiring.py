@@ -47,7 +47,7 @@ class Acquirer:
                 key,
                 rt.worker_id,
                 member=member,
-                claim_owner=transient,
+                claim_owner=transient and not rt.turns.is_closing(key),
                 select=select,
                 note=note,
                 memory_key=rt.memory.key(scope) if scope else "",

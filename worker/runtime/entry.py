@@ -77,8 +77,6 @@ class EntryPolicy(Held):
             return spec
         reply_to = payload.id or entry.entry_id
         spec.message_id = reply_to
-        if isinstance(payload, OpenTransient):  # marked whatever becomes of the opening
-            await rt.bus.mark_private(entry.member)  # (cancelled, refused, dead-lettered)
 
         def fail(code: str, detail: str) -> CommitSpec:
             out = error(payload.channel, payload.chat_id, entry.member, reply_to, code, detail)
@@ -91,6 +89,8 @@ class EntryPolicy(Held):
             spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
             spec.dead_reason = "failed"
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
+        if isinstance(payload, OpenTransient):  # marked whatever becomes of the opening now
+            await rt.bus.mark_private(entry.member)  # (cancelled by a marker, refused)
         if entry.covered_by:
             if entry.covered_by in FORGETTING:
                 await self.discarded(entry.member)  # a delete applies at its own marker

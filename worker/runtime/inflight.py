@@ -36,6 +36,7 @@ class TurnRegistry:
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
         self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
         self._opening: set[str] = set()  # transient keys whose opening commit is on its way
+        self._closing: set[str] = set()  # transient keys being closed (never claimed again)
         # per channel: controls with no slot yet (session -> when)
         self._recent: dict[str, OrderedDict[str, float]] = {}
         self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
@@ -142,9 +143,19 @@ class TurnRegistry:
 
     def opened(self, key: str) -> None:
         self._opening.discard(key)
+        self._closing.discard(key)
 
     def is_opening(self, key: str) -> bool:
         return key in self._opening
+
+    def closing(self, key: str, on: bool) -> None:
+        if on:
+            self._closing.add(key)
+        else:
+            self._closing.discard(key)
+
+    def is_closing(self, key: str) -> bool:
+        return key in self._closing
 
     def touch(self, key: str) -> None:
         if key in self._owned:

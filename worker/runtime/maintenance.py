@@ -210,11 +210,17 @@ class Maintenance:
         member = rt.turns.owned().get(key)
         if member is None:
             return
-        # forgotten here first: a notification read meanwhile (the loss report re-notifies
-        # S) must not acquire S claiming the session, which would write its record again
+        # held (and owned, for leave() should a stop cancel this) until reported, but
+        # closing: a notification read meanwhile (the loss report re-notifies S) must not
+        # acquire S claiming the session, which would write its record again. A failed
+        # step leaves it as it was, for the next tick.
+        rt.turns.closing(key, True)
+        try:
+            await rt.registry.abandon_owner(key, rt.worker_id)
+            await rt.registry.report_owner_lost(member, self._lost_event(member, why))
+        finally:
+            rt.turns.closing(key, False)
         rt.forget(key)
-        await rt.registry.abandon_owner(key, rt.worker_id)
-        await rt.registry.report_owner_lost(member, self._lost_event(member, why))
 
     @staticmethod
     def _lost_event(
@@ -235,12 +241,13 @@ class Maintenance:
         """On shutdown: our transient sessions die with us; tell their frontends now."""
         rt = self.rt
         for key, member in rt.turns.owned().items():
-            rt.forget(key)  # first, as in close_private
+            rt.turns.closing(key, True)  # as in close_private
             try:
                 await rt.registry.abandon_owner(key, rt.worker_id)
                 await rt.registry.report_owner_lost(member, self._lost_event(member))
             except (RedisError, OSError):
                 log.warning("could not report a transient session as lost")
+            rt.forget(key)
         if rt.background:
             await asyncio.wait(set(rt.background), timeout=2)
         streams = self.streams()

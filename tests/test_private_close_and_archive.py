@@ -1,0 +1,181 @@
+"""A private session's close (idle, shutdown) and a scope's history archive, as a second
+reader attacked them: a stop or a failed step while closing, ids an operator chose."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from replies import channel_events, collect, wait_until_async
+
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from bus_redis.codec import fields
+from bus_redis.results import Acquired
+from bus_redis.streams import Retention
+from worker import LoopConfig
+from worker.agent.providers import LLMResponse
+
+K = Keys()
+S = "web:s"
+
+
+async def _acquired(redis: aioredis.Redis, keep_ms: int) -> tuple[RedisBus, Acquired]:
+    client = FrontendClient(redis)
+    await client.send(InboundMessage(channel="web", sender_id="u", chat_id="s", content="x"))
+    bus = RedisBus(redis, lock_ttl_ms=5000)
+    bus.retention = Retention(session_ttl_ms=keep_ms)
+    got = await bus.acquire(S, "w1", member=S)
+    assert isinstance(got, Acquired)
+    return bus, got
+
+
+async def _now_ms(redis: aioredis.Redis) -> int:
+    seconds, micros = await redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def _consolidate(bus: RedisBus, got: Acquired, history: str) -> str:
+    return await bus.consolidate(
+        S, got.token, meta='{"last_consolidated":0}', version=0, scope="web/a",
+        memory="facts", memory_version=0, history=history,
+    )  # fmt: skip
+
+
+async def test_archive_trim_counts_from_the_clock_not_from_a_future_entry_id(
+    redis: aioredis.Redis,
+) -> None:
+    """An entry an operator added with an id ahead of the clock (or a Redis whose clock
+    was ahead once) makes XADD '*' return that future ms: MINID then drops every genuine
+    entry, each far younger than the retention."""
+    keep = 60_000
+    history = K.memory_history("web/a")
+    await redis.xadd(history, {"entry": "a second ago"})
+    await redis.xadd(history, {"entry": "operator's"}, id=f"{await _now_ms(redis) + 10 * keep}-0")
+    bus, got = await _acquired(redis, keep)
+    assert await _consolidate(bus, got, "what was folded") == "ok"
+    entries = [fields(f)["entry"] for _, f in await redis.xrange(history)]
+    assert "a second ago" in entries
+
+
+async def test_a_failed_archive_append_moves_no_memory(redis: aioredis.Redis) -> None:
+    """(pre-existing, the XADD is older than 4a9a8cc) An archive whose last id is the
+    maximal one (an operator's XADD / XSETID) fails the append after the session and
+    memory were written: the entry (a [RAW] transcript on a failed `new`) is lost for good
+    while last_consolidated moved past its rows."""
+    history = K.memory_history("web/a")
+    await redis.xadd(
+        history, {"entry": "operator's"}, id="18446744073709551615-18446744073709551615"
+    )
+    bus, got = await _acquired(redis, 60_000)
+    assert await _consolidate(bus, got, "[RAW] 2 messages: the rows as they are") == "ok"
+    entries = [fields(f)["entry"] for _, f in await redis.xrange(history)]
+    assert entries == ["[RAW] 2 messages: the rows as they are"]  # a spent archive replaced
+    assert await redis.hget(K.memory("web/a"), "content") == "facts"
+
+
+async def test_a_stop_during_an_idle_close_still_tells_the_frontend(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """stop() cancels the maintenance task; when it is in close_private between forget
+    and abandon, leave() no longer sees the session (forgotten first) and reports
+    nothing: no session_lost now, the owner record and registry entry stay until some
+    other worker's due_owners (none when this was the channel's last worker)."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=1500)
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    reached, never = asyncio.Event(), asyncio.Event()
+    abandon, calls = loop.rt.registry.abandon_owner, []
+
+    async def held(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 1:  # the idle close's: held until the stop cancels it
+            reached.set()
+            await never.wait()
+        await abandon(*args)
+
+    loop.rt.registry.abandon_owner = held
+    loop.rt.turns.idle = lambda s: [k for k in loop.rt.turns.owned() if k == key]
+    await asyncio.wait_for(reached.wait(), 10)  # the next tick closes it
+    loop.stop()
+
+    async def left() -> bool:
+        return await redis.zscore(K.workers, loop.worker_id) is None
+
+    assert await wait_until_async(left, timeout_s=20)
+    codes = [e.code for e in await channel_events(client, "web") if e.session_key == key]
+    assert "session_lost" in codes
+    assert not await redis.exists(K.owner(key))
+
+
+async def test_a_careless_message_after_a_failed_abandon_is_not_stored_under_the_private_key(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Unified mode. close_private forgets the session, then abandon_owner fails (Redis
+    blip): the owner record naming this worker stays for the owner TTL. A message of the
+    key without require_existing_session then gets acquire's 'private', the worker takes
+    S's own lease (its own record, claim '0') and runs a durable turn stored under
+    session:S, which ARCHITECTURE says never happens (durable turns of S are U's). Before
+    603efc2 the session was still held and answered it privately."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True)
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    abandon = loop.rt.registry.abandon_owner
+
+    async def blip(*args: Any) -> None:
+        loop.rt.registry.abandon_owner = abandon
+        raise RedisConnectionError("Redis went away for a moment")
+
+    loop.rt.registry.abandon_owner = blip
+    with pytest.raises(RedisConnectionError):  # the tick logs it and goes on
+        await loop.maintenance.close_private(key, "idle")
+    assert key in loop.turns.owned()  # closed at the next tick
+    careless = InboundMessage(
+        channel="web", sender_id="u", chat_id="p", content="no flag", session_key_override=key
+    )
+    reply = await client.ask(careless, timeout_s=10)
+    assert reply.code is None
+    assert not await redis.exists(K.session(key))
+
+
+async def test_an_opening_whose_mark_cannot_be_written_is_dead_lettered(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The mark is written after the dead-letter gate: an opening whose mark fails on
+    every attempt is answered (dead_lettered), not retried for ever."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(
+        ScriptedProvider(handler=answer), unified_session=True, lock_ttl_ms=300, max_deliveries=1
+    )
+
+    async def refused(member: str) -> None:
+        raise ResponseError("value is not an integer or out of range")
+
+    loop.bus.mark_private = refused
+    client = FrontendClient(redis)
+    _, opened = await client.open_transient("web", "p", session_key="web:p-private")
+    got = await collect(client, "web", {opened}, timeout_s=15)
+    assert [e.code for e in got[opened] if e.is_terminal] == ["dead_lettered"]
+
+
+def test_a_retention_past_what_redis_takes_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        LoopConfig(session_ttl_s=1e17)
