@@ -54,7 +54,9 @@ class LoopConfig(BaseModel):
     followup_mode: Literal["inject", "queue"] = "inject"
     followups_per_pull: int = Field(default=3, ge=1)
     stream_deltas: bool = False  # forward the provider's streamed text as `delta` events
-    session_ttl_s: float = Field(default=90 * 86_400, ge=0, le=100 * 365 * 86_400)  # idle durable sessions; 0 = keep
+    session_ttl_s: float = Field(
+        default=90 * 86_400, ge=0, le=100 * 365 * 86_400
+    )  # idle durable sessions; 0 = keep
     system_prompt: str = ""  # the assistant's identity ('' = the built-in one)
     tools_allow: list[str] = Field(default_factory=list)  # only these tools ([] = all)
     tools_deny: list[str] = Field(default_factory=list)  # never these tools
