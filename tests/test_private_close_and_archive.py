@@ -12,7 +12,7 @@ from helpers import ScriptedProvider
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from replies import channel_events, collect, wait_until_async
+from replies import channel_events, collect, until, wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.codec import fields
@@ -179,3 +179,141 @@ async def test_an_opening_whose_mark_cannot_be_written_is_dead_lettered(  # type
 def test_a_retention_past_what_redis_takes_is_refused() -> None:
     with pytest.raises(ValidationError):
         LoopConfig(session_ttl_s=1e17)
+
+
+async def test_a_message_reaching_a_closing_private_session_is_not_answered_after_its_loss(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Per-session mode. Between abandon and forget the session is still cached and
+    owned, so a message (require_existing_session, as the contract says) read meanwhile
+    takes S's lease (claim skipped: closing) and TurnExecution._session finds the cached
+    transient session: the closing session runs a turn, and its reply lands after the
+    frontend was told session_lost, its text left in S's out stream after the session
+    ended (owner_lost emptied it only of what came before)."""
+    in_turn, closed = asyncio.Event(), asyncio.Event()
+
+    async def answer(**kw: object) -> LLMResponse:
+        in_turn.set()
+        await closed.wait()
+        return LLMResponse(content="secret answer")
+
+    loop = make_loop(ScriptedProvider(handler=answer))
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    reached, go = asyncio.Event(), asyncio.Event()
+    report = loop.rt.registry.report_owner_lost
+
+    async def held(*args: Any) -> Any:
+        reached.set()
+        await go.wait()
+        return await report(*args)
+
+    loop.rt.registry.report_owner_lost = held
+    closing = asyncio.create_task(loop.maintenance.close_private(key, "idle"))
+    await asyncio.wait_for(reached.wait(), 10)  # abandoned, not reported yet
+    msg = InboundMessage(
+        channel="web", sender_id="u", chat_id="p", content="hello", id="m1",
+        session_key_override=key, require_existing_session=True,
+    )  # fmt: skip
+    await client.send(msg)
+
+    async def started_or_answered() -> bool:  # a turn on the closing session, or an answer
+        return in_turn.is_set() or not await redis.xlen(K.inbound(key))
+
+    await until(started_or_answered, timeout_s=10)
+    go.set()
+    await asyncio.wait_for(closing, 10)
+    closed.set()
+    await until(lambda: not loop.turns.running(), timeout_s=10)
+    events = [(e.code, e.content) for e in await channel_events(client, "web")
+              if e.session_key == key]  # fmt: skip
+    assert not in_turn.is_set()  # the model was not called for a session being closed
+    assert (None, "secret answer") not in events, events
+
+
+async def test_a_reopening_during_the_close_is_not_forgotten_by_it(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Per-session mode. The frontend opens the same key again (session_key=) while the
+    idle close is between abandon and report. The opening's commit writes the owner
+    record and opened() clears the closing flag; the close's report then finds a record
+    (owner_lost: not reported) and close_private forgets the session just reopened: the
+    frontend was told transient_opened, yet its next message is session_not_active and
+    the record names this worker, which no longer holds (or renews) it."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer))
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    reached, go = asyncio.Event(), asyncio.Event()
+    report = loop.rt.registry.report_owner_lost
+
+    async def held(*args: Any) -> Any:
+        reached.set()
+        await go.wait()
+        return await report(*args)
+
+    loop.rt.registry.report_owner_lost = held
+    closing = asyncio.create_task(loop.maintenance.close_private(key, "idle"))
+    await asyncio.wait_for(reached.wait(), 10)  # abandoned, not reported yet
+    _, again = await client.open_transient("web", "p", session_key=key)
+    got = await collect(client, "web", {again}, timeout_s=10)
+    assert [e.code for e in got[again] if e.is_terminal] == [None]  # transient_opened
+    go.set()
+    await asyncio.wait_for(closing, 10)
+    msg = InboundMessage(
+        channel="web", sender_id="u", chat_id="p", content="hello", id="m2",
+        session_key_override=key, require_existing_session=True,
+    )  # fmt: skip
+    await client.send(msg)
+    got = await collect(client, "web", {"m2"}, timeout_s=10)
+    codes = [e.code for e in got["m2"] if e.is_terminal]
+    assert codes == [None], [(e.code, e.content) for e in got["m2"]]
+
+
+async def test_an_opening_dead_lettered_after_a_blip_still_marks_its_key(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Unified mode. The mark moved after the dead-letter gate: an opening whose first
+    attempt failed (here the mark's own write, a Redis blip; as well a kill -9 per
+    attempt) is dead-lettered on its last delivery without any mark. The frontend's /new
+    for that private key is then no discard: it folds the shared conversation of every
+    other chat into memory and deletes it."""
+    summaries: list[str] = []
+
+    async def answer(**kw: object) -> LLMResponse:
+        if "Summarise" in str(kw["messages"][0]["content"]):  # type: ignore[index]
+            summaries.append("folded")
+            return LLMResponse(content="the user's name is Ada")
+        return LLMResponse(content="ok")
+
+    loop = make_loop(
+        ScriptedProvider(handler=answer), unified_session=True, lock_ttl_ms=300, max_deliveries=1
+    )
+    client = FrontendClient(redis)
+    shared = InboundMessage(channel="web", sender_id="u", chat_id="a", content="my name is Ada")
+    assert (await client.ask(shared, timeout_s=10)).content == "ok"
+    mark = loop.bus.mark_private
+
+    async def blip(member: str) -> None:
+        loop.bus.mark_private = mark
+        raise RedisConnectionError("Redis went away for a moment")
+
+    loop.bus.mark_private = blip
+    key, opened = await client.open_transient("web", "p", session_key="web:p-private")
+    got = await collect(client, "web", {opened}, timeout_s=15)
+    assert [e.code for e in got[opened] if e.is_terminal] == ["dead_lettered"]
+    await client.new(key)  # the user's /new in that chat
+
+    async def marker_reached() -> bool:
+        return not await redis.xlen(K.inbound(key))
+
+    await until(marker_reached, timeout_s=10)
+    await until(lambda: not loop.turns.running(), timeout_s=10)
+    rows = " ".join(await redis.hvals(K.session("unified:default")))
+    assert summaries == []
+    assert "my name is Ada" in rows

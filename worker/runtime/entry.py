@@ -4,8 +4,11 @@ rejection, a dead letter, a cancellation, an opened private session, or a turn
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
 
 from bus_redis import (
     InboundMessage,
@@ -83,14 +86,18 @@ class EntryPolicy(Held):
             self._set_reply(spec, out)
             return spec
 
+        opening = isinstance(payload, OpenTransient)
         if entry.attempts > rt.config.max_deliveries:
+            if opening:  # marked all the same, as far as Redis lets it: never held up by it
+                with contextlib.suppress(RedisError, OSError):
+                    await rt.bus.mark_private(entry.member)
             cause = await rt.registry.last_failure(entry.member, entry.entry_id)
             reason = f"failed {entry.attempts - 1} times; last error: {cause or 'unknown'}"
             spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
             spec.dead_reason = "failed"
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
-        if isinstance(payload, OpenTransient):  # marked whatever becomes of the opening now
-            await rt.bus.mark_private(entry.member)  # (cancelled by a marker, refused)
+        if opening:  # marked whatever becomes of the opening now (cancelled, refused)
+            await rt.bus.mark_private(entry.member)
         if entry.covered_by:
             if entry.covered_by in FORGETTING:
                 await self.discarded(entry.member)  # a delete applies at its own marker

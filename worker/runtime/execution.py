@@ -86,6 +86,8 @@ class TurnExecution:
         stored history is never a fallback, whichever worker runs the turn."""
         sessions = self.rt.sessions
         transient = sessions.get_cached(self.key) if sessions.is_transient(self.key) else None
+        if transient is not None and self.rt.turns.is_closing(self.key):
+            raise SessionNotActiveError(SESSION_NOT_ACTIVE)  # its loss is being reported
         if transient is not None:
             if not self.rt.turns.owns(self.key):
                 self.rt.turns.own(self.key, owner_member(self.key, msg.channel, msg.chat_id))

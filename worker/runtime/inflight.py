@@ -138,8 +138,9 @@ class TurnRegistry:
         :meth:`opened`, a renewal that finds no record is no sign of its loss)."""
         self._owned[key] = member
         self._used[key] = time.monotonic()
-        if opening:
+        if opening:  # (opened again while being closed: the close leaves it alone)
             self._opening.add(key)
+            self._closing.discard(key)
 
     def opened(self, key: str) -> None:
         self._opening.discard(key)

@@ -212,15 +212,17 @@ class Maintenance:
             return
         # held (and owned, for leave() should a stop cancel this) until reported, but
         # closing: a notification read meanwhile (the loss report re-notifies S) must not
-        # acquire S claiming the session, which would write its record again. A failed
-        # step leaves it as it was, for the next tick.
+        # acquire S claiming the session, which would write its record again, and a turn
+        # does not run on it. A failed abandon leaves it served, closed at the next tick; a
+        # failed report leaves the loss to the owners' sweep (the record is gone).
         rt.turns.closing(key, True)
         try:
             await rt.registry.abandon_owner(key, rt.worker_id)
             await rt.registry.report_owner_lost(member, self._lost_event(member, why))
+            if rt.turns.is_closing(key):  # (opened again meanwhile: a session to keep)
+                rt.forget(key)
         finally:
             rt.turns.closing(key, False)
-        rt.forget(key)
 
     @staticmethod
     def _lost_event(
@@ -247,7 +249,8 @@ class Maintenance:
                 await rt.registry.report_owner_lost(member, self._lost_event(member))
             except (RedisError, OSError):
                 log.warning("could not report a transient session as lost")
-            rt.forget(key)
+            if rt.turns.is_closing(key):
+                rt.forget(key)
         if rt.background:
             await asyncio.wait(set(rt.background), timeout=2)
         streams = self.streams()
