@@ -105,7 +105,7 @@ async def test_a_stop_during_an_idle_close_still_tells_the_frontend(  # type: ig
         await abandon(*args)
 
     loop.rt.registry.abandon_owner = held
-    loop.rt.turns.idle = lambda s: [k for k in loop.rt.turns.owned() if k == key]
+    _age(loop, key)  # idle for longer than AGENT_PRIVATE_IDLE_S: the next tick closes it
     await asyncio.wait_for(reached.wait(), 10)  # the next tick closes it
     loop.stop()
 
@@ -317,3 +317,152 @@ async def test_an_opening_dead_lettered_after_a_blip_still_marks_its_key(  # typ
     rows = " ".join(await redis.hvals(K.session("unified:default")))
     assert summaries == []
     assert "my name is Ada" in rows
+
+
+def _age(loop: Any, key: str) -> None:
+    """Make a private session look idle for hours (its last use moved back)."""
+    loop.rt.turns._used[key] -= 10 * 3600
+
+
+def _msg(chat: str, text: str, **kw: object) -> InboundMessage:
+    return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, **kw)  # type: ignore[arg-type]
+
+
+async def _events(client: FrontendClient, key: str) -> list[tuple[str | None, str | None]]:
+    evs = [e for e in await channel_events(client, "web") if e.session_key == key]
+    evs.sort(key=lambda e: tuple(int(p) for p in (e.entry_id or "0-0").split("-")))
+    return [(e.code, e.content) for e in evs]
+
+
+async def test_a_session_busy_when_its_turn_in_the_idle_list_comes_is_not_closed_under_its_turn(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """tick() takes the idle list once, then awaits two round trips per close: a message
+    of the second idle session read during the first one's close starts a turn, and that
+    session, in use again, is not closed (it was: abandoned, reported and forgotten under
+    its running turn, whose answer landed after session_lost, left behind)."""
+    in_turn, release = asyncio.Event(), asyncio.Event()
+
+    async def answer(**kw: object) -> LLMResponse:
+        in_turn.set()
+        await release.wait()
+        return LLMResponse(content="secret answer")
+
+    loop = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=1500)
+    client = FrontendClient(redis)
+    k1, o1 = await client.open_transient("web", "p1", session_key="web:p1")
+    k2, o2 = await client.open_transient("web", "p2", session_key="web:p2")
+    await collect(client, "web", {o1, o2})
+    reached, go = asyncio.Event(), asyncio.Event()
+    report, reported = loop.rt.registry.report_owner_lost, []
+
+    async def held(member: str, event: str) -> Any:
+        reported.append(member)
+        if len(reported) == 1:  # the first idle session's close
+            reached.set()
+            await go.wait()
+        return await report(member, event)
+
+    loop.rt.registry.report_owner_lost = held
+    renew, renewed = loop.rt.registry.renew_owner, asyncio.Event()
+
+    async def renew_seen(key: str, *args: Any) -> bool:
+        if key == k2:  # the tick went past the idle sessions
+            renewed.set()
+        return await renew(key, *args)
+
+    loop.rt.registry.renew_owner = renew_seen
+    _age(loop, k1)
+    _age(loop, k2)
+    await asyncio.wait_for(reached.wait(), 10)
+    renewed.clear()  # (the maintenance task waits in this tick's first close)
+    await client.send(_msg("p2", "hello", id="m2", session_key_override=k2,
+                           require_existing_session=True))  # fmt: skip
+    await asyncio.wait_for(in_turn.wait(), 10)  # a turn runs on p2
+    go.set()
+    await asyncio.wait_for(renewed.wait(), 10)  # the tick is done with the idle ones
+    release.set()
+    await collect(client, "web", {"m2"}, timeout_s=10)
+    events = await _events(client, k2)
+    codes = [c for c, _ in events]
+    assert "session_lost" not in codes  # in use again: not closed
+    assert (None, "secret answer") in events
+    assert k2 in loop.turns.owned()
+
+
+async def test_a_failed_owner_drop_at_a_discard_does_not_store_a_durable_session_under_the_private_key(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Unified mode. discarded() disowns the session first, then drops the owner record;
+    a failed drop (Redis blip) leaves the record naming this worker, which forgot the
+    session, and the marker's next reach drops nothing (owned is None). A message of the
+    key without require_existing_session then gets 'private' and S's own lease (owner =
+    us) and runs a durable turn stored under session:S, not unified:default (the bug
+    dee1753 fixed for close_private, in the discard path)."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True, lock_ttl_ms=300)
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    drop = loop.rt.registry.drop_owner
+
+    async def blip(*args: Any) -> None:
+        loop.rt.registry.drop_owner = drop
+        raise RedisConnectionError("Redis went away for a moment")
+
+    loop.rt.registry.drop_owner = blip
+    await client.discard(key)
+    await until(lambda: key not in loop.turns.owned(), timeout_s=10)
+    careless = _msg("p", "no flag", id="c1", session_key_override=key)
+    reply = await client.ask(careless, timeout_s=15)
+    assert reply.code is None
+    assert not await redis.exists(K.session(key))
+
+
+async def test_an_owner_record_expired_under_a_running_turn_leaves_no_text_after_session_lost(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The owner's renewals fail (Redis blip) while a turn runs, long enough for the
+    record to expire: the session is lost (its worker's own sweep tells the frontend),
+    so its running turn is cancelled and the session forgotten (it was kept while a turn
+    ran, whose answer then landed after session_lost, its text left behind)."""
+    in_turn, release = asyncio.Event(), asyncio.Event()
+
+    async def answer(**kw: object) -> LLMResponse:
+        in_turn.set()
+        await release.wait()
+        return LLMResponse(content="secret answer")
+
+    loop = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=300, owner_ttl_ms=600)
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    await client.send(_msg("p", "hello", id="m1", session_key_override=key,
+                           require_existing_session=True))  # fmt: skip
+    await asyncio.wait_for(in_turn.wait(), 10)
+    renew = loop.rt.registry.renew_owner
+
+    async def down(*args: Any) -> bool:
+        raise RedisConnectionError("Redis went away for a moment")
+
+    loop.rt.registry.renew_owner = down
+
+    async def expired() -> bool:
+        return not await redis.exists(K.owner(key))
+
+    await until(expired, timeout_s=10)
+    loop.rt.registry.renew_owner = renew  # Redis is back
+
+    async def lost() -> bool:
+        return "session_lost" in [c for c, _ in await _events(client, key)]
+
+    await until(lost, timeout_s=10)
+    release.set()
+    await until(lambda: not loop.turns.running(), timeout_s=10)
+    events = await _events(client, key)
+    assert (None, "secret answer") not in events  # the turn was cancelled, not answered
+    assert "session_lost" in [c for c, _ in events]
+    assert key not in loop.turns.owned()

@@ -167,6 +167,12 @@ class TurnRegistry:
         cutoff = time.monotonic() - older_than_s
         return [k for k, t in self._used.items() if t < cutoff and k not in self._slots]
 
+    def is_idle(self, key: str, older_than_s: float) -> bool:
+        used = self._used.get(key)
+        return (
+            used is not None and used < time.monotonic() - older_than_s and key not in self._slots
+        )
+
     def disown(self, key: str) -> str | None:
         self._used.pop(key, None)
         self._opening.discard(key)

@@ -86,15 +86,8 @@ class Maintenance:
         await self.heartbeat()
         await self.observe_queues()
         await self.refresh_channels()
-        for key in rt.turns.idle(rt.config.private_idle_s):
-            await self.close_private(key, "the private session was closed after being idle")
-        for key, member in rt.turns.owned().items():
-            opening = rt.turns.is_opening(key)  # before: the answer may come after the commit's
-            if not await rt.registry.renew_owner(key, rt.worker_id, member):
-                if opening or key in rt.turns.running() or rt.turns.is_opening(key):
-                    continue  # its opening commit is (or was) on its way
-                log.warning("owner record of a transient session expired; session dropped")
-                rt.forget(key)
+        await self.close_idle()
+        await self.renew_owned()
         await self.check_owned()
         channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
         for key in await rt.registry.sweeps.leases(channels):
@@ -195,6 +188,28 @@ class Maintenance:
                     ttl_ms // 1000,
                 )
 
+    async def close_idle(self) -> None:
+        idle_s = self.rt.config.private_idle_s
+        for key in self.rt.turns.idle(idle_s):
+            if self.rt.turns.is_idle(key, idle_s):  # still: each close before it took a while
+                await self.close_private(key, "the private session was closed after being idle")
+
+    async def renew_owned(self) -> None:
+        """Renew our private sessions' owner records; one that ran out ends its session
+        (its loss is told by the owners' sweep: a turn running on it is cancelled, so that
+        no answer comes after that)."""
+        rt = self.rt
+        for key, member in rt.turns.owned().items():
+            opening = rt.turns.is_opening(key)  # before: the answer may come after the commit's
+            if not await rt.registry.renew_owner(key, rt.worker_id, member):
+                if opening or rt.turns.is_opening(key):
+                    continue  # its opening commit is (or was) on its way
+                log.warning("owner record of a transient session expired; session dropped")
+                running = rt.turns.running().get(key)
+                if running is not None:
+                    rt.turns.cancel_entry(key, running[1], "discard")
+                rt.forget(key)
+
     async def check_owned(self) -> None:
         """Serve our transient sessions that have messages but no notification reached
         us (a forwarding worker died between its acquire and its forward)."""
@@ -208,8 +223,8 @@ class Maintenance:
         messages get ``session_not_active``."""
         rt = self.rt
         member = rt.turns.owned().get(key)
-        if member is None:
-            return
+        if member is None or key in rt.turns.running() or rt.turns.is_opening(key):
+            return  # (busy: closed once idle again)
         # held (and owned, for leave() should a stop cancel this) until reported, but
         # closing: a notification read meanwhile (the loss report re-notifies S) must not
         # acquire S claiming the session, which would write its record again, and a turn
