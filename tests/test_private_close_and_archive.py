@@ -466,3 +466,139 @@ async def test_an_owner_record_expired_under_a_running_turn_leaves_no_text_after
     assert (None, "secret answer") not in events  # the turn was cancelled, not answered
     assert "session_lost" in [c for c, _ in events]
     assert key not in loop.turns.owned()
+
+
+async def test_a_renewal_that_failed_for_the_discarded_session_does_not_cancel_the_reopened_ones_turn(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """renew_owned takes owned() once, then awaits a round trip per key. The renewal of S
+    reaches Redis after a discard dropped S's record (answer 0); its answer arrives after
+    S was opened again (same key, same worker) and a turn of the new session started.
+    Neither `opening` check sees the reopening (it is over): the new session's turn is
+    cancelled 'by discard' and the new session forgotten."""
+    in_turn, release = asyncio.Event(), asyncio.Event()
+
+    async def answer(**kw: object) -> LLMResponse:
+        in_turn.set()
+        await release.wait()
+        return LLMResponse(content="fresh answer")
+
+    loop = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=300)
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    renew = loop.rt.registry.renew_owner
+    entered, go, answered, deliver = (asyncio.Event() for _ in range(4))
+    armed = [True]
+
+    async def slow(k: str, *args: Any) -> bool:
+        if k != key or not armed[0]:
+            return await renew(k, *args)
+        armed[0] = False
+        entered.set()
+        await go.wait()  # sent after the discard dropped the record
+        ok = await renew(k, *args)
+        answered.set()
+        await deliver.wait()  # answered after the reopening
+        return ok
+
+    loop.rt.registry.renew_owner = slow
+    try:
+        await asyncio.wait_for(entered.wait(), 10)
+        await client.discard(key)
+        await until(lambda: key not in loop.turns.owned())
+
+        async def dropped() -> bool:
+            return not await redis.exists(K.owner(key))
+
+        await until(dropped)
+        go.set()
+        await asyncio.wait_for(answered.wait(), 10)
+        key2, opened2 = await client.open_transient("web", "p", session_key=key)
+        assert key2 == key
+        await collect(client, "web", {opened2})
+        await client.send(_msg("p", "hello", id="m1", session_key_override=key,
+                               require_existing_session=True))  # fmt: skip
+        await asyncio.wait_for(in_turn.wait(), 10)
+        ticks = loop.maintenance.ticks
+        deliver.set()
+        await until(lambda: loop.maintenance.ticks > ticks)  # the held tick is over
+        release.set()
+        got = await collect(client, "web", {"m1"}, timeout_s=10)
+        codes = [(e.code, e.content) for e in got["m1"]]
+        assert (None, "fresh answer") in codes, codes
+        assert key in loop.turns.owned()
+
+    finally:  # nothing left held at teardown
+        for ev in (go, deliver, release):
+            ev.set()
+
+
+async def test_a_claimless_acquire_built_during_a_close_does_not_delete_the_reopened_record(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Unified mode. An acquire of S built while S is closing claims nothing ('0'); it
+    reaches Redis after S was opened again here (the reopening's commit wrote the record
+    naming this worker). acquire.lua takes that live record for stale and deletes it: the
+    close's report then finds no record and tells the reopened session's frontend
+    session_lost, and its next message gets session_not_active."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True, lock_ttl_ms=300)
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+
+    report, reached, go_report = (
+        loop.rt.registry.report_owner_lost,
+        asyncio.Event(),
+        asyncio.Event(),
+    )
+    reported: list[bool] = []
+
+    async def held_report(member: str, event: str) -> bool:
+        reached.set()
+        await go_report.wait()
+        ok = await report(member, event)
+        reported.append(ok)
+        return ok
+
+    loop.rt.registry.report_owner_lost = held_report
+    acquire = loop.rt.bus.acquire
+    held, go_acq, acq_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    armed = [True]
+
+    async def held_acquire(k: str, *args: Any, **kw: Any) -> Any:
+        if armed[0] and kw.get("member") == key and not kw.get("claim_owner"):
+            armed[0] = False
+            held.set()
+            await go_acq.wait()
+            try:
+                return await acquire(k, *args, **kw)
+            finally:
+                acq_done.set()
+        return await acquire(k, *args, **kw)
+
+    loop.rt.bus.acquire = held_acquire
+    try:
+        loop.rt.turns._used[key] -= 10 * 3600  # idle: the next tick closes it
+        await asyncio.wait_for(reached.wait(), 10)  # closing, its record abandoned
+        private = {"session_key_override": key, "require_existing_session": True}
+        await client.send(_msg("p", "during the close", id="m1", **private))
+        await asyncio.wait_for(held.wait(), 10)  # its acquire, built claiming nothing
+        _, opened2 = await client.open_transient("web", "p", session_key=key)
+        await collect(client, "web", {opened2, "m1"})
+        assert await redis.exists(K.owner(key))  # the reopened session's record
+        go_acq.set()
+        await asyncio.wait_for(acq_done.wait(), 10)
+        assert await redis.exists(K.owner(key)), "acquire.lua deleted a live session's record"
+        go_report.set()
+        await until(lambda: bool(reported))
+        assert reported == [False]  # the reopened session is not reported lost
+        reply = await client.ask(_msg("p", "after the reopening", id="m2", **private), timeout_s=10)
+        assert (reply.code, reply.content) == (None, "ok")
+    finally:  # nothing left held at teardown
+        go_acq.set()
+        go_report.set()

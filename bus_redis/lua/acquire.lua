@@ -61,14 +61,10 @@ if ARGV[4] ~= '' and ARGV[3] ~= ARGV[4] then  -- S folded under K
     return {'busy', own}
   end
   redis.call('SADD', KEYS[2], ARGV[4])
-elseif ARGV[4] == ARGV[3] and KEYS[9] ~= KEYS[1] and ARGV[5] ~= '1'
-    and (not owner or owner == ARGV[1]) then
+elseif ARGV[4] == ARGV[3] and KEYS[9] ~= KEYS[1] and not owner and ARGV[5] ~= '1' then
   -- K = S, S is folded under the unified key U, and S is no private session (a retry
   -- after 'private' whose session ended meanwhile): its durable turns are U's, never
-  -- stored under S's own lease. A record naming this worker, which holds no such session
-  -- (it claims none), is stale (a drop that failed, a close): deleted, the loss told by
-  -- the owners' sweep
-  if owner then redis.call('DEL', KEYS[5]) end
+  -- stored under S's own lease
   return {'fold'}
 elseif ARGV[4] == ARGV[3] and KEYS[9] ~= KEYS[1]
     and redis.call('SISMEMBER', KEYS[10], ARGV[4]) == 1 then

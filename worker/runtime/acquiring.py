@@ -40,6 +40,13 @@ class Acquirer:
     ) -> tuple[str, AcquireResult, str]:
         """``(key, result, memory scope)``: K, or S when S is private or held on its own."""
         rt = self.rt
+        if rt.turns.redropping():  # (rare: a drop failed) a record naming this worker,
+            # which forgot the session, goes first: never a turn run under it (in unified
+            # mode a durable one under the private key's own lease)
+            redrops = rt.turns.redrops()
+            for stream in {key, member} & redrops.keys():
+                await rt.registry.drop_owner(stream, rt.worker_id, redrops[stream])
+                rt.turns.dropped(stream)
         while True:
             scope = self.memory_scope(key)
             transient = rt.sessions.is_transient(key)

@@ -8,9 +8,12 @@ imports it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from bus_redis import RedisBus
 from bus_redis.registry import Registry
@@ -24,6 +27,8 @@ from worker.config import LoopConfig
 from worker.jobs import JobQueue, LocalJobQueue
 from worker.ops.metrics import WorkerMetrics
 from worker.runtime.inflight import TurnRegistry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -116,6 +121,18 @@ class Runtime:
             return OWNER_SCOPE
         # separate namespaces: a vouched name can never equal someone's default scope
         return f"{channel}/scope:{vouched}" if vouched else f"{channel}/sender:{sender_id}"
+
+    async def drop_owner(self, key: str, member: str) -> None:
+        """Drop the owner record of a private session this worker has forgotten; a drop
+        that fails is retried (each tick, and before any acquire of the key), so that no
+        record is left naming a worker that holds no such session."""
+        try:
+            await self.registry.drop_owner(key, self.worker_id, member)
+        except (RedisError, OSError) as exc:
+            log.warning("dropping an owner record failed (%s): retried", type(exc).__name__)
+            self.turns.redrop(key, member)
+            return
+        self.turns.dropped(key)
 
     def forget(self, key: str) -> None:
         """Drop a session from this worker's memory (discard, lost ownership)."""

@@ -87,9 +87,7 @@ class Controls:
             owned = rt.turns.disown(member)
             rt.sessions.invalidate(member)
             if owned is not None:
-                task = asyncio.get_running_loop().create_task(
-                    rt.registry.drop_owner(member, rt.worker_id, owned)
-                )
+                task = asyncio.get_running_loop().create_task(rt.drop_owner(member, owned))
                 self._drops.add(task)
                 task.add_done_callback(self._drops.discard)
         return bool(cancelled)

@@ -135,9 +135,8 @@ class SessionHolder(EntryPolicy):
         by the lease this holder runs under."""
         owned = self.rt.turns.disown(member)
         self.rt.sessions.invalidate(member)
-        if owned is not None:  # (a drop that fails leaves a record naming this worker,
-            # which claims no session: acquire.lua deletes it as stale)
-            await self.rt.registry.drop_owner(member, self.rt.worker_id, owned)
+        if owned is not None:
+            await self.rt.drop_owner(member, owned)
         # a new conversation starts where the chat's history is stored: in unified mode the
         # shared session (nanobot's /new there); a delete removes the chat's own session
         stored = self.key if op == "new" and self.key == UNIFIED_SESSION_KEY else member

@@ -37,6 +37,9 @@ class TurnRegistry:
         self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
         self._opening: set[str] = set()  # transient keys whose opening commit is on its way
         self._closing: set[str] = set()  # transient keys being closed (never claimed again)
+        self._epoch: dict[str, int] = {}  # transient key -> which session of it (own())
+        self._epochs = 0
+        self._redrop: dict[str, str] = {}  # forgotten sessions whose record's drop failed
         # per channel: controls with no slot yet (session -> when)
         self._recent: dict[str, OrderedDict[str, float]] = {}
         self.metrics: Counter[str] = Counter()  # leases_lost, fenced_writes_rejected, ...
@@ -138,6 +141,9 @@ class TurnRegistry:
         :meth:`opened`, a renewal that finds no record is no sign of its loss)."""
         self._owned[key] = member
         self._used[key] = time.monotonic()
+        self._epochs += 1
+        self._epoch[key] = self._epochs
+        self._redrop.pop(key, None)  # the record is ours again: never dropped by a retry
         if opening:  # (opened again while being closed: the close leaves it alone)
             self._opening.add(key)
             self._closing.discard(key)
@@ -158,6 +164,22 @@ class TurnRegistry:
     def is_closing(self, key: str) -> bool:
         return key in self._closing
 
+    def epoch(self, key: str) -> int | None:
+        """Which of the key's private sessions this worker holds (a reopening is another)."""
+        return self._epoch.get(key)
+
+    def redrop(self, key: str, member: str) -> None:
+        self._redrop[key] = member
+
+    def redropping(self) -> bool:
+        return bool(self._redrop)
+
+    def redrops(self) -> dict[str, str]:
+        return dict(self._redrop)
+
+    def dropped(self, key: str) -> None:
+        self._redrop.pop(key, None)
+
     def touch(self, key: str) -> None:
         if key in self._owned:
             self._used[key] = time.monotonic()
@@ -175,6 +197,7 @@ class TurnRegistry:
 
     def disown(self, key: str) -> str | None:
         self._used.pop(key, None)
+        self._epoch.pop(key, None)
         self._opening.discard(key)
         return self._owned.pop(key, None)
 

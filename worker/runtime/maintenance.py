@@ -199,11 +199,14 @@ class Maintenance:
         (its loss is told by the owners' sweep: a turn running on it is cancelled, so that
         no answer comes after that)."""
         rt = self.rt
+        for key, member in rt.turns.redrops().items():
+            await rt.drop_owner(key, member)
         for key, member in rt.turns.owned().items():
             opening = rt.turns.is_opening(key)  # before: the answer may come after the commit's
+            epoch = rt.turns.epoch(key)
             if not await rt.registry.renew_owner(key, rt.worker_id, member):
-                if opening or rt.turns.is_opening(key):
-                    continue  # its opening commit is (or was) on its way
+                if opening or rt.turns.is_opening(key) or rt.turns.epoch(key) != epoch:
+                    continue  # its opening commit is (or was) on its way; or it is another
                 log.warning("owner record of a transient session expired; session dropped")
                 running = rt.turns.running().get(key)
                 if running is not None:
