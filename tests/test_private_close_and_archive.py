@@ -4,6 +4,7 @@ reader attacked them: a stop or a failed step while closing, ids an operator cho
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from replies import channel_events, collect, until, wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.codec import fields
-from bus_redis.results import Acquired
+from bus_redis.results import Acquired, owner_member
 from bus_redis.streams import Retention
 from worker import LoopConfig
 from worker.agent.providers import LLMResponse
@@ -602,3 +603,165 @@ async def test_a_claimless_acquire_built_during_a_close_does_not_delete_the_reop
     finally:  # nothing left held at teardown
         go_acq.set()
         go_report.set()
+
+
+def _pmsg(chat: str, text: str, key: str, mid: str) -> InboundMessage:
+    return InboundMessage(
+        channel="web", sender_id="u", chat_id=chat, content=text, id=mid,
+        session_key_override=key, require_existing_session=True,
+    )  # fmt: skip
+
+
+async def test_a_pubsub_discards_late_drop_does_not_delete_the_reopened_sessions_record(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-session mode. A discard over pub/sub reaches a running turn of private S:
+    Controls._apply forgets S and *spawns* the drop of its owner record (nobody waits for
+    it). The holder goes on: the turn is cancelled, the marker reached, and the frontend
+    opens S again (transient_opened, the commit writes the record naming this worker).
+    The old drop lands after that: owner.lua deletes the record (it names this worker),
+    empties S's out stream and ZREMs the registry member, which the new session shares.
+    The next renewal finds no record and forgets the reopened session; its loss is never
+    told (no registry entry for the owners' sweep)."""
+    in_turn, release = asyncio.Event(), asyncio.Event()
+
+    async def answer(**kw: object) -> LLMResponse:
+        if "first" in json.dumps(kw.get("messages")):
+            in_turn.set()
+            await release.wait()
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer))
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    drop, calls = type(loop.rt).drop_owner, []
+    drop_reached, drop_go = asyncio.Event(), asyncio.Event()
+
+    async def held(rt: Any, *args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 1:  # the drop task spawned by Controls._apply, run late (once
+            drop_reached.set()  # sent, its script precedes any later commit on the
+            await drop_go.wait()  # one ordered connection the scripts share)
+        await drop(rt, *args)
+
+    monkeypatch.setattr(type(loop.rt), "drop_owner", held)
+    await client.send(_pmsg("p", "first", key, "m1"))
+    await asyncio.wait_for(in_turn.wait(), 10)
+    await client.discard(key)
+    await asyncio.wait_for(drop_reached.wait(), 10)
+    got = await collect(client, "web", {"m1"}, timeout_s=10)
+    assert [e.code for e in got["m1"] if e.is_terminal] == ["cancelled"]
+
+    async def marker_reached() -> bool:
+        return not await redis.xlen(K.inbound(key))
+
+    await until(marker_reached, timeout_s=10)
+    _, again = await client.open_transient("web", "p", session_key=key)
+    got = await collect(client, "web", {again}, timeout_s=10)
+    assert [e.code for e in got[again] if e.is_terminal] == [None]  # transient_opened
+    assert await redis.hget(K.owner(key), "worker") == loop.worker_id
+    drop_go.set()  # the discard's drop of the *earlier* session lands now
+    await until(lambda: len(calls) == 1 and not loop.controls._drops, timeout_s=10)
+    member = owner_member(key, "web", "p")
+    assert await redis.hget(K.owner(key), "worker") == loop.worker_id, "record deleted"
+    assert await redis.zscore(K.owners("web"), member) is not None, "registry entry gone"
+
+
+async def test_a_failed_drop_is_not_left_behind_by_a_graceful_stop(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """Worker A's holder reaches a discard marker of its private S; the drop of the owner
+    record fails (a blip) and is kept for a retry (Runtime.drop_owner: each tick, before
+    an acquire). A is then stopped gracefully: leave() abandons the *owned* sessions only,
+    never the redrops, so the record naming A (which holds nothing, and is gone) stays for
+    the owner TTL. S opened again on worker B meanwhile: B's acquire answers 'forward'
+    to A, and the opening waits in a dead worker's inbox."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    a = make_loop(ScriptedProvider(handler=answer))
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    drop, failing = a.rt.registry.drop_owner, [True]
+
+    async def blip(*args: Any) -> None:
+        if failing[0]:
+            raise ConnectionError("Redis went away for a moment")
+        await drop(*args)
+
+    a.rt.registry.drop_owner = blip
+    leave = a.maintenance.leave
+
+    async def leaving() -> None:  # Redis is back once the worker leaves
+        failing[0] = False
+        await leave()
+
+    a.maintenance.leave = leaving
+    await client.discard(key)
+    await until(lambda: a.turns.redropping(), timeout_s=10)  # the marker's drop failed
+    a.stop()
+
+    async def left() -> bool:
+        return await redis.zscore(K.workers, a.worker_id) is None
+
+    await until(left, timeout_s=20)
+    assert await redis.hget(K.owner(key), "worker") is None  # leave() retried the drop
+    b = make_loop(ScriptedProvider(handler=answer))
+    _, again = await client.open_transient("web", "p", session_key=key)
+    try:
+        await collect(client, "web", {again}, timeout_s=25)
+    except AssertionError:
+        owner = await redis.hget(K.owner(key), "worker")
+        raise AssertionError(
+            f"reopening not answered by {b.worker_id}: the record still names {owner} "
+            f"(stopped: {owner == a.worker_id})"
+        ) from None
+
+
+async def test_a_late_redrop_of_worker_a_keeps_worker_bs_registry_entry(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """A's drop of S's record failed (kept for a retry); A's record then runs out (here:
+    deleted, as its TTL would) and S is reopened on B. A's retry (renew_owned) runs
+    owner.lua 'drop': it leaves B's record alone (cur ~= A), but ZREMs the registry member
+    unconditionally, the same member B's session has (same key, channel, chat): B's
+    session is out of the owners' registry until B's next renewal, and should B die
+    meanwhile its frontend is never told session_lost."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    a = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=60_000)  # ticks: rare
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await collect(client, "web", {opened})
+    drop, failing = a.rt.registry.drop_owner, [True]
+
+    async def blip(*args: Any) -> None:
+        if failing[0]:
+            raise ConnectionError("Redis went away for a moment")
+        await drop(*args)
+
+    a.rt.registry.drop_owner = blip
+    await client.discard(key)
+    await until(lambda: a.turns.redropping(), timeout_s=10)
+    await redis.delete(K.owner(key))  # A's record ran out
+    a.stop()  # (A's worker goes on as a stalled process would; only its redrop matters)
+    a.maintenance.leave = _nothing  # type: ignore[method-assign]
+    b = make_loop(ScriptedProvider(handler=answer))
+    _, again = await client.open_transient("web", "p", session_key=key)
+    await collect(client, "web", {again}, timeout_s=10)
+    assert await redis.hget(K.owner(key), "worker") == b.worker_id
+    member = owner_member(key, "web", "p")
+    assert await redis.zscore(K.owners("web"), member) is not None
+    failing[0] = False
+    await a.maintenance.renew_owned.__func__(a.maintenance)  # A's late retry
+    assert await redis.hget(K.owner(key), "worker") == b.worker_id
+    assert await redis.zscore(K.owners("web"), member) is not None, "B's entry ZREM'd by A"
+
+
+async def _nothing() -> None:
+    return None

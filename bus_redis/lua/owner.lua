@@ -49,7 +49,9 @@ if ARGV[1] == 'drop' then
     empty_events(KEYS[3])
     mark(0)
   end
-  redis.call('ZREM', KEYS[2], ARGV[3])
+  -- the registry entry is the session's whoever holds it: a late drop of ours leaves
+  -- another worker's (same key, channel and chat) alone
+  if cur == ARGV[2] or not cur then redis.call('ZREM', KEYS[2], ARGV[3]) end
   return 1
 end
 if cur ~= ARGV[2] then return 0 end

@@ -45,7 +45,8 @@ class Acquirer:
             # mode a durable one under the private key's own lease)
             redrops = rt.turns.redrops()
             for stream in {key, member} & redrops.keys():
-                await rt.registry.drop_owner(stream, rt.worker_id, redrops[stream])
+                if not rt.turns.owns(stream):  # (opened again here: its record)
+                    await rt.registry.drop_owner(stream, rt.worker_id, redrops[stream])
                 rt.turns.dropped(stream)
         while True:
             scope = self.memory_scope(key)

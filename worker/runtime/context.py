@@ -126,11 +126,15 @@ class Runtime:
         """Drop the owner record of a private session this worker has forgotten; a drop
         that fails is retried (each tick, and before any acquire of the key), so that no
         record is left naming a worker that holds no such session."""
+        if self.turns.owns(key):  # opened again here meanwhile: the record is its own
+            self.turns.dropped(key)
+            return
         try:
             await self.registry.drop_owner(key, self.worker_id, member)
         except (RedisError, OSError) as exc:
-            log.warning("dropping an owner record failed (%s): retried", type(exc).__name__)
-            self.turns.redrop(key, member)
+            if not self.turns.owns(key):
+                log.warning("dropping an owner record failed (%s): retried", type(exc).__name__)
+                self.turns.redrop(key, member)
             return
         self.turns.dropped(key)
 

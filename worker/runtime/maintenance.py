@@ -4,6 +4,7 @@ recovery of sessions whose notification, lease holder or transient owner was los
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -269,6 +270,9 @@ class Maintenance:
                 log.warning("could not report a transient session as lost")
             if rt.turns.is_closing(key):
                 rt.forget(key)
+        for key, member in rt.turns.redrops().items():  # no record left naming us
+            with contextlib.suppress(RedisError, OSError):
+                await rt.registry.drop_owner(key, rt.worker_id, member)
         if rt.background:
             await asyncio.wait(set(rt.background), timeout=2)
         streams = self.streams()
