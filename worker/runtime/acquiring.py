@@ -45,9 +45,7 @@ class Acquirer:
             # mode a durable one under the private key's own lease)
             redrops = rt.turns.redrops()
             for stream in {key, member} & redrops.keys():
-                if not rt.turns.owns(stream):  # (opened again here: its record)
-                    await rt.registry.drop_owner(stream, rt.worker_id, redrops[stream])
-                rt.turns.dropped(stream)
+                await rt.drop_owner(stream, redrops[stream], later=False)
         while True:
             scope = self.memory_scope(key)
             transient = rt.sessions.is_transient(key)

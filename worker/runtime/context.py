@@ -122,16 +122,19 @@ class Runtime:
         # separate namespaces: a vouched name can never equal someone's default scope
         return f"{channel}/scope:{vouched}" if vouched else f"{channel}/sender:{sender_id}"
 
-    async def drop_owner(self, key: str, member: str) -> None:
+    async def drop_owner(self, key: str, member: str, *, later: bool = True) -> None:
         """Drop the owner record of a private session this worker has forgotten; a drop
         that fails is retried (each tick, and before any acquire of the key), so that no
-        record is left naming a worker that holds no such session."""
+        record is left naming a worker that holds no such session. ``later=False``: a
+        failure is raised instead (the caller must not go on without the drop)."""
         if self.turns.owns(key):  # opened again here meanwhile: the record is its own
             self.turns.dropped(key)
             return
         try:
             await self.registry.drop_owner(key, self.worker_id, member)
         except (RedisError, OSError) as exc:
+            if not later:
+                raise
             if not self.turns.owns(key):
                 log.warning("dropping an owner record failed (%s): retried", type(exc).__name__)
                 self.turns.redrop(key, member)
