@@ -72,6 +72,20 @@ class ReadyQueues:
                 await self.redis.delete(stream)
                 await self.redis.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
 
+    async def repair_ready(self, channel: str, why: str) -> None:
+        """A ready queue that takes no entry because of what is in it (a frontend gave it
+        the maximal id, or made it another type): it is re-created empty with its group.
+        Notifications still in it are found again by ``Sweeps.queued``; no other channel is
+        touched. Any other refusal (Redis out of memory, read-only, loading) is Redis'
+        state, not the queue's: the queue is left as it is and the sweep tried again."""
+        if not unusable_queue(why):
+            log.warning("ready queue of %s takes no entry for now (%s)", safe(channel), safe(why))
+            return
+        log.warning("ready queue of %s takes no entry (%s); re-created", safe(channel), safe(why))
+        ready = self.keys.ready(channel)
+        await self.redis.delete(ready)
+        await self.ensure_groups([ready])
+
     async def read_notifications(
         self, worker_id: str, streams: Sequence[str], *, count: int, block_ms: int
     ) -> list[Notification]:

@@ -40,6 +40,7 @@ from bus_redis.results import (
     parse_step,
 )
 from bus_redis.scripts import Scripts
+from bus_redis.turn_keys import ChannelNames, TurnKeys, TurnNames
 
 __all__ = ["READY_MAXLEN", "WORKER_GROUP", "RedisBus", "Retention"]
 
@@ -61,51 +62,7 @@ class Retention:
     session_ttl_ms: int = 90 * 86_400_000
 
 
-class _Channel:
-    """The key names of one channel that a turn names."""
-
-    __slots__ = ("dead", "leases", "owners", "pulse", "queued", "ready", "sessions_index")
-
-    def __init__(self, k: Keys, c: str) -> None:
-        self.leases = k.leases(c)
-        self.sessions_index = k.sessions_index(c)
-        self.owners = k.owners(c)
-        self.dead = k.dead(c)
-        self.pulse = k.pulse(c)
-        self.ready = k.ready(c)
-        self.queued = k.queued(c)
-
-
-class _Names:
-    """The key names a turn of session key S names (as S, and as the effective key K)."""
-
-    __slots__ = (
-        "attempts", "channel", "inbound", "journal", "lease", "out", "owner", "pending",
-        "session", "stream",
-    )  # fmt: skip
-
-    def __init__(self, k: Keys, s: str, channel: _Channel) -> None:
-        self.channel = channel
-        self.lease, self.pending, self.session = k.lease(s), k.pending(s), k.session(s)
-        self.inbound, self.attempts, self.out = k.inbound(s), k.attempts(s), k.out(s)
-        self.owner, self.journal = k.owner(s), k.journal(s)
-        # S as a stream to select from: seven KEYS (lua/_common.lua)
-        self.stream = (
-            self.inbound, self.attempts, k.control_hint(s), self.owner, channel.ready,
-            self.lease, channel.queued,
-        )  # fmt: skip
-
-
-# sessions whose key names are kept (a full cache starts again), as many as the session
-# cache holds (session_store.manager.SESSION_CACHE_MAX_SIZE); only keys of at most
-# NAMED_KEY_CHARS characters: ~1.5 KB an entry for a 20-character key, ~2.7 KB at 128
-# (~45 MB at most)
-NAMES_CACHED = 16_384
-NAMED_KEY_CHARS = 128
-CHANNELS_CACHED = 1_024
-
-
-class RedisBus(ReadyQueues):
+class RedisBus(ReadyQueues, TurnKeys):
     """The worker's view of the Redis bus: ``RedisBus(redis, prefix="agent")``."""
 
     def __init__(
@@ -130,28 +87,8 @@ class RedisBus(ReadyQueues):
         # command would hold up every command behind it on ``fast``)
         self.reader = Multiplexed.for_client(redis) if self.fast is not None else None
         self._raw: Redis | None = None
-        self._names: dict[str, _Names] = {}
-        self._channels: dict[str, _Channel] = {}
-
-    def names(self, session_key: str) -> _Names:
-        """The key names of ``session_key``, built once per session while it is cached
-        (a turn names ~30 keys); bounded: a full cache starts again, a key longer than
-        ``NAMED_KEY_CHARS`` is never kept."""
-        got = self._names.get(session_key)
-        if got is None:
-            c = channel_of(session_key)
-            channel = self._channels.get(c)
-            if channel is None:
-                channel = _Channel(self.keys, c)
-                if len(self._channels) >= CHANNELS_CACHED:
-                    self._channels.clear()
-                self._channels[c] = channel
-            got = _Names(self.keys, session_key, channel)
-            if len(session_key) <= NAMED_KEY_CHARS:
-                if len(self._names) >= NAMES_CACHED:
-                    self._names.clear()
-                self._names[session_key] = got
-        return got
+        self._names: dict[str, TurnNames] = {}
+        self._channels: dict[str, ChannelNames] = {}
 
     async def aclose(self) -> None:
         """Close what the bus opened itself (the twin client, the multiplexed connection),

@@ -4,6 +4,8 @@ Every step is bounded per call and per channel, so what one channel wrote (hundr
 thousands of keys, junk types, a ready queue at the maximal id) neither stops nor slows
 recovery in another channel:
 
+- dead holders (:class:`bus_redis.takeovers.Takeovers`, a part of ``Sweeps``): liveness
+  beats, and the leases of a worker found silent taken over at once;
 - :meth:`Sweeps.leases` re-notifies keys whose holder died (each channel's lease registry,
   at most ``limit`` keys per channel and call);
 - :meth:`Sweeps.queued` walks each channel's own index ``P:{C}:queued`` (written by the
@@ -25,16 +27,15 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from bus_redis.codec import safe, stream_id_ms, strict_text, text, texts
 from bus_redis.keys import UNIFIED_CHANNEL, channel_of, in_channel
-from bus_redis.queue import unusable_queue
 from bus_redis.scripts import script_sha
 from bus_redis.streams import READY_MAXLEN, WORKER_GROUP, RedisBus
+from bus_redis.takeovers import Takeovers, unified_flag
 
 SCAN_COUNT = 1000  # keys visited per janitor step
 QUEUED_SWEEP = 500  # members of one channel's queued index looked at per call
 IN_FLIGHT_MS = 1000  # a younger queued entry is assumed to have its notification on the way
 RECHECK_MS = 5000  # a served (or just re-notified) session is looked at again after this
 BACKLOG_MS = 60_000  # a notification unread in its ready queue is believed on its way this long
-LEASES_LOOKED_AT = 4096  # lease-registry members read per channel in a takeover
 log = logging.getLogger(__name__)
 
 
@@ -76,77 +77,13 @@ def _waiting(delivered_ms: int | None, first_ms: int, now: int) -> bool:
     return delivered_ms is not None and delivered_ms < first_ms and now - first_ms < BACKLOG_MS
 
 
-class Sweeps:
+class Sweeps(Takeovers):
     def __init__(self, bus: RedisBus) -> None:
         self.bus = bus
         self.redis = bus.redis
         self.keys = bus.keys
         self._cursor = 0  # of the keyspace janitor, kept across calls
         self._hint_cursor = 0
-
-    # --- dead holders ---------------------------------------------------------------
-    async def beat(self, worker_id: str) -> int:
-        """This worker is alive (Redis time, ms); see ``lua/beat.lua``."""
-        return int(text(await self.bus.scripts.call("beat", [self.keys.alive], [worker_id])))
-
-    async def dead_workers(
-        self, dead_after_ms: int, *, forget_after_ms: int, limit: int = 16
-    ) -> list[str]:
-        """Workers whose liveness beat is older than ``dead_after_ms`` against the freshest
-        beat, most recently silent first; entries older than ``forget_after_ms`` are
-        removed (see ``lua/dead.lua``)."""
-        args = [dead_after_ms, limit, forget_after_ms]
-        return texts(await self.bus.scripts.call("dead", [self.keys.alive], args))
-
-    async def still_dead(self, worker_id: str, dead_after_ms: int) -> bool:
-        """Whether ``worker_id`` is still silent (it may beat again: a restart)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zscore(self.keys.alive, worker_id)
-            pipe.zrevrange(self.keys.alive, 0, 0, withscores=True)
-            beat, fresh = await pipe.execute()
-        return beat is None or not fresh or beat < fresh[0][1] - dead_after_ms
-
-    async def takeover(
-        self,
-        channels: Iterable[str],
-        dead: str,
-        *,
-        dead_after_ms: int | None,
-        limit: int = LEASES_LOOKED_AT,
-    ) -> list[str]:
-        """Re-notify, at once, the keys whose lease ``dead`` holds in ``channels`` (its
-        liveness beat stopped for ``dead_after_ms``, judged again in the script; None: the
-        caller is ``dead`` itself, starting): its leases are deleted so any worker acquires
-        them with a new nonce. Reads at most ``limit`` lease-registry members per channel:
-        leases are held only while served, so a registry is as large as what workers
-        serve, not as what frontends wrote."""
-        done: list[str] = []
-        for channel in channels:
-            registry = self.keys.leases(channel)
-            members = texts(await self.redis.zrange(registry, 0, limit - 1))
-            if not members:
-                continue
-            values = await self.redis.mget([self.keys.lease(k) for k in members])
-            held = [
-                (k, text(v))
-                for k, v in zip(members, values, strict=True)
-                if v is not None and text(v).partition("|")[2] == dead
-            ]
-            silent = "" if dead_after_ms is None else dead_after_ms
-            for key, value in held:
-                keys = [self.keys.lease(key), registry, self.keys.ready(channel), self.keys.alive]
-                args = [value, key, READY_MAXLEN, dead, silent, _unified(channel)]
-                reply = await self.bus.scripts.call("takeover", keys, args)
-                if isinstance(reply, list) and texts(reply)[:1] == ["!unusable"]:
-                    await self.repair_ready(channel, texts(reply)[1])
-                    break
-                if int(reply) == 1:
-                    done.append(key)
-        return done
-
-    async def forget_dead(self, worker_id: str) -> None:
-        """The worker's leases are taken over (or it left): no more liveness entry."""
-        await self.redis.zrem(self.keys.alive, worker_id)
 
     async def leases(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
         """Re-notify keys whose lease expired without a release (their holder died): a
@@ -155,7 +92,7 @@ class Sweeps:
         for channel in channels:
             keys = [self.keys.leases(channel), self.keys.ready(channel)]
             try:
-                args = [limit, READY_MAXLEN, _unified(channel)]
+                args = [limit, READY_MAXLEN, unified_flag(channel)]
                 reply = texts(await self.bus.scripts.call("sweep", keys, args))
             except ResponseError as exc:
                 log.warning("lease sweep of channel %s failed: %s", safe(channel), safe(str(exc)))
@@ -167,18 +104,8 @@ class Sweeps:
         return done
 
     async def repair_ready(self, channel: str, why: str) -> None:
-        """A ready queue that takes no entry because of what is in it (a frontend gave it
-        the maximal id, or made it another type): it is re-created empty with its group.
-        Notifications still in it are found again by :meth:`queued`; no other channel is
-        touched. Any other refusal (Redis out of memory, read-only, loading) is Redis'
-        state, not the queue's: the queue is left as it is and the sweep tried again."""
-        if not unusable_queue(why):
-            log.warning("ready queue of %s takes no entry for now (%s)", safe(channel), safe(why))
-            return
-        log.warning("ready queue of %s takes no entry (%s); re-created", safe(channel), safe(why))
-        ready = self.keys.ready(channel)
-        await self.redis.delete(ready)
-        await self.bus.ensure_groups([ready])
+        """See :meth:`bus_redis.queue.ReadyQueues.repair_ready`."""
+        await self.bus.repair_ready(channel, why)
 
     # --- the per-channel index ----------------------------------------------------------
     async def queued(
@@ -347,8 +274,3 @@ class Sweeps:
         if any(isinstance(r, NoScriptError) for r in replies):
             await self.bus.scripts.load_all()
         return len(junk) + sum(1 for r in replies if r == 1)
-
-
-def _unified(channel: str) -> str:
-    """'1' for the unified channel, whose key's notifications are marked effective."""
-    return "1" if channel == UNIFIED_CHANNEL else "0"

@@ -109,16 +109,16 @@ def test_a_bus_names_a_session_s_keys_as_keys_does(members: list[str]) -> None:
 
 
 def test_the_bus_s_name_cache_is_bounded(monkeypatch: Any) -> None:
-    from bus_redis import streams
+    from bus_redis import streams, turn_keys
 
-    monkeypatch.setattr(streams, "NAMES_CACHED", 8)
+    monkeypatch.setattr(turn_keys, "NAMES_CACHED", 8)
     bus = streams.RedisBus.__new__(streams.RedisBus)
     bus.keys, bus._names, bus._channels = Keys(), {}, {}
     for i in range(100):
         bus.names(f"web:{i}")
         assert len(bus._names) <= 8
     bus.names("web:" + "x" * 200)  # too long to be kept
-    assert all(len(key) <= streams.NAMED_KEY_CHARS for key in bus._names)
+    assert all(len(key) <= turn_keys.NAMED_KEY_CHARS for key in bus._names)
 
 
 def test_nonces_are_unique_and_a_forked_child_draws_its_own() -> None:
