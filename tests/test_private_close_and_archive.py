@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from replies import channel_events, collect, until, wait_until_async
 
-from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from bus_redis import FrontendClient, InboundMessage, Keys, OutboundMessage, RedisBus
 from bus_redis.codec import fields
 from bus_redis.results import Acquired, owner_member
 from bus_redis.streams import Retention
@@ -765,3 +765,65 @@ async def test_a_late_redrop_of_worker_a_keeps_worker_bs_registry_entry(  # type
 
 async def _nothing() -> None:
     return None
+
+
+@pytest.mark.parametrize("unified", [False, True])
+async def test_a_discard_racing_the_opening_commit_ends_the_session_everywhere(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop, unified: bool
+) -> None:
+    """The discard is published while the opening commit (the one that writes the owner
+    record) is on its way: its pub/sub message finds the session owned but not yet
+    recorded, its marker sits behind the opening entry. Once both have landed the session
+    is gone everywhere: not held in memory, no owner record, no registry entry, no loss
+    told later, and a message for it is refused; the next opening starts afresh."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=answer), unified_session=unified)
+    reached, go = asyncio.Event(), asyncio.Event()
+    commit = loop.bus.commit
+
+    async def held_commit(*args: Any, **kw: Any) -> Any:
+        if args[3].owner_op == "set":
+            reached.set()
+            await go.wait()
+        return await commit(*args, **kw)
+
+    loop.bus.commit = held_commit
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "p", session_key="web:p")
+    await asyncio.wait_for(reached.wait(), 10)
+    assert await client.discard(key) >= 1  # the pub/sub message reached the worker
+    await until(lambda: not loop.controls._drops, timeout_s=10)  # its drop, if any, done
+    seen: list[OutboundMessage] = []
+
+    async def follow() -> None:  # a frontend reading the events live, as README says
+        last = "0-0"
+        while not any(e.reply_to == opened and e.is_terminal for e in seen):
+            for _, entries in await redis.xread({K.out(key): last}, block=100) or []:
+                for entry_id, f in entries:
+                    last = entry_id
+                    seen.append(OutboundMessage.model_validate_json(fields(f)["payload"]))
+
+    following = asyncio.create_task(follow())
+    go.set()
+    await asyncio.wait_for(following, 10)  # the opening was answered, to a live reader
+    assert [e.code for e in seen if e.reply_to == opened] == [None]  # transient_opened
+
+    async def settled() -> bool:  # the marker reached, the session forgotten, its record gone
+        gone = not await redis.xlen(K.inbound(key)) and not await redis.exists(K.owner(key))
+        return gone and not loop.rt.turns.owns(key)
+
+    await until(settled, timeout_s=10)
+    await until(lambda: not loop.controls._drops and not loop.turns.redropping(), timeout_s=10)
+    assert await redis.zscore(K.owners("web"), owner_member(key, "web", "p")) is None
+    reply = await client.ask(_pmsg("p", "still here?", key, "m1"), timeout_s=10)
+    assert reply.code == "session_not_active"
+    await loop.maintenance.tick()  # nothing is told lost about a session that was discarded
+    assert "session_lost" not in [code for code, _ in await _events(client, key)]
+    loop.bus.commit = commit
+    _, again = await client.open_transient("web", "p", session_key=key)
+    await collect(client, "web", {again}, timeout_s=10)
+    reply = await client.ask(_pmsg("p", "and now?", key, "m2"), timeout_s=10)
+    assert (reply.code, reply.content) == (None, "ok")
