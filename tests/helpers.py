@@ -86,3 +86,49 @@ def run_cli(*argv: str, env: dict[str, str] | None = None) -> Any:
             else:
                 os.environ[name] = value
     return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def answering(content: str = "ok") -> ScriptedProvider:
+    """A provider that answers ``content`` to every call."""
+
+    async def answer(**kw: object) -> LLMResponse:
+        return LLMResponse(content=content)
+
+    return ScriptedProvider(handler=answer)
+
+
+class Gate:
+    """An async callable standing in for ``target``: the calls ``when`` picks (all by
+    default) set ``reached`` and wait for ``go`` before going on to ``target``; every
+    call's arguments are kept in ``calls``. For holding one step of the worker open while
+    a test does something in between (never a sleep)."""
+
+    def __init__(
+        self, target: Callable[..., Awaitable[Any]], when: Callable[..., bool] | None = None
+    ) -> None:
+        self.target, self.when = target, when
+        self.reached, self.go = asyncio.Event(), asyncio.Event()
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def __call__(self, *args: Any, **kw: Any) -> Any:
+        self.calls.append(args)
+        if self.when is None or self.when(*args, **kw):
+            self.reached.set()
+            await self.go.wait()
+        return await self.target(*args, **kw)
+
+    async def wait_reached(self, timeout_s: float = 10) -> None:
+        await asyncio.wait_for(self.reached.wait(), timeout_s)
+
+
+def opening_commit(*args: Any, **kw: Any) -> bool:
+    """``Gate`` ``when`` for ``RedisBus.commit``: the commit that opens a private session
+    (it writes the owner record)."""
+    return bool(args[3].owner_op == "set")
+
+
+def hold_opening_commit(loop: Any) -> Gate:
+    """Hold ``loop``'s commit that opens a private session (``Gate.go`` lets it on)."""
+    held = Gate(loop.bus.commit, when=opening_commit)
+    loop.bus.commit = held
+    return held

@@ -68,3 +68,10 @@ async def until(predicate: Callable[[], bool | Awaitable[bool]], *, timeout_s: f
             return
         assert loop.time() < deadline, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+async def open_private(client: FrontendClient, chat: str, *, channel: str = "web") -> str:
+    """Open a private session on ``<channel>:<chat>`` and wait for its answer; its key."""
+    key, opened = await client.open_transient(channel, chat, session_key=f"{channel}:{chat}")
+    await collect(client, channel, {opened})
+    return key

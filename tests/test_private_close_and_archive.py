@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from helpers import ScriptedProvider
+from helpers import Gate, ScriptedProvider, answering, hold_opening_commit
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from replies import channel_events, collect, until, wait_until_async
+from replies import channel_events, collect, open_private, until, wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys, OutboundMessage, RedisBus
 from bus_redis.codec import fields
@@ -88,13 +88,9 @@ async def test_a_stop_during_an_idle_close_still_tells_the_frontend(  # type: ig
     nothing: no session_lost now, the owner record and registry entry stay until some
     other worker's due_owners (none when this was the channel's last worker)."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=1500)
+    loop = make_loop(answering(), lock_ttl_ms=1500)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     reached, never = asyncio.Event(), asyncio.Event()
     abandon, calls = loop.rt.registry.abandon_owner, []
 
@@ -129,13 +125,9 @@ async def test_a_careless_message_after_a_failed_abandon_is_not_stored_under_the
     session:S, which ARCHITECTURE says never happens (durable turns of S are U's). Before
     603efc2 the session was still held and answered it privately."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True)
+    loop = make_loop(answering(), unified_session=True)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     abandon = loop.rt.registry.abandon_owner
 
     async def blip(*args: Any) -> None:
@@ -160,12 +152,7 @@ async def test_an_opening_whose_mark_cannot_be_written_is_dead_lettered(  # type
     """The mark is written after the dead-letter gate: an opening whose mark fails on
     every attempt is answered (dead_lettered), not retried for ever."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(
-        ScriptedProvider(handler=answer), unified_session=True, lock_ttl_ms=300, max_deliveries=1
-    )
+    loop = make_loop(answering(), unified_session=True, lock_ttl_ms=300, max_deliveries=1)
 
     async def refused(member: str) -> None:
         raise ResponseError("value is not an integer or out of range")
@@ -200,19 +187,11 @@ async def test_a_message_reaching_a_closing_private_session_is_not_answered_afte
 
     loop = make_loop(ScriptedProvider(handler=answer))
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
-    reached, go = asyncio.Event(), asyncio.Event()
-    report = loop.rt.registry.report_owner_lost
-
-    async def held(*args: Any) -> Any:
-        reached.set()
-        await go.wait()
-        return await report(*args)
-
-    loop.rt.registry.report_owner_lost = held
+    key = await open_private(client, "p")
+    held = Gate(loop.rt.registry.report_owner_lost)
+    loop.rt.registry.report_owner_lost = held  # type: ignore[method-assign]
     closing = asyncio.create_task(loop.maintenance.close_private(key, "idle"))
-    await asyncio.wait_for(reached.wait(), 10)  # abandoned, not reported yet
+    await held.wait_reached()  # abandoned, not reported yet
     msg = InboundMessage(
         channel="web", sender_id="u", chat_id="p", content="hello", id="m1",
         session_key_override=key, require_existing_session=True,
@@ -223,7 +202,7 @@ async def test_a_message_reaching_a_closing_private_session_is_not_answered_afte
         return in_turn.is_set() or not await redis.xlen(K.inbound(key))
 
     await until(started_or_answered, timeout_s=10)
-    go.set()
+    held.go.set()
     await asyncio.wait_for(closing, 10)
     closed.set()
     await until(lambda: not loop.turns.running(), timeout_s=10)
@@ -243,28 +222,17 @@ async def test_a_reopening_during_the_close_is_not_forgotten_by_it(  # type: ign
     frontend was told transient_opened, yet its next message is session_not_active and
     the record names this worker, which no longer holds (or renews) it."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer))
+    loop = make_loop(answering())
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
-    reached, go = asyncio.Event(), asyncio.Event()
-    report = loop.rt.registry.report_owner_lost
-
-    async def held(*args: Any) -> Any:
-        reached.set()
-        await go.wait()
-        return await report(*args)
-
-    loop.rt.registry.report_owner_lost = held
+    key = await open_private(client, "p")
+    held = Gate(loop.rt.registry.report_owner_lost)
+    loop.rt.registry.report_owner_lost = held  # type: ignore[method-assign]
     closing = asyncio.create_task(loop.maintenance.close_private(key, "idle"))
-    await asyncio.wait_for(reached.wait(), 10)  # abandoned, not reported yet
+    await held.wait_reached()  # abandoned, not reported yet
     _, again = await client.open_transient("web", "p", session_key=key)
     got = await collect(client, "web", {again}, timeout_s=10)
     assert [e.code for e in got[again] if e.is_terminal] == [None]  # transient_opened
-    go.set()
+    held.go.set()
     await asyncio.wait_for(closing, 10)
     msg = InboundMessage(
         channel="web", sender_id="u", chat_id="p", content="hello", id="m2",
@@ -401,13 +369,9 @@ async def test_a_failed_owner_drop_at_a_discard_does_not_store_a_durable_session
     us) and runs a durable turn stored under session:S, not unified:default (the bug
     dee1753 fixed for close_private, in the discard path)."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True, lock_ttl_ms=300)
+    loop = make_loop(answering(), unified_session=True, lock_ttl_ms=300)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     drop = loop.rt.registry.drop_owner
 
     async def blip(*args: Any) -> None:
@@ -439,8 +403,7 @@ async def test_an_owner_record_expired_under_a_running_turn_leaves_no_text_after
 
     loop = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=300, owner_ttl_ms=600)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     await client.send(_msg("p", "hello", id="m1", session_key_override=key,
                            require_existing_session=True))  # fmt: skip
     await asyncio.wait_for(in_turn.wait(), 10)
@@ -486,8 +449,7 @@ async def test_a_renewal_that_failed_for_the_discarded_session_does_not_cancel_t
 
     loop = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=300)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     renew = loop.rt.registry.renew_owner
     entered, go, answered, deliver = (asyncio.Event() for _ in range(4))
     armed = [True]
@@ -544,13 +506,9 @@ async def test_a_claimless_acquire_built_during_a_close_does_not_delete_the_reop
     close's report then finds no record and tells the reopened session's frontend
     session_lost, and its next message gets session_not_active."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer), unified_session=True, lock_ttl_ms=300)
+    loop = make_loop(answering(), unified_session=True, lock_ttl_ms=300)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
 
     report, reached, go_report = (
         loop.rt.registry.report_owner_lost,
@@ -633,8 +591,7 @@ async def test_a_pubsub_discards_late_drop_does_not_delete_the_reopened_sessions
 
     loop = make_loop(ScriptedProvider(handler=answer))
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     drop, calls = type(loop.rt).drop_owner, []
     drop_reached, drop_go = asyncio.Event(), asyncio.Event()
 
@@ -678,13 +635,9 @@ async def test_a_failed_drop_is_not_left_behind_by_a_graceful_stop(  # type: ign
     the owner TTL. S opened again on worker B meanwhile: B's acquire answers 'forward'
     to A, and the opening waits in a dead worker's inbox."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    a = make_loop(ScriptedProvider(handler=answer))
+    a = make_loop(answering())
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     drop, failing = a.rt.registry.drop_owner, [True]
 
     async def blip(*args: Any) -> None:
@@ -709,7 +662,7 @@ async def test_a_failed_drop_is_not_left_behind_by_a_graceful_stop(  # type: ign
 
     await until(left, timeout_s=20)
     assert await redis.hget(K.owner(key), "worker") is None  # leave() retried the drop
-    b = make_loop(ScriptedProvider(handler=answer))
+    b = make_loop(answering())
     _, again = await client.open_transient("web", "p", session_key=key)
     try:
         await collect(client, "web", {again}, timeout_s=25)
@@ -731,13 +684,9 @@ async def test_a_late_redrop_of_worker_a_keeps_worker_bs_registry_entry(  # type
     session is out of the owners' registry until B's next renewal, and should B die
     meanwhile its frontend is never told session_lost."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    a = make_loop(ScriptedProvider(handler=answer), lock_ttl_ms=60_000)  # ticks: rare
+    a = make_loop(answering(), lock_ttl_ms=60_000)  # ticks: rare
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     drop, failing = a.rt.registry.drop_owner, [True]
 
     async def blip(*args: Any) -> None:
@@ -751,7 +700,7 @@ async def test_a_late_redrop_of_worker_a_keeps_worker_bs_registry_entry(  # type
     await redis.delete(K.owner(key))  # A's record ran out
     a.stop()  # (A's worker goes on as a stalled process would; only its redrop matters)
     a.maintenance.leave = _nothing  # type: ignore[method-assign]
-    b = make_loop(ScriptedProvider(handler=answer))
+    b = make_loop(answering())
     _, again = await client.open_transient("web", "p", session_key=key)
     await collect(client, "web", {again}, timeout_s=10)
     assert await redis.hget(K.owner(key), "worker") == b.worker_id
@@ -777,23 +726,11 @@ async def test_a_discard_racing_the_opening_commit_ends_the_session_everywhere( 
     is gone everywhere: not held in memory, no owner record, no registry entry, no loss
     told later, and a message for it is refused; the next opening starts afresh."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer), unified_session=unified)
-    reached, go = asyncio.Event(), asyncio.Event()
-    commit = loop.bus.commit
-
-    async def held_commit(*args: Any, **kw: Any) -> Any:
-        if args[3].owner_op == "set":
-            reached.set()
-            await go.wait()
-        return await commit(*args, **kw)
-
-    loop.bus.commit = held_commit
+    loop = make_loop(answering(), unified_session=unified)
+    held = hold_opening_commit(loop)
     client = FrontendClient(redis)
     key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await asyncio.wait_for(reached.wait(), 10)
+    await held.wait_reached()
     assert await client.discard(key) >= 1  # the pub/sub message reached the worker
     await until(lambda: not loop.controls._drops, timeout_s=10)  # its drop, if any, done
     seen: list[OutboundMessage] = []
@@ -807,7 +744,7 @@ async def test_a_discard_racing_the_opening_commit_ends_the_session_everywhere( 
                     seen.append(OutboundMessage.model_validate_json(fields(f)["payload"]))
 
     following = asyncio.create_task(follow())
-    go.set()
+    held.go.set()
     await asyncio.wait_for(following, 10)  # the opening was answered, to a live reader
     assert [e.code for e in seen if e.reply_to == opened] == [None]  # transient_opened
 
@@ -822,7 +759,7 @@ async def test_a_discard_racing_the_opening_commit_ends_the_session_everywhere( 
     assert reply.code == "session_not_active"
     await loop.maintenance.tick()  # nothing is told lost about a session that was discarded
     assert "session_lost" not in [code for code, _ in await _events(client, key)]
-    loop.bus.commit = commit
+    loop.bus.commit = held.target
     _, again = await client.open_transient("web", "p", session_key=key)
     await collect(client, "web", {again}, timeout_s=10)
     reply = await client.ask(_pmsg("p", "and now?", key, "m2"), timeout_s=10)

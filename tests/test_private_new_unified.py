@@ -5,11 +5,10 @@ reaches the shared conversation every other chat stores under `unified:default`.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import redis.asyncio as aioredis
-from helpers import ScriptedProvider
-from replies import collect, wait_until_async
+from helpers import Gate, ScriptedProvider, answering, hold_opening_commit, opening_commit
+from replies import collect, open_private, wait_until_async
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 from worker.agent.providers import LLMResponse
@@ -76,8 +75,7 @@ async def test_a_private_key_stays_marked_when_its_owner_record_runs_out(  # typ
     loop = make_loop(ScriptedProvider(handler=answer), unified_session=True, session_ttl_s=3600)
     client = FrontendClient(redis)
     assert (await client.ask(_msg("a", "my name is Ada"), timeout_s=10)).content == "ok"
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     assert 3600_000 < await redis.pttl(K.private_mark(key)) <= 3600_000 + 15_000
     # the state a kill -9 leaves once the owner record ran out: no record, no owner here
     loop.rt.forget(key)
@@ -118,13 +116,9 @@ async def test_new_on_a_chat_never_private_still_folds_the_shared_conversation( 
 async def test_the_mark_is_renewed_with_the_owner_record_and_outlives_the_session(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop
 ) -> None:
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer), session_ttl_s=3600, unified_session=True)
+    loop = make_loop(answering(), session_ttl_s=3600, unified_session=True)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     await redis.delete(K.private_mark(key))  # a session opened before marks existed
     member = loop.turns.owned()[key]
     assert await loop.rt.registry.renew_owner(key, loop.worker_id, member)
@@ -140,13 +134,9 @@ async def test_marks_are_bounded_in_time_and_made_in_unified_mode_only(  # type:
     """Sessions kept for good (AGENT_SESSION_TTL_S=0) do not keep marks for good: 90 days.
     In per-session mode nothing reads a mark, so none is written (a key naming the chat)."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    make_loop(ScriptedProvider(handler=answer), session_ttl_s=0, unified_session=True)
+    make_loop(answering(), session_ttl_s=0, unified_session=True)
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     assert 90 * 86_400_000 < await redis.pttl(K.private_mark(key)) <= 90 * 86_400_000 + 15_000
     await client.discard(key)
 
@@ -158,10 +148,7 @@ async def test_marks_are_bounded_in_time_and_made_in_unified_mode_only(  # type:
 
 
 async def test_per_session_mode_writes_no_mark(redis: aioredis.Redis, make_loop) -> None:  # type: ignore[no-untyped-def]
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    make_loop(ScriptedProvider(handler=answer))
+    make_loop(answering())
     client = FrontendClient(redis)
     key, opened = await client.open_transient(
         "web", "u1-t-0123abcd", session_key="web:u1-t-0123abcd"
@@ -182,26 +169,14 @@ async def test_a_renewal_during_the_opening_commit_keeps_the_session(  # type: i
     """The worker owns a private session from its opening, before the commit writes the
     owner record: a maintenance tick in between finds no record and must not drop it."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer))
-    reached, go = asyncio.Event(), asyncio.Event()
-    commit = loop.bus.commit
-
-    async def held_commit(*args: Any, **kw: Any) -> Any:  # the opening commit, held
-        if args[3].owner_op == "set":
-            reached.set()
-            await go.wait()
-        return await commit(*args, **kw)
-
-    loop.bus.commit = held_commit
+    loop = make_loop(answering())
+    held = hold_opening_commit(loop)
     client = FrontendClient(redis)
     key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await asyncio.wait_for(reached.wait(), 10)
+    await held.wait_reached()
     assert not await redis.exists(K.owner(key))
     await loop.maintenance.tick()  # renews what the worker owns: no record yet
-    go.set()
+    held.go.set()
     await collect(client, "web", {opened})
     private = {"session_key_override": key, "require_existing_session": True}
     reply = await client.ask(_msg("p", "still here?", **private), timeout_s=10)
@@ -215,13 +190,9 @@ async def test_a_closed_private_session_is_not_claimed_again_by_its_own_worker( 
     reads that notification while closing: its acquire must not claim the session (and
     write the owner record again), which the worker has forgotten by then."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer))
+    loop = make_loop(answering())
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "p", session_key="web:p")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "p")
     report = loop.rt.registry.report_owner_lost
 
     async def report_then_wait(member: str, event_json: str) -> bool:
@@ -285,18 +256,10 @@ async def test_a_renewal_answered_after_the_opening_commit_keeps_the_session(  #
     is read after the commit's: the tick looked at the opening before it asked, and keeps
     the session (a second reader's test)."""
 
-    async def answer(**kw: object) -> LLMResponse:
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=answer))
-    reached, go, renewed, opened_now = (asyncio.Event() for _ in range(4))
-    commit, opened, renew = loop.bus.commit, loop.turns.opened, loop.rt.registry.renew_owner
-
-    async def held_commit(*args: Any, **kw: Any) -> Any:
-        if args[3].owner_op == "set":
-            reached.set()
-            await go.wait()
-        return await commit(*args, **kw)
+    loop = make_loop(answering())
+    renewed, opened_now = asyncio.Event(), asyncio.Event()
+    opened, renew = loop.turns.opened, loop.rt.registry.renew_owner
+    held = Gate(loop.bus.commit, when=opening_commit)
 
     def opened_hook(key: str) -> None:
         opened(key)
@@ -308,14 +271,14 @@ async def test_a_renewal_answered_after_the_opening_commit_keeps_the_session(  #
         await opened_now.wait()  # ... its answer is read after the commit's
         return done
 
-    loop.bus.commit, loop.turns.opened = held_commit, opened_hook
+    loop.bus.commit, loop.turns.opened = held, opened_hook
     loop.rt.registry.renew_owner = late_answer
     client = FrontendClient(redis)
     key, first = await client.open_transient("web", "p", session_key="web:p")
-    await asyncio.wait_for(reached.wait(), 10)
+    await held.wait_reached()
     tick = asyncio.create_task(loop.maintenance.tick())
     await asyncio.wait_for(renewed.wait(), 10)
-    go.set()
+    held.go.set()
     await asyncio.wait_for(tick, 10)
     await collect(client, "web", {first})
     assert await redis.hget(K.owner(key), "worker") == loop.worker_id
