@@ -151,17 +151,27 @@ class Consolidator:
             if snapshot is None or snapshot.last_consolidated != start or not snapshot.scope:
                 return  # gone, transient (never stored), or consolidated meanwhile
             folded = await fold(self.rt, snapshot.scope, snapshot.messages[start:end])
-            if await self._commit(key, start, end, folded) != "memory_moved":
+            if await self._commit(snapshot, start, end, folded) != "memory_moved":
                 return
         log.warning("consolidation of %s gave up: its memory kept changing", safe(key))
 
-    async def _commit(self, key: str, start: int, end: int, folded: Fold) -> str:
+    async def _commit(self, folded_from: Session, start: int, end: int, folded: Fold) -> str:
+        """Under the lease: write ``folded`` if the stored session is still the one it
+        was made from. Another one under the same key (deleted meanwhile and started
+        again, maybe by another sender, of another scope) is "moved": its rows were not
+        read, and the fold of the old conversation must not reach its scope's memory."""
+        key = folded_from.key
         acquired, _scope = await Acquirer(self.rt).acquire_blocking(key)
         try:
             session = await self.rt.sessions.load_for_turn(
                 key, acquired.version, acquired.generation
             )
-            if session.last_consolidated != start or len(session.messages) < end:
+            if (
+                session.generation != folded_from.generation
+                or session.scope != folded_from.scope
+                or session.last_consolidated != start
+                or len(session.messages) < end
+            ):
                 return "moved"
             session.last_consolidated = end
             result = await self.rt.bus.consolidate(
