@@ -180,9 +180,10 @@ class SessionManager:
         await self.store.save(session)
         self._remember(session)
 
-    async def read_session(self, key: str) -> dict[str, Any] | None:
-        """The stored payload, or None; never touches the cache."""
-        return await self.store.read(key)
+    async def read_session(self, key: str, *, last: int | None = None) -> dict[str, Any] | None:
+        """The stored payload (with ``last``, its newest ``last`` rows only), or None;
+        never touches the cache."""
+        return await self.store.read(key, last=last)
 
     async def read_metadata(self, key: str) -> dict[str, Any] | None:
         return await self.store.read_metadata(key)
@@ -199,6 +200,9 @@ class SessionManager:
         self.invalidate(key)
         return await self.store.delete(key)
 
-    async def list_sessions(self, scope: str | None = None) -> list[SessionInfo]:
-        """Stored sessions, newest first; with ``scope``, only that scope's."""
-        return await self.store.list_sessions(scope)
+    async def list_sessions(
+        self, scope: str | None = None, *, limit: int | None = None
+    ) -> list[SessionInfo]:
+        """Stored sessions, newest first; with ``scope``, only that scope's; with
+        ``limit``, the newest ``limit``."""
+        return await self.store.list_sessions(scope, limit=limit)

@@ -23,6 +23,7 @@ from session_store.codec import (
     dumps,
     encode_meta,
     encode_rows,
+    readable_rows,
 )
 from session_store.models import Session
 from session_store.protocol import SessionInfo
@@ -201,8 +202,10 @@ class RedisSessionStore:
         keys = self.keys.deletion(key, lease, str(meta.get("scope") or ""))
         return int(text(await self._scripts.call("delete", keys, [token, key])))
 
-    async def read(self, key: str) -> dict[str, Any] | None:
-        session = await self.load(key)
+    async def read(self, key: str, *, last: int | None = None) -> dict[str, Any] | None:
+        """The stored session as a document; with ``last``, only its newest ``last`` rows
+        are read (a tool's read costs what it returns, not the session's length)."""
+        session = await self.load(key) if last is None else await self._load_tail(key, last)
         if session is None:
             return None
         return {
@@ -213,6 +216,18 @@ class RedisSessionStore:
             "scope": session.scope,
             "messages": session.messages,
         }
+
+    async def _load_tail(self, key: str, last: int) -> Session | None:
+        hkey = self.keys.session(key)
+        meta, count = await self._hmget(hkey, ["meta", "count"])
+        if meta is None and count is None:
+            return None
+        n = int(text(count) or 0) if count is not None else 0
+        first = max(0, n - max(0, last))
+        raws = await self._hmget(hkey, [f"m:{i}" for i in range(first, n)]) if n > first else []
+        session = Session(key=key, messages=readable_rows(text(r) for r in raws))
+        apply_meta(session, decode_meta(text(meta) if meta is not None else None))
+        return session
 
     async def read_metadata(self, key: str) -> dict[str, Any] | None:
         raw = await self.redis.hget(self.keys.session(key), "meta")  # type: ignore[misc]
@@ -245,15 +260,21 @@ class RedisSessionStore:
         pattern = f"{glob_escape(self.keys.prefix)}:{{*}}:sessions"
         return [text(k) async for k in self.redis.scan_iter(match=pattern, _type="zset")]
 
-    async def list_sessions(self, scope: str | None = None) -> list[SessionInfo]:
+    async def list_sessions(
+        self, scope: str | None = None, *, limit: int | None = None
+    ) -> list[SessionInfo]:
         """Stored sessions: of every channel newest first, or of one scope (newest
-        created first: a scope's index is written once per session, not per turn)."""
+        created first: a scope's index is written once per session, not per turn); with
+        ``limit``, the newest ``limit`` only (each index is read that far, no further)."""
+        if limit is not None and limit < 1:
+            return []
         indexes = [self.keys.scope_sessions(scope)] if scope else await self._indexes()
+        stop = -1 if limit is None else limit - 1
         scored: dict[str, float] = {}
         for index in indexes:
-            for k, score in await self.redis.zrevrange(index, 0, -1, withscores=True):
+            for k, score in await self.redis.zrevrange(index, 0, stop, withscores=True):
                 scored[text(k)] = float(score)
-        keys = sorted(scored, key=lambda k: -scored[k])
+        keys = sorted(scored, key=lambda k: -scored[k])[:limit]
         async with self.redis.pipeline(transaction=False) as pipe:
             for k in keys:
                 pipe.hmget(self.keys.session(k), ["meta", "count"])

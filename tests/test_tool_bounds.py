@@ -73,7 +73,8 @@ async def test_a_consolidation_never_writes_one_users_conversation_into_anothers
     yolanda = loop.rt.scope_for("web", None, "yolanda")
     assert SECRET not in await loop.memory.read_memory(yolanda)
     stored = await loop.sessions.store.load("web:group")
-    assert stored is not None and stored.last_consolidated == 0  # her rows were never read
+    assert stored is not None
+    assert stored.last_consolidated == 0
 
 
 async def _started(provider: ScriptedProvider) -> bool:
@@ -98,9 +99,18 @@ async def test_read_session_never_returns_more_rows_than_its_schema_allows(
     session = _long_session(600)
     ctx = ToolContext(session, loop.sessions, emit=_no_emit)
     registry = default_registry()
-    for limit in (0, -1, 10_000):
-        out = json.loads(await registry.execute("read_session", {"limit": limit}, ctx))
-        assert len(out) <= 200, f"limit={limit} returned {len(out)} rows"
+    for limit in (0, -1, 10_000, True, "9999"):
+        out = await registry.execute("read_session", {"limit": limit}, ctx)
+        assert out.startswith("Error: bad arguments for read_session: 'limit' must"), out[:80]
+    rows = json.loads(await registry.execute("read_session", {"limit": 200}, ctx))
+    assert 100 < len(rows) <= 200
+    assert rows[-1]["content"].startswith("a299 ")
+    session.add_message("user", "huge " + "h" * 50_000)
+    rows = json.loads(await registry.execute("read_session", {"limit": 5}, ctx))
+    assert [r["content"][:5] for r in rows] == ["huge "]  # cut to fit, still JSON
+    assert (await registry.execute("read_session", {"rows": 5}, ctx)).startswith(
+        "Error: bad arguments for read_session: unknown argument 'rows'"
+    )
 
 
 async def test_a_read_session_result_fits_the_deployments_bulk_limit() -> None:
@@ -121,7 +131,9 @@ async def test_a_read_session_result_fits_the_deployments_bulk_limit() -> None:
         async def handler(**kw: Any) -> LLMResponse:
             last = kw["messages"][-1]
             if last.get("role") == "user" and "read it back" in str(last.get("content")):
-                return LLMResponse(tool_calls=[ToolCallRequest("c1", "read_session", {"limit": 200})])
+                return LLMResponse(
+                    tool_calls=[ToolCallRequest("c1", "read_session", {"limit": 200})]
+                )
             return LLMResponse(content="ok")
 
         loop = AgentLoop(RedisBus(client), ScriptedProvider(handler=handler), config=LoopConfig())
@@ -134,10 +146,11 @@ async def test_a_read_session_result_fits_the_deployments_bulk_limit() -> None:
                              content="read it back")  # fmt: skip
         try:
             reply = await loop.process_message(ask)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise AssertionError(f"the turn could not be written: {type(exc).__name__}: "
                                  f"{str(exc)[:120]}") from None  # fmt: skip
-        assert reply is not None and reply.type == "message"
+        assert reply is not None
+        assert reply.type == "message"
     finally:
         await client.aclose()
         server.cleanup()
@@ -207,10 +220,38 @@ async def test_goals_a_model_records_keep_the_session_writable() -> None:
                                  content="record goals")  # fmt: skip
             try:
                 reply = await loop.process_message(msg)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise AssertionError(f"turn {i} could not be written: "
                                      f"{type(exc).__name__}: {str(exc)[:120]}") from None  # fmt: skip
-            assert reply is not None and reply.type == "message"
+            assert reply is not None
+            assert reply.type == "message"
     finally:
         await client.aclose()
         server.cleanup()
+
+
+async def test_goals_are_bounded_in_number_and_length(redis: aioredis.Redis) -> None:
+    """At most MAX_GOALS goals of at most TITLE_MAX_CHARS: past the cap a new goal
+    replaces the oldest closed one; with every goal open it is refused."""
+    from worker.agent.tools.goals import MAX_GOALS, TITLE_MAX_CHARS
+
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(), config=LoopConfig())
+    session = Session(key="web:g", scope="web/sender:u")
+    ctx = ToolContext(session, loop.sessions, emit=_no_emit)
+    registry = default_registry()
+    long = await registry.execute("create_goal", {"title": "x" * (TITLE_MAX_CHARS + 1)}, ctx)
+    assert long.startswith("Error: bad arguments for create_goal: 'title' must have at most")
+    ids = []
+    for i in range(MAX_GOALS):
+        ctx.call_id = f"c{i}"
+        ids.append(json.loads(await registry.execute("create_goal", {"title": f"g{i}"}, ctx))["id"])
+    ctx.call_id = "one more"
+    refused = await registry.execute("create_goal", {"title": "one more"}, ctx)
+    assert refused.startswith("Error:")
+    assert len(session.metadata["goals"]) == MAX_GOALS
+    await registry.execute("update_goal", {"goal_id": ids[3], "status": "done"}, ctx)
+    added = json.loads(await registry.execute("create_goal", {"title": "one more"}, ctx))
+    goals = session.metadata["goals"]
+    assert len(goals) == MAX_GOALS
+    assert goals[-1] == added
+    assert ids[3] not in [g["id"] for g in goals]  # the closed one made room

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from session_store import Session, SessionManager
+from worker.agent.tools.arguments import argument_error, bounded_result
 
 log = logging.getLogger(__name__)
 Emit = Callable[[str], Awaitable[None]]
@@ -152,13 +153,17 @@ class ToolRegistry:
         ]
 
     async def execute(self, name: str, arguments: dict[str, Any], ctx: ToolContext) -> str:
-        """Run one call; a disabled, unknown or failing tool becomes an error string the
-        model can read, never an exception out of the turn."""
+        """Run one call; a disabled, unknown or failing tool, or arguments its schema does
+        not allow, become an error string the model can read, never an exception out of
+        the turn. A result is cut to ``RESULT_MAX_CHARS`` (``tools.arguments``)."""
         tool = self._tools.get(name)
         if tool is None or name in self.unavailable(ctx.session):
             return f"Error: tool {name!r} is not available in this session"
+        why = argument_error(tool.parameters, arguments)
+        if why:
+            return f"Error: bad arguments for {name}: {why}"
         try:
-            return await tool.execute(ctx, **arguments)
+            return bounded_result(await tool.execute(ctx, **arguments))
         except TypeError as exc:
             return f"Error: bad arguments for {name}: {exc}"
         except Exception as exc:

@@ -1,4 +1,5 @@
-"""create_goal and update_goal: goals kept in the session's metadata (durable tools)."""
+"""create_goal and update_goal: goals kept in the session's metadata (durable tools), at
+most ``MAX_GOALS`` of at most ``TITLE_MAX_CHARS`` each (every commit writes them)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any
 from worker.agent.tools.base import ToolContext, as_text, schema
 
 _STATUSES = ("open", "done", "abandoned")
+# the session's metadata holds them, and every commit writes the metadata whole: bounded
+MAX_GOALS = 32  # a new goal past it replaces the oldest closed one (none closed: refused)
+TITLE_MAX_CHARS = 300
+_TITLE = {"type": "string", "minLength": 1, "maxLength": TITLE_MAX_CHARS}
 
 
 def _goals(ctx: ToolContext) -> list[dict[str, Any]]:
@@ -21,7 +26,7 @@ def _goals(ctx: ToolContext) -> list[dict[str, Any]]:
 class CreateGoalTool:
     name = "create_goal"
     description = "Record a goal for this session; returns its id."
-    parameters = schema({"title": {"type": "string"}}, ["title"])
+    parameters = schema({"title": _TITLE}, ["title"])
     idempotent = True  # its effect lands with the turn's commit; the id follows the call
 
     async def execute(self, ctx: ToolContext, title: str) -> str:
@@ -30,6 +35,11 @@ class CreateGoalTool:
         for goal in goals:
             if goal.get("id") == goal_id:  # the same call, run again
                 return as_text(goal)
+        if len(goals) >= MAX_GOALS:
+            closed = [g for g in goals if g.get("status") != "open"]
+            if not closed:
+                return f"Error: this session has {len(goals)} open goals; close one first"
+            goals.remove(closed[0])
         goal = {"id": goal_id, "title": title, "status": "open"}
         goals.append(goal)
         return as_text(goal)
@@ -50,7 +60,7 @@ class UpdateGoalTool:
         {
             "goal_id": {"type": "string"},
             "status": {"type": "string", "enum": list(_STATUSES)},
-            "title": {"type": "string"},
+            "title": _TITLE,
         },
         ["goal_id"],
     )
