@@ -46,12 +46,13 @@ class ScheduleStore:
         self, session: str, key: str, sid: str, due_ms: int, payload: str, next_ms: int | None
     ) -> int:
         """1 fired, 0 not due at ``due_ms`` any more (or dropped: its session was never
-        stored), -2 moved on without a message, -3 not now (its first turn still runs).
+        stored), -2 moved on without a message, -3 not now (its first turn still runs,
+        or waits to be run again after its worker died).
         ``key``: the session's effective key (its hash and lease)."""
         k, channel = self.keys, channel_of(session)
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
         keys += [k.inbound(session), k.queued(channel), k.ready(channel)]
-        keys += [k.session(key), k.lease(key)]
+        keys += [k.session(key), k.lease(key), k.journal(key)]
         nxt = "" if next_ms is None else next_ms
         args = [sid, due_ms, payload, nxt, session, READY_MAXLEN]
         return int(text(await self.bus.scripts.call("cron_fire", keys, args)))

@@ -5,15 +5,17 @@
 -- KEYS[1] channel's schedule definitions  KEYS[2] channel's due index  KEYS[3] the
 -- session's schedules  KEYS[4] the session's inbound stream  KEYS[5] channel's queued
 -- index  KEYS[6] channel's ready queue  KEYS[7] the session hash (of its effective key)
--- KEYS[8] the lease of its effective key
+-- KEYS[8] the lease of its effective key  KEYS[9] the tool journal of its effective key
 -- ARGV[1] schedule id  ARGV[2] the firing (ms: its score in the due index)
 -- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms, later than ARGV[2]; '' when
 -- this is the last)  ARGV[5] session key  ARGV[6] MAXLEN of the ready queue
 -- returns 1 fired, 0 not due then any more (fired already, moved or removed), -2 moved
 -- on without a message (the stream has another type: a frontend's junk), -3 not now
--- (the session's first turn, which added it, is still running)
--- A session that was never stored (the turn that added the schedule was not committed)
--- loses the schedule here: a firing must not create a session of its own.
+-- (the session's first turn, which added it, is still running, or its worker died and
+-- the turn waits to be run again: its tool journal holds the call that added it)
+-- A session that was never stored (the turn that added the schedule was not committed,
+-- and nothing of it waits to be run again) loses the schedule here: a firing must not
+-- create a session of its own.
 local due = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not due or tonumber(due) ~= tonumber(ARGV[2]) then return 0 end
 local function drop()
@@ -26,7 +28,9 @@ if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
 if redis.call('EXISTS', KEYS[7]) == 0 then
-  if redis.call('EXISTS', KEYS[8]) == 1 then return -3 end
+  if redis.call('EXISTS', KEYS[8]) == 1 or redis.call('EXISTS', KEYS[9]) == 1 then
+    return -3
+  end
   drop()
   return 0
 end

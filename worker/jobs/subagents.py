@@ -25,7 +25,8 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -46,7 +47,8 @@ JOB_NAME = "subagent"
 SUBAGENT_TOOLS = ("read_session", "search_sessions")  # reads within the session's scope
 ABORTING = ("stop", "discard", "delete", "new")
 MAX_TASK_CHARS = 8000
-FINISH_ATTEMPTS = 7  # publishing a result: tried for about a minute
+FINISH_ATTEMPTS = 7  # starting a subagent, publishing its result: tried for about a minute
+T = TypeVar("T")
 SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
 IDENTITY = (
     "You are a subagent of redis-agent-worker: you work on one task for a conversation "
@@ -125,7 +127,12 @@ class Subagents:
 
     # --- the job ------------------------------------------------------------------------
     async def run_job(self, *, session: str, sid: str) -> None:
-        doc = (await self.store.of_session(session)).get(sid)
+        """Run a registered subagent and publish its result (or why there is none) into
+        its session. Redis refusing the start (full, a blip) is tried again for about a
+        minute like the publish: the job is not failed for good, with its registration
+        holding the session's slots and its session never told."""
+        docs = await _retried(f"start of subagent {sid}", lambda: self.store.of_session(session))
+        doc = docs.get(sid)
         if doc is None:
             return  # aborted before it started (or done already)
         spec = json.loads(doc)
@@ -134,11 +141,18 @@ class Subagents:
             return
         spec |= {"state": "running", "worker": self.rt.worker_id}
         spec["started_ms"] = int(time.time() * 1000)
-        if not await self.store.running(session, sid, json.dumps(spec)):
+        name = f"subagent {sid} ({spec['label']})"
+        try:
+            running = json.dumps(spec)
+            what = f"start of subagent {sid}"
+            if not await _retried(what, lambda: self.store.running(session, sid, running)):
+                return
+        except RedisError as exc:
+            text = f"[{name} failed: it could not start ({type(exc).__name__})]"
+            await self._publish(session, sid, self._message(spec, text))
             return
         task = asyncio.create_task(self._work(spec), name=f"subagent:{sid}")
         self.running.setdefault(session, {})[sid] = (task, spec)
-        name = f"subagent {sid} ({spec['label']})"
         try:
             result = await asyncio.wait_for(asyncio.shield(task), self.rt.config.subagent_timeout_s)
             text = f"[{name} finished]\n{result[: self.max_chars]}"
@@ -170,16 +184,14 @@ class Subagents:
     async def _publish(self, session: str, sid: str, payload: str) -> None:
         """The result into the session's stream; Redis refusing it (full) is tried again
         for about a minute, then the registration is dropped (its slots freed)."""
-        for attempt in range(FINISH_ATTEMPTS):
-            try:
-                if await self.store.finish(session, sid, payload):
-                    log.info("subagent %s of %s ended", sid, safe(session))
-                return
-            except RedisError as exc:
-                log.warning("result of subagent %s not published (%s); trying again", sid,
-                            type(exc).__name__)  # fmt: skip
-                await asyncio.sleep(min(2**attempt, 16))
-        log.error("result of subagent %s of %s lost: Redis kept refusing it", sid, safe(session))
+        what = f"result of subagent {sid}"
+        try:
+            if await _retried(what, lambda: self.store.finish(session, sid, payload)):
+                log.info("subagent %s of %s ended", sid, safe(session))
+            return
+        except RedisError:
+            log.error("result of subagent %s of %s lost: Redis kept refusing it", sid,
+                      safe(session))  # fmt: skip
         with contextlib.suppress(RedisError):
             await self.store.drop(session, sid)
 
@@ -249,3 +261,15 @@ def _lru(table: dict[Any, Any], key: Any, value: Any) -> None:
     table[key] = value
     while len(table) > SPAWNED_HERE_MAX:
         table.pop(next(iter(table)))
+
+
+async def _retried(what: str, op: Callable[[], Awaitable[T]]) -> T:
+    """``op()``, tried again while Redis refuses it (full, a blip), about a minute in all
+    (``FINISH_ATTEMPTS``); then its last error is raised."""
+    for attempt in range(FINISH_ATTEMPTS - 1):
+        try:
+            return await op()
+        except RedisError as exc:
+            log.warning("%s refused (%s); trying again", what, type(exc).__name__)
+            await asyncio.sleep(min(2**attempt, 16))
+    return await op()
