@@ -274,3 +274,47 @@ async def test_a_worker_that_heard_the_stop_never_starts_an_older_subagent(redis
     await heard.subagents.run_job(session="web:h", sid="old")  # (unregistered: nothing)
     assert not await redis.exists(K.inbound("web:h"))
     await heard.jobs.aclose()
+
+
+async def test_an_interrupt_that_drops_the_spawns_tool_round_takes_the_subagent_with_it(  # type: ignore[no-untyped-def]
+    redis, make_loop
+) -> None:
+    """The model spawns and, in the same round, reads another session (held here). An
+    interrupt then cuts the turn: the round is incomplete, so its rows are dropped, and
+    the subagent it spawned must go too (as a schedule does): the history never names
+    it, so its result would answer a call nobody remembers. (An interrupt keeps
+    complete exchanges: it is not one of the controls that abort subagents.)"""
+    model, reading = Model(), asyncio.Event()
+    call = "research slow thing"
+
+    async def handler(**kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == call:
+            return LLMResponse(tool_calls=[
+                ToolCallRequest("c1", "spawn", {"task": "slow thing", "label": "r"}),
+                ToolCallRequest("c2", "read_session", {"session_key": "web:elsewhere"}),
+            ])  # fmt: skip
+        return await model(**kw)
+
+    loop = make_loop(ScriptedProvider(handler=handler))
+    read = loop.rt.sessions.read_session
+
+    async def held_read(*args: Any, **kw: Any) -> Any:
+        reading.set()
+        await asyncio.Event().wait()  # until the interrupt cancels the turn
+        return await read(*args, **kw)
+
+    loop.rt.sessions.read_session = held_read
+    client = FrontendClient(redis)
+    await client.send(_m("ir", call, "i1"))
+    await asyncio.wait_for(reading.wait(), 10)
+    await asyncio.wait_for(model.subagent_started.wait(), 10)  # it runs (here)
+    await client.send_entry(
+        _m("ir", "never mind", "i2").model_copy(update={"followup": "interrupt"})
+    )
+    got = await collect(client, "web", {"i1", "i2"}, timeout_s=10)
+    assert [e.code for e in got["i1"] if e.is_terminal] == ["cancelled"]
+    await until(lambda: not loop.subagents.running, timeout_s=10)
+    assert model.cancelled == 1  # cancelled where it ran
+    assert not await redis.hlen(K.spawned("web:ir"))  # and unregistered
+    assert await _spawn_replies(client, "web") == []  # no result comes back

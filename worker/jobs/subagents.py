@@ -109,6 +109,9 @@ class Subagents:
         if added == 0:
             return f"Error: {limit} subagents of this conversation are running; wait for one"
         self._remember(origin.member)
+        # a cut turn that does not keep this call (a discard; an interrupt or stop that
+        # drops its tool round) takes the subagent with it, as it takes a schedule
+        ctx.undo.append((ctx.tool_call_id, lambda: self._undo(origin.member, sid)))
         job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
         await self.rt.jobs.enqueue(JOB_NAME, job_id=job_id, session=origin.member, sid=sid)
         return (
@@ -237,6 +240,15 @@ class Subagents:
                 task.cancel()
         if session in self.spawned_here:  # the ones not started yet
             self.rt.spawn(self._abort(session, at))
+
+    async def _undo(self, session: str, sid: str) -> None:
+        """End one subagent: cancelled here if it runs here, unregistered (a job that
+        starts later finds nothing; one running elsewhere publishes nothing)."""
+        task, _ = self.running.get(session, {}).get(sid, (None, None))
+        if task is not None:
+            self.aborted.add(sid)
+            task.cancel()
+        await self.store.drop(session, sid)
 
     async def _abort(self, session: str, at: tuple[int, int]) -> None:
         """Unregister the session's subagents spawned before the control at ``at``."""
