@@ -93,17 +93,19 @@ def test_in_the_hour_clocks_go_back_every_next_firing_is_later() -> None:
         due = nxt
 
 
-async def _add(store: ScheduleStore, redis: aioredis.Redis, session: str, every_s: int) -> int:
+async def _add(
+    store: ScheduleStore, redis: aioredis.Redis, session: str, every_s: int, sid: str = "s1"
+) -> int:
     sched = Schedule(
-        id="s1", session=session, channel="web", chat_id=session.split(":", 1)[1],
+        id=sid, session=session, channel="web", chat_id=session.split(":", 1)[1],
         message="tick", kind="every", every_s=every_s, created_ms=0,
     )  # fmt: skip
     await redis.set(K.lease(session), "n|w", px=10_000)
     due = int(time.time() * 1000) - 1  # due now
     doc, caps = sched.model_dump_json(), {"limit": 3, "channel_limit": 9}
-    assert await store.add(session, "n|w", session, "s1", doc, due, **caps) == 1
-    assert await store.add(session, "n|w", session, "s1", doc, due, **caps) == 2  # same call
-    assert await store.add(session, "x|zombie", session, "s2", doc, due, **caps) == -1
+    assert await store.add(session, "n|w", session, sid, doc, due, **caps) == 1
+    assert await store.add(session, "n|w", session, sid, doc, due, **caps) == 2  # same call
+    assert await store.add(session, "x|zombie", session, "zombie", doc, due, **caps) == -1
     await redis.delete(K.lease(session))
     await redis.hset(K.session(session), "count", 0)  # its turn was committed
     return due
@@ -470,3 +472,19 @@ async def test_a_stop_that_drops_the_exchange_drops_its_schedule(redis, make_loo
     await until(lambda: _no_schedules(redis, "web:sc"), timeout_s=10)
     loop.stop()
     await asyncio.wait_for(task, 10)
+
+
+async def test_a_stream_that_takes_no_entry_skips_its_own_schedule_only(redis) -> None:  # type: ignore[no-untyped-def]
+    """A frontend's junk in one session's stream (the maximal id: no XADD '*' succeeds)
+    moves that schedule on without a message, as another type at the name does; the
+    channel's other schedules are fired in the same sweep."""
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
+    store = loop.schedules.store
+    junk = await _add(store, redis, "web:junk", every_s=3600, sid="s1")
+    await _add(store, redis, "web:fine", every_s=3600, sid="s2")
+    top = "18446744073709551615-18446744073709551615"
+    await redis.xadd(K.inbound("web:junk"), {"payload": "x"}, id=top)
+    assert await loop.schedules.sweep({"web"}) == 1
+    assert len(await redis.xrange(K.inbound("web:fine"))) == 1  # fired
+    assert await redis.zscore(K.cron_due("web"), "s1") == junk + 3_600_000  # moved on
+    await loop.jobs.aclose()

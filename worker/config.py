@@ -66,7 +66,8 @@ class LoopConfig(BaseModel):
     subagents_per_session: int = Field(default=2, ge=1, le=100)  # running at once
     subagent_sessions_per_channel: int = Field(default=8, ge=1)  # sessions running some
     subagent_max_iterations: int = Field(default=8, ge=1)  # a subagent's tool rounds
-    # a subagent's time, at most (below the job queue's own limit of 600 s)
+    # a subagent's time, at most (below the job queue's own limit, JOB_TIMEOUT_S = 900 s,
+    # with room for its start's and its result's retries)
     subagent_timeout_s: float = Field(default=300.0, gt=0, le=550)
 
     @field_validator("worker_id")

@@ -10,7 +10,8 @@
 -- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms, later than ARGV[2]; '' when
 -- this is the last)  ARGV[5] session key  ARGV[6] MAXLEN of the ready queue
 -- returns 1 fired, 0 not due then any more (fired already, moved or removed), -2 moved
--- on without a message (the stream has another type: a frontend's junk), -3 not now
+-- on without a message (the stream takes no entry: another type, or the maximal id;
+-- a frontend's junk), -3 not now
 -- (the session's first turn, which added it, is still running, or its worker died and
 -- the turn waits to be run again: its tool journal holds the call that added it)
 -- A session that was never stored (the turn that added the schedule was not committed,
@@ -40,8 +41,11 @@ end
 local added = redis.pcall('XADD', KEYS[4], '*', 'payload', ARGV[3])
 local fired = 1
 if type(added) == 'table' and added.err then
-  if not string.find(tostring(added.err), 'WRONGTYPE', 1, true) then
-    return redis.error_reply(added.err)  -- e.g. OOM: nothing moved, tried again later
+  local err = tostring(added.err)
+  -- the stream itself takes no entry, ever (another type; the maximal id): move on
+  if not (string.find(err, 'WRONGTYPE', 1, true) or string.find(err, 'equal or smaller', 1, true)
+      or string.find(err, 'exhausted', 1, true)) then
+    return redis.error_reply(err)  -- e.g. OOM: nothing moved, tried again later
   end
   fired = -2
 else

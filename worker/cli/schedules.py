@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from bus_redis import Keys, RedisBus
+from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.schedules import ScheduleStore
 from worker.app import make_redis
@@ -85,10 +86,11 @@ def _list(rows: list[tuple[str, str, str, int | None]], args: argparse.Namespace
         return 0
     for row in listed:
         if "error" in row:
-            print(f"{row['id']}\t({row['error']})")
-        else:
+            print(f"{safe(row['id'])}\t({row['error']})")
+        else:  # a session key or id may hold newlines or a terminal's escapes: shown escaped
             print(
-                f"{row['id']}\t{row['session']}\t{row['rule']}\tnext {row['next']}\t{row['message'][:60]!r}"
+                f"{safe(row['id'])}\t{safe(row['session'], 5000)}\t{safe(row['rule'])}\t"
+                f"next {row['next']}\t{row['message'][:60]!r}"
             )
     if not listed:
         where = f"session {args.session}" if args.session else (

@@ -20,6 +20,9 @@ from bus_redis.keys import Keys
 from worker.jobs.base import JobHandler
 
 log = logging.getLogger(__name__)
+# arq fails a job for good at its timeout: above a subagent's longest run (550 s, config's
+# bound) with its start and its result's publish each retried for about a minute
+JOB_TIMEOUT_S = 900
 
 
 class ArqJobQueue:
@@ -60,7 +63,7 @@ class ArqJobQueue:
             redis_pool=await create_pool(self.settings, default_queue_name=self.queue_name),
             handle_signals=False,
             max_jobs=32,  # subagents wait on the model most of their time
-            job_timeout=600,
+            job_timeout=JOB_TIMEOUT_S,
             poll_delay=0.2,
             log_results=False,
         )

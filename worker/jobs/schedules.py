@@ -36,6 +36,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 from pydantic import BaseModel, ValidationError
+from redis.exceptions import ResponseError
 
 from bus_redis import InboundMessage
 from bus_redis.codec import safe
@@ -288,7 +289,7 @@ class Schedules:
         if fired in (1, -2) and nxt is not None:
             await self.enqueue(channel, sid, nxt)
         if fired == -2:
-            log.warning("a firing of %s was not delivered: its stream is not a stream", safe(sid))
+            log.warning("a firing of %s was not delivered: its stream takes no entry", safe(sid))
         return fired == 1
 
     @staticmethod
@@ -315,7 +316,11 @@ class Schedules:
         for channel in sorted(channels):
             try:
                 for sid, due in await self.store.due(channel, now, limit=SWEEP_BATCH):
-                    fired += await self.fire(channel=channel, sid=sid, due_ms=due)
+                    try:  # one schedule's failure (its session's keys) skips that one only
+                        fired += await self.fire(channel=channel, sid=sid, due_ms=due)
+                    except ResponseError as exc:
+                        log.warning("schedule %s of %s not fired: %s", safe(sid), safe(channel),
+                                    safe(str(exc)))  # fmt: skip
                 upcoming = await self.store.due_between(
                     channel, now, now + HORIZON_MS, limit=ENQUEUE_BATCH
                 )
