@@ -13,7 +13,7 @@
 -- on without a message (the stream takes no entry: another type, or the maximal id;
 -- a frontend's junk), -3 not now
 -- (the session's first turn, which added it, is still running, or its worker died and
--- the turn waits to be run again: its tool journal holds the call that added it)
+-- its entry waits in the stream to be run again, its tool journal holding the call)
 -- A session that was never stored (the turn that added the schedule was not committed,
 -- and nothing of it waits to be run again) loses the schedule here: a firing must not
 -- create a session of its own.
@@ -29,8 +29,14 @@ if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
 if redis.call('EXISTS', KEYS[7]) == 0 then
-  if redis.call('EXISTS', KEYS[8]) == 1 or redis.call('EXISTS', KEYS[9]) == 1 then
-    return -3
+  if redis.call('EXISTS', KEYS[8]) == 1 then return -3 end
+  -- a turn of this session whose worker died: its entry still waits in the stream, and
+  -- its journal holds its calls (a dead-lettered or cancelled entry is gone from it)
+  local held = redis.call('HGET', KEYS[9], 'entry')
+  if held and string.sub(held, 1, #ARGV[5] + 1) == ARGV[5] .. '|' then
+    local id = string.sub(held, #ARGV[5] + 2)
+    local found = redis.pcall('XRANGE', KEYS[4], id, id)
+    if type(found) == 'table' and not found.err and #found > 0 then return -3 end
   end
   drop()
   return 0
@@ -49,8 +55,11 @@ if type(added) == 'table' and added.err then
   end
   fired = -2
 else
-  redis.call('ZADD', KEYS[5], 'NX', 0, ARGV[5])
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'session', ARGV[5])
+  -- the message is in the stream: the firing has happened. A ready queue (or index) of
+  -- the frontend's that refuses the notification must not undo that, nor make the next
+  -- sweep add the message again: the stranded-stream sweep finds the stream instead
+  redis.pcall('ZADD', KEYS[5], 'NX', 0, ARGV[5])
+  redis.pcall('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'session', ARGV[5])
 end
 if ARGV[4] == '' then
   drop()

@@ -14,12 +14,16 @@ end
 if ARGV[2] == 'done' then
   local added = redis.pcall('XADD', KEYS[3], '*', 'payload', ARGV[3])
   if type(added) == 'table' and added.err then
-    if not string.find(tostring(added.err), 'WRONGTYPE', 1, true) then
-      return redis.error_reply(added.err)  -- e.g. OOM: still registered, tried again
+    local err = tostring(added.err)
+    -- the stream itself takes no entry, ever (another type; the maximal id): move on
+    if not (string.find(err, 'WRONGTYPE', 1, true) or string.find(err, 'equal or smaller', 1, true)
+        or string.find(err, 'exhausted', 1, true)) then
+      return redis.error_reply(err)  -- e.g. OOM: still registered, tried again
     end
-  else
-    redis.call('ZADD', KEYS[4], 'NX', 0, ARGV[4])
-    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'session', ARGV[4])
+  else  -- published: a refused notification must not make the result published twice
+    -- (the stranded-stream sweep finds the stream instead)
+    redis.pcall('ZADD', KEYS[4], 'NX', 0, ARGV[4])
+    redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'session', ARGV[4])
   end
 end
 redis.call('HDEL', KEYS[1], ARGV[1])

@@ -260,6 +260,9 @@ class TurnRunner:
     ) -> str:
         state.calls += 1
         ctx.tool_call_id = tool_call_id
+        ctx.round = sum(
+            1 for r in state.rows if r.get("role") == "assistant" and r.get("tool_calls")
+        )
         if not ctx.turn_id:
             ctx.turn_id = uuid.uuid4().hex
         ctx.call_id = f"{ctx.turn_id}#{state.calls}"  # the same call in a re-run: same id

@@ -111,7 +111,7 @@ class Subagents:
         self._remember(origin.member)
         # a cut turn that does not keep this call (a discard; an interrupt or stop that
         # drops its tool round) takes the subagent with it, as it takes a schedule
-        ctx.undo.append((ctx.tool_call_id, lambda: self._undo(origin.member, sid)))
+        ctx.undo.append((ctx.round, lambda: self._undo(origin.member, sid)))
         job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
         await self.rt.jobs.enqueue(JOB_NAME, job_id=job_id, session=origin.member, sid=sid)
         return (
@@ -132,8 +132,9 @@ class Subagents:
     async def run_job(self, *, session: str, sid: str) -> None:
         """Run a registered subagent and publish its result (or why there is none) into
         its session. Redis refusing the start (full, a blip) is tried again for about a
-        minute like the publish: the job is not failed for good, with its registration
-        holding the session's slots and its session never told."""
+        minute like the publish, and a start still refused then publishes a failure note
+        (arq never runs a job that raised again). Only a registration that cannot even
+        be read for that minute fails the job; it runs out with its TTL (an hour)."""
         docs = await _retried(f"start of subagent {sid}", lambda: self.store.of_session(session))
         doc = docs.get(sid)
         if doc is None:

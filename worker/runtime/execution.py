@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
 from bus_redis.codec import safe
@@ -268,7 +268,10 @@ class TurnExecution:
             if keeps:  # its work up to the last complete tool exchange
                 session.append_rows(kept)
             if reason in (*KEEPS_WORK, "discard"):  # rows dropped: so are their schedules
-                await _undo(ctx, {r.get("tool_call_id") for r in kept if r.get("role") == "tool"})
+                await _undo(
+                    ctx,
+                    sum(1 for r in kept if r.get("role") == "assistant" and r.get("tool_calls")),
+                )
             detail = f"turn cancelled by {reason}"
             out = error(msg.channel, msg.chat_id, member, reply_to, "cancelled", detail)
             return Outcome(out, session if keeps else None)
@@ -331,10 +334,11 @@ class TurnExecution:
             self.rt.metrics.fenced_writes_rejected.inc()
 
 
-async def _undo(ctx: ToolContext, kept: set[Any]) -> None:
-    """Undo the outside effects of the calls whose results are not in ``kept``."""
-    for call_id, undo in ctx.undo:
-        if call_id in kept:
+async def _undo(ctx: ToolContext, kept_rounds: int) -> None:
+    """Undo the outside effects of the calls of the rounds after the first ``kept_rounds``
+    (what a cut turn keeps is whole rounds: ``legal_prefix``)."""
+    for round_, undo in ctx.undo:
+        if round_ <= kept_rounds:
             continue
         try:
             await undo()

@@ -3,8 +3,11 @@
 The arguments are the model's, and a model can be prompt-injected: a tool's schema is a
 contract only where it is checked. The checks cover what the tools' schemas use (``type``
 of each property, ``enum``, ``minimum`` / ``maximum``, ``minLength`` / ``maxLength``,
-``required``, no property the schema does not name); a call that breaks one is answered
-with an error the model can read, and the tool is not run.
+``required``); a call that breaks one is answered with an error the model can read, and
+the tool is not run. What models send and JSON Schema allows is taken as meant: ``null``
+for an argument that is not required is its absence (OpenAI's strict mode sends every
+property), a whole number written ``3600.0`` is an integer, and a property the schema does
+not name is left out (the schemas do not forbid them).
 
 A result is cut to ``RESULT_MAX_CHARS`` (nanobot's ``max_tool_result_chars``): it becomes a
 row of the session, sent back to the model on every later turn and written as one script
@@ -26,20 +29,28 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def argument_error(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
-    """Why ``arguments`` break ``schema`` (one reason), or None when they do not."""
+def checked_arguments(
+    schema: dict[str, Any], arguments: dict[str, Any]
+) -> tuple[dict[str, Any], str | None]:
+    """``arguments`` as the tool takes them (see the module's text), and why they break
+    ``schema`` (one reason), or None when they do not."""
     properties: dict[str, Any] = schema.get("properties", {})
-    for name in schema.get("required", ()):
-        if name not in arguments:
-            return f"{name!r} is required"
+    required = set(schema.get("required", ()))
+    args: dict[str, Any] = {}
     for name, value in arguments.items():
         spec = properties.get(name)
-        if spec is None:
-            return f"unknown argument {name!r}"
+        if spec is None or (value is None and name not in required):
+            continue
+        if spec.get("type") == "integer" and isinstance(value, float) and value.is_integer():
+            value = int(value)
         why = _value_error(spec, value)
         if why:
-            return f"{name!r} {why}"
-    return None
+            return args, f"{name!r} {why}"
+        args[name] = value
+    for name in sorted(required):
+        if name not in args:
+            return args, f"{name!r} is required"
+    return args, None
 
 
 def _value_error(spec: dict[str, Any], value: Any) -> str | None:

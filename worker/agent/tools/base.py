@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from session_store import Session, SessionManager
-from worker.agent.tools.arguments import argument_error, bounded_result
+from worker.agent.tools.arguments import bounded_result, checked_arguments
 
 log = logging.getLogger(__name__)
 Emit = Callable[[str], Awaitable[None]]
@@ -51,10 +51,14 @@ class ToolContext:
     turn_id: str = ""  # set from the entry; a turn without one gets a random id at its first call
     call_id: str = ""
     tool_call_id: str = ""  # the model's id of the call being executed
-    # (the model's call id, what undoes it): outside effects of calls whose rows a cut
-    # turn does not keep (a discard keeps none; a stop keeps complete tool exchanges)
-    # dropped, so a schedule it added would be live but in no history)
-    undo: list[tuple[str, Callable[[], Awaitable[Any]]]] = field(default_factory=list)
+    # the tool round the call being executed belongs to (1: the turn's first assistant row
+    # with tool calls; a re-run counts the replayed rounds too)
+    round: int = 0
+    # (its round, what undoes it): outside effects of calls whose rows a cut turn does not
+    # keep (a discard keeps none; a stop or interrupt keeps whole rounds only), so a
+    # schedule or subagent it added is not live without being in any history. By round,
+    # not by the model's call id: a provider may reuse ids across rounds
+    undo: list[tuple[int, Callable[[], Awaitable[Any]]]] = field(default_factory=list)
 
     @property
     def scope(self) -> str:
@@ -159,11 +163,11 @@ class ToolRegistry:
         tool = self._tools.get(name)
         if tool is None or name in self.unavailable(ctx.session):
             return f"Error: tool {name!r} is not available in this session"
-        why = argument_error(tool.parameters, arguments)
+        args, why = checked_arguments(tool.parameters, arguments)
         if why:
             return f"Error: bad arguments for {name}: {why}"
         try:
-            return bounded_result(await tool.execute(ctx, **arguments))
+            return bounded_result(await tool.execute(ctx, **args))
         except TypeError as exc:
             return f"Error: bad arguments for {name}: {exc}"
         except Exception as exc:
