@@ -207,11 +207,15 @@ async def test_an_interrupt_takes_the_dropped_rounds_subagent_even_when_ids_repe
     client = FrontendClient(redis)
     await client.send(_m("ids", "go", "g1"))
     await asyncio.wait_for(reading.wait(), 10)
-    await client.send_entry(_m("ids", "never mind", "g2").model_copy(update={"followup": "interrupt"}))
+    await client.send_entry(
+        _m("ids", "never mind", "g2").model_copy(update={"followup": "interrupt"})
+    )
     got = await collect(client, "web", {"g1", "g2"}, timeout_s=10)
     assert [e.code for e in got["g1"] if e.is_terminal] == ["cancelled"]
     try:
-        labels = sorted(json.loads(v)["label"] for v in (await redis.hgetall(K.spawned("web:ids"))).values())
+        labels = sorted(
+            json.loads(v)["label"] for v in (await redis.hgetall(K.spawned("web:ids"))).values()
+        )
         assert labels == ["one"], f"registered after the interrupt: {labels}"
     finally:
         release.set()
