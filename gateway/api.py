@@ -25,6 +25,7 @@ from gateway.backlog import BacklogFullError, ChatGoneError
 from gateway.chats import Chat, ChatLimitError
 from gateway.hub import TooManyStreamsError
 
+MAX_MESSAGE_CHARS = 100_000  # a message's text (here and on the OpenAI endpoint)
 router = APIRouter(prefix="/api")
 CURSOR_RE = re.compile(r"\$|0|[0-9]{1,20}-[0-9]{1,20}")
 MAX_ID_PART = 2**64 - 1
@@ -91,7 +92,7 @@ class NewMessage(BaseModel):
     a channel...) is ignored: the gateway decides those."""
 
     model_config = ConfigDict(extra="ignore")
-    content: str = Field(max_length=100_000)
+    content: str = Field(max_length=MAX_MESSAGE_CHARS)
     client_id: str | None = Field(
         None, pattern=CLIENT_ID, description="re-posting the same id never runs a second turn"
     )

@@ -43,6 +43,7 @@ from gateway.errors import invalid, redis_failed
 from gateway.health import Readiness
 from gateway.hub import EventHub, TooManyStreamsError
 from gateway.metrics import GatewayMetrics, RequestMetrics
+from gateway.origin import SameOrigin
 from gateway.settings import GatewaySettings
 from gateway.subscription import Subscription
 
@@ -238,6 +239,11 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     app.add_middleware(Deadline, timeout_s=settings.request_timeout_s)  # (after the body)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(Charge)  # (before the body is read)
+    app.add_middleware(  # another site's page: refused before anything is charged or read
+        SameOrigin,
+        allowed=settings.allowed_origins,
+        proxies=[ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies],
+    )
     metrics = gateway.metrics if gateway is not None else GatewayMetrics()
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.state.metrics = metrics

@@ -105,7 +105,10 @@ class Authenticator:
             )
 
     def _from_proxy(self, request: Request | WebSocket) -> str | None:
-        value = request.headers.get(self.settings.user_header)
+        # exactly one: a proxy that appends its header (instead of replacing the client's)
+        # leaves the client's own first, and two values name nobody for sure
+        values = request.headers.getlist(self.settings.user_header)
+        value = values[0] if len(values) == 1 else None
         if not value or not self._proxies or request.client is None:
             return None
         try:

@@ -27,6 +27,9 @@ from gateway.auth import User
 DROP_BATCH = 16  # expired chats checked again and dropped per call (each: 3 round trips)
 CHAT_ID_RE = re.compile(r"(?P<user>[0-9a-f]{24})-(?P<kind>t-|oa-)?[0-9a-f]{16,32}")
 TITLE_MAX = 80
+# a history read answers at most this many characters of stored rows (older rows left out)
+HISTORY_MAX_CHARS = 2 << 20
+HISTORY_BATCH = 20
 
 
 class ChatLimitError(Exception):
@@ -226,15 +229,26 @@ class Chats:
 
     async def history(self, chat: Chat, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` rows of a durable chat: user and assistant text only (tool
-        rows and tool calls are the model's working, not the conversation)."""
+        rows and tool calls are the model's working, not the conversation), and no more
+        than ``HISTORY_MAX_CHARS`` of them (older rows are left out): rows are read
+        newest first, ``HISTORY_BATCH`` at a time, so a read costs Redis and the gateway
+        what it answers, however long the rows a user sent."""
         if chat.temporary:
             return []  # a private session's text lives only in its worker's memory
         hkey = self.keys.session(chat.session_key)
         count = int(text(await self.redis.hget(hkey, "count")) or 0)  # type: ignore[misc]
-        if count <= 0:
-            return []
-        first = max(0, count - limit)
-        raw = await self.redis.hmget(hkey, [f"m:{i}" for i in range(first, count)])  # type: ignore[misc]
+        first, raw, size = max(0, count - limit), [], 0
+        end = count
+        while end > first and size <= HISTORY_MAX_CHARS:
+            start = max(first, end - HISTORY_BATCH)
+            batch = await self.redis.hmget(hkey, [f"m:{i}" for i in range(start, end)])  # type: ignore[misc]
+            for item in reversed(batch):
+                size += len(text(item) or "")
+                if size > HISTORY_MAX_CHARS:
+                    break
+                raw.append(item)
+            end = start
+        raw.reverse()
         out = []
         for item in raw:
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -24,6 +25,9 @@ configuration (environment; options override):
   AGENT_GATEWAY_TOKENS_FILE                   a file of 'TOKEN USER' lines
   AGENT_GATEWAY_TRUSTED_PROXIES               addresses/networks whose user header is believed
   AGENT_GATEWAY_USER_HEADER                   that header (default X-Forwarded-User)
+  AGENT_GATEWAY_ALLOWED_ORIGINS               other origins (scheme://host[:port]) whose pages
+                                              may post and open WebSockets; another site's
+                                              are refused (403)
   AGENT_GATEWAY_METRICS_NETWORKS              who may read /metrics (127.0.0.1/32,::1/128)
   AGENT_GATEWAY_TICKET_TTL_S                  lifetime of EventSource/WebSocket tickets (60)
   AGENT_GATEWAY_MAX_SESSIONS_PER_USER         durable chats per user (500)
@@ -55,12 +59,15 @@ configuration (environment; options override):
   AGENT_GATEWAY_WAIT_MAX_S                    the longest ?wait= or completion wait (120)
   AGENT_GATEWAY_HISTORY_LIMIT                 the most messages a history read gives (200)
   AGENT_GATEWAY_LOG_LEVEL                     log level (INFO)
-With no token and no trusted proxy configured every request is refused (401).
+With no token and no trusted proxy configured every request is refused (401);
+a token shorter than 12 characters, or a trusted proxy network of every address,
+refuses to start (exit 2).
 Generate the Redis user with: agent-worker acl gateway --channel C --password PW
 """
 
 
 WS_MAX_FRAME_BYTES = 64 * 1024  # uvicorn refuses a larger WebSocket frame before reading it
+MIN_TOKEN_CHARS = 12  # shorter tokens are refused at start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +93,22 @@ def unknown_variables(environ: dict[str, str]) -> list[str]:
     return sorted(n for n in environ if n.startswith("AGENT_GATEWAY_") and n not in known)
 
 
+def unsafe_settings(settings: GatewaySettings) -> str | None:
+    """What makes ``settings`` unsafe to serve with (None: nothing): a token short enough
+    to guess (requests without credentials are not rate limited), or a trusted proxy
+    network that is everyone (any client could then name its own user)."""
+    for token in settings.all_tokens():
+        if len(token) < MIN_TOKEN_CHARS:
+            return (
+                f"a token of {len(token)} characters (at least {MIN_TOKEN_CHARS}; use a random "
+                "one, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+    for network in settings.trusted_proxies:
+        if ipaddress.ip_network(network, strict=False).prefixlen == 0:
+            return f"AGENT_GATEWAY_TRUSTED_PROXIES names every address ({network})"
+    return None
+
+
 def settings_from(argv: list[str] | None = None) -> GatewaySettings:
     """The environment's settings with the command line's options on top."""
     args = build_parser().parse_args(argv)
@@ -97,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agent-gateway: warning: {name} is not a setting (ignored)", file=sys.stderr)
     try:
         settings = settings_from(argv)
-        settings.all_tokens()
+        unsafe = unsafe_settings(settings)
     except (ValidationError, ValueError, OSError) as exc:
         print(f"agent-gateway: bad configuration: {_first(exc)}", file=sys.stderr)
+        return 2
+    if unsafe:
+        print(f"agent-gateway: unsafe configuration: {unsafe}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -108,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gateway import wscontrol
     from gateway.app import create_app
+    from gateway.httphead import BoundedHead
 
     uvicorn.run(
         create_app(settings),
@@ -121,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         proxy_headers=False,
         ws_max_size=WS_MAX_FRAME_BYTES,
         ws=wscontrol.protocol(),  # pings capped (uvicorn answers them below the app)
+        http=BoundedHead,  # a request head's size capped (httptools buffers any)
     )
     return 0
 

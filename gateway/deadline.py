@@ -20,6 +20,9 @@ def waits(scope: Scope) -> bool:
     path = scope.get("path", "")
     if path.endswith("/events") or path == "/v1/chat/completions":
         return True
+    # ?wait= lifts it on the one route that takes it (a send), not on any other route
+    if scope.get("method") != "POST" or not path.endswith("/messages"):
+        return False
     query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
     try:
         return any(float(w) > 0 for w in query.get("wait", []))

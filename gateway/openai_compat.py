@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from bus_redis import OutboundMessage
-from gateway.api import caller, gw
+from gateway.api import MAX_MESSAGE_CHARS, caller, gw
 from gateway.app import Gateway, answers
 from gateway.auth import User
 from gateway.backlog import BacklogFullError, ChatGoneError
@@ -76,6 +76,11 @@ async def completions(
     content = _last_user_text(body.messages)
     if content is None:
         return _error(400, "invalid_request_error", "messages has no user message with text")
+    if len(content) > MAX_MESSAGE_CHARS:
+        detail = (
+            f"the last user message has {len(content)} characters (at most {MAX_MESSAGE_CHARS})"
+        )
+        return _error(413, "invalid_request_error", detail)
     chat = await _pick(g, user, x_session_id, body.user)
     message_id = f"oa-{uuid.uuid4().hex}"
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))

@@ -47,6 +47,9 @@ class GatewaySettings(BaseSettings):
     # a header set by a trusted reverse proxy, accepted only from these addresses
     user_header: str = "X-Forwarded-User"
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # origins besides the gateway's own whose pages may post and open WebSockets
+    # (gateway.origin: another site's page acting with the user's cookies is refused)
+    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # who may read /metrics (the operator's scraper), addresses or networks
     metrics_networks: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["127.0.0.1/32", "::1/128"]
@@ -120,12 +123,25 @@ class GatewaySettings(BaseSettings):
         return value
 
     @field_validator(
-        "trusted_proxies", "temporary_disabled_tools", "metrics_networks", mode="before"
+        "trusted_proxies",
+        "temporary_disabled_tools",
+        "metrics_networks",
+        "allowed_origins",
+        mode="before",
     )
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for item in value:
+            scheme, sep, host = item.partition("://")
+            if scheme not in ("http", "https") or not sep or not host or "/" in host.rstrip("/"):
+                raise ValueError(f"{item!r} is not an origin (scheme://host[:port])")
         return value
 
     @field_validator("trusted_proxies", "metrics_networks")

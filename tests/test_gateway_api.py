@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from fastapi import HTTPException
+from starlette.datastructures import Headers
 
 from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
@@ -123,7 +124,7 @@ async def test_a_ticket_opens_the_event_streams_only(redis_factory) -> None:  # 
 
 def _asking(ticket: str) -> Any:
     """What ``Authenticator.user`` reads of a request: no header, ``?ticket=``."""
-    return SimpleNamespace(headers={}, query_params={"ticket": ticket}, client=None)
+    return SimpleNamespace(headers=Headers(), query_params={"ticket": ticket}, client=None)
 
 
 class _Counting:
@@ -714,8 +715,8 @@ async def test_a_redis_that_stops_answering_is_503_after_the_deadline() -> None:
 def test_the_routes_that_wait_by_design_have_no_deadline() -> None:
     from gateway.deadline import waits
 
-    def scope(path: str, query: bytes = b"") -> dict[str, Any]:
-        return {"type": "http", "path": path, "query_string": query}
+    def scope(path: str, query: bytes = b"", method: str = "POST") -> dict[str, Any]:
+        return {"type": "http", "path": path, "query_string": query, "method": method}
 
     assert waits(scope("/api/sessions/x/events"))
     assert waits(scope("/v1/chat/completions"))
@@ -723,6 +724,8 @@ def test_the_routes_that_wait_by_design_have_no_deadline() -> None:
     assert not waits(scope("/api/sessions/x/messages", b"wait=0"))
     assert not waits(scope("/api/sessions/x/messages", b"wait=soon"))
     assert not waits(scope("/api/sessions"))
+    assert not waits(scope("/api/sessions", b"wait=1", "GET"))  # no other route lifts it
+    assert not waits(scope("/api/sessions/x/stop", b"wait=1"))
 
 
 async def test_redis_out_of_memory_is_503_to_retry_and_the_log_holds_no_text(caplog) -> None:  # type: ignore[no-untyped-def]
