@@ -195,13 +195,28 @@ class Registry:
         return found
 
     # --- workers --------------------------------------------------------------------
-    async def heartbeat(self, worker_id: str, info: dict[str, str], ttl_ms: int) -> None:
+    async def heartbeat(
+        self, worker_id: str, info: dict[str, str], ttl_ms: int, *, mode: str = ""
+    ) -> None:
+        """The worker's record; with ``mode``, the deployment's mode is set again where it
+        is missing (a Redis restarted without persistence forgot it, and a worker of
+        another mode must still be refused at its start)."""
         now_ms = int(time.time() * 1000)
         async with self.redis.pipeline(transaction=False) as pipe:
+            if mode:
+                pipe.set(self.keys.mode, mode, nx=True)
             pipe.zadd(self.keys.workers, {worker_id: now_ms})
             pipe.hset(self.keys.worker_info(worker_id), mapping=info)
             pipe.pexpire(self.keys.worker_info(worker_id), ttl_ms)
             await pipe.execute()
+
+    async def declared_liveness(self, worker_id: str) -> int:
+        """The ``AGENT_LIVENESS_MS`` a worker's heartbeat declares (0: none known)."""
+        raw = await self.redis.hget(self.keys.worker_info(worker_id), "liveness_ms")  # type: ignore[misc]
+        try:
+            return max(0, int(text(raw) or 0))
+        except ValueError:
+            return 0
 
     async def leave(self, worker_id: str, streams: Sequence[str]) -> None:
         """Deregister: heartbeat record, inbox, and our consumer in every group."""

@@ -88,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def unknown_variables(environ: dict[str, str]) -> list[str]:
-    """``AGENT_GATEWAY_*`` variables no gateway setting reads (a typo changes nothing)."""
+    """``AGENT_GATEWAY_*`` variables no gateway setting reads (a typo changes nothing),
+    whatever the case of their names (settings are read so)."""
     known = {f"AGENT_GATEWAY_{name.upper()}" for name in GatewaySettings.model_fields}
-    return sorted(n for n in environ if n.startswith("AGENT_GATEWAY_") and n not in known)
+    return sorted(
+        n for n in environ if n.upper().startswith("AGENT_GATEWAY_") and n.upper() not in known
+    )
 
 
 def unsafe_settings(settings: GatewaySettings) -> str | None:

@@ -12,7 +12,7 @@ from session_store.manager import SessionManager
 from session_store.memory import MemoryStore
 from session_store.models import OWNER_SCOPE, UNIFIED_SESSION_KEY, Session, SessionPolicy
 from session_store.protocol import SessionInfo, SessionStore
-from session_store.redis_store import RedisSessionStore
+from session_store.redis_store import RedisSessionStore, SessionBusyError
 
 __all__ = [
     "OWNER_SCOPE",
@@ -20,6 +20,7 @@ __all__ = [
     "MemoryStore",
     "RedisSessionStore",
     "Session",
+    "SessionBusyError",
     "SessionInfo",
     "SessionManager",
     "SessionPolicy",

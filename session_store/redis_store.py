@@ -38,6 +38,11 @@ ROWS_AHEAD = 24  # rows read with the head fields when catching up (one round tr
 # two-row turns that ran on other workers
 
 
+class SessionBusyError(TimeoutError):
+    """A session's lease stayed held (a turn ran) for as long as an operation waited: Redis
+    answered all along (no connection trouble, as a bare TimeoutError would suggest)."""
+
+
 class RedisSessionStore:
     """Durable sessions in Redis. Turn commits go through the fenced
     ``commit`` script instead of :meth:`save`; :meth:`save` is the whole-session write
@@ -146,7 +151,7 @@ class RedisSessionStore:
         delay_s = 0.01
         while not await self._hold(key, lease, token):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"session {key!r} stayed busy for {timeout_s:.0f}s")
+                raise SessionBusyError(f"session {key!r} stayed busy for {timeout_s:.0f}s")
             await asyncio.sleep(delay_s)  # back off while a turn holds the lease
             delay_s = min(delay_s * 2, 0.5)
         try:

@@ -21,6 +21,9 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+MIN_LIVENESS_MS = 200  # AGENT_LIVENESS_MS below it (but 0) is refused
+
+
 class LoopConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -29,7 +32,8 @@ class LoopConfig(BaseModel):
     lock_ttl_ms: int = Field(default=10_000, ge=300)
     owner_ttl_ms: int = Field(default=15_000, ge=300)
     # a worker whose liveness beat is older than this is dead: its leases are taken over
-    # (worker/runtime/liveness.py); 0 = only when they run out
+    # (worker/runtime/liveness.py); 0 = only when they run out; else at least
+    # MIN_LIVENESS_MS (beats every liveness / 8: a pause of a few ms must not look dead)
     liveness_ms: int = Field(default=800, ge=0)
     unified_session: bool = False  # fold every durable session into unified:default
     single_owner: bool = False  # one memory, every session readable (implied by unified)
@@ -69,6 +73,13 @@ class LoopConfig(BaseModel):
     # a subagent's time, at most (below the job queue's own limit, JOB_TIMEOUT_S = 900 s,
     # with room for its start's and its result's retries)
     subagent_timeout_s: float = Field(default=300.0, gt=0, le=550)
+
+    @field_validator("liveness_ms")
+    @classmethod
+    def _liveness(cls, value: int) -> int:
+        if 0 < value < MIN_LIVENESS_MS:
+            raise ValueError(f"0 (off) or at least {MIN_LIVENESS_MS} ms")
+        return value
 
     @field_validator("worker_id")
     @classmethod

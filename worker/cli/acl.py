@@ -43,7 +43,23 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.set_defaults(handler=acl)
 
 
+def _other_role(role: str, user: str) -> str | None:
+    """Why ``user`` must not be reset to ``role``'s grants, if it must not: it is the
+    admin (Redis's default user: it would lose ACL and CONFIG, and nobody could repair
+    it), or another role's own user (every worker reduced to a frontend's grants)."""
+    if user == "default":
+        return "'default' is Redis's admin user: acl default sets its password"
+    if role != "worker" and user == "agent-worker":
+        return "'agent-worker' is the workers' user"
+    if role == "worker" and user.startswith(("frontend-", "gateway-")):
+        return f"{user!r} is a frontend's or gateway's user"
+    return None
+
+
 async def acl(args: argparse.Namespace, settings: Settings) -> int:
+    if args.role != "default" and args.user and (why := _other_role(args.role, args.user)):
+        print(f"agent-worker: refused --user {args.user}: {why}", file=sys.stderr)
+        return 2
     try:
         if args.role in ("frontend", "gateway"):
             if not args.channel:
@@ -56,7 +72,9 @@ async def acl(args: argparse.Namespace, settings: Settings) -> int:
         elif args.role == "default":  # the admin: Redis's default user, with a password
             if len(args.password) < 8 or any(ch.isspace() for ch in args.password):
                 raise ValueError("the password needs 8 or more characters and no whitespace")
-            lines = [f"ACL SETUSER default on >{args.password}"]
+            # resetpass first: a new password replaces the old ones (a leaked one stops
+            # working), where '>' alone would add one
+            lines = [f"ACL SETUSER default on resetpass >{args.password}"]
         else:
             lines = worker_acl(
                 args.password, prefix=settings.key_prefix, user=args.user or "agent-worker"

@@ -17,6 +17,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from bus_redis.config import package_version
+from session_store import SessionBusyError
 from worker.runtime.eventloop import loop_factory
 from worker.runtime.registration import WorkerConflictError
 from worker.settings import Settings
@@ -71,14 +72,15 @@ OTHER_AGENT_VARIABLES = ("AGENT_GATEWAY_", "AGENT_WORKER_PYTHON", "AGENT_TEST_",
 
 
 def unknown_variables(environ: dict[str, str]) -> list[str]:
-    """``AGENT_*`` variables no setting reads (a typo silently changes nothing)."""
+    """``AGENT_*`` variables no setting reads (a typo silently changes nothing). Settings
+    are read whatever the case of their names, so these are compared so too."""
     known = {f"AGENT_{name.upper()}" for name in Settings.model_fields}
     return sorted(
         name
         for name in environ
-        if name.startswith("AGENT_")
-        and name not in known
-        and not name.startswith(OTHER_AGENT_VARIABLES)
+        if name.upper().startswith("AGENT_")
+        and name.upper() not in known
+        and not name.upper().startswith(OTHER_AGENT_VARIABLES)
     )
 
 
@@ -138,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerConflictError as exc:
         print(f"agent-worker: {exc}", file=sys.stderr)
         return 2
+    except SessionBusyError as exc:  # (a TimeoutError, so an OSError: not "unreachable")
+        print(f"agent-worker: {exc}; try again once its turn is done", file=sys.stderr)
+        return 1
     except AuthenticationError as exc:
         print(
             f"agent-worker: Redis refused the credentials at {redact_url(settings.redis_url)}: {exc}",

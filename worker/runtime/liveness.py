@@ -151,9 +151,14 @@ class Liveness:
             channels = self.channels() - self._done.get(worker, set())
             if not channels:
                 continue
-            keys = await sweeps.takeover(channels, worker, dead_after_ms=self.liveness_ms)
+            # judged by its own AGENT_LIVENESS_MS when that is longer (it beats less often:
+            # a rolling change of the setting must not take a live worker's turns)
+            after = max(self.liveness_ms, await rt.registry.declared_liveness(worker))
+            if after > self.liveness_ms and not await sweeps.still_dead(worker, after):
+                continue
+            keys = await sweeps.takeover(channels, worker, dead_after_ms=after)
             notes: list[Notification] = []
-            if await sweeps.still_dead(worker, self.liveness_ms):  # not restarted meanwhile
+            if await sweeps.still_dead(worker, after):  # not restarted meanwhile
                 notes = await rt.bus.claim_from(rt.worker_id, worker, self.streams())
             self._done.setdefault(worker, set()).update(channels)
             if keys or notes:

@@ -20,7 +20,7 @@ from bus_redis.codec import safe, stream_id_ms, text
 from bus_redis.keys import UNIFIED_CHANNEL
 from bus_redis.results import Notification
 from worker.runtime.context import Runtime
-from worker.runtime.registration import eviction_policy
+from worker.runtime.registration import eviction_policy, mode_of
 
 log = logging.getLogger(__name__)
 DEAD_WORKER_AFTER_TTLS = 6  # a worker silent for this many lease TTLs is forgotten
@@ -120,9 +120,14 @@ class Maintenance:
             "transient": str(len(rt.turns.owned())),
             # status calls a worker dead once its heartbeat is older than this
             "dead_after_ms": str(rt.bus.lock_ttl_ms),
+            # others judge its liveness beat by this, if it is longer than their own
+            "liveness_ms": str(rt.config.liveness_ms),
             **{name: str(count) for name, count in rt.turns.metrics.items()},
         }
-        await rt.registry.heartbeat(rt.worker_id, info, ttl_ms=rt.bus.lock_ttl_ms * 3)
+        await rt.registry.heartbeat(
+            rt.worker_id, info, ttl_ms=rt.bus.lock_ttl_ms * 3,
+            mode=mode_of(unified=rt.config.unified_session, single_owner=rt.config.single_owner),
+        )  # fmt: skip
 
     async def observe_queues(self) -> None:
         """The age of the oldest notification not yet taken, over the served channels'

@@ -74,6 +74,11 @@ def _pid_alive(pid: str) -> bool:
     return True
 
 
+def mode_of(*, unified: bool, single_owner: bool) -> str:
+    """The deployment's mode, as ``P:mode`` holds it: every worker on a Redis the same."""
+    return "unified" if unified else "single-owner" if single_owner else "per-session"
+
+
 async def check_can_serve(
     bus: RedisBus, worker_id: str, *, unified: bool, single_owner: bool = False
 ) -> None:
@@ -89,7 +94,7 @@ async def check_can_serve(
         alive = False  # a crashed process of this host: restarting under its id is fine
     if alive and info and (info.get("host"), info.get("pid")) != me:
         raise _in_use(worker_id, info.get("host"), info.get("pid"))
-    mode = "unified" if unified else "single-owner" if single_owner else "per-session"
+    mode = mode_of(unified=unified, single_owner=single_owner)
     key = bus.keys.mode
     await bus.redis.set(key, mode, nx=True)
     current = text(await bus.redis.get(key))
