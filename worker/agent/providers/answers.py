@@ -9,6 +9,9 @@ from typing import Any
 
 from worker.agent.providers.base import DeltaCallback, LLMResponse, ProviderError, ToolCallRequest
 
+# tool calls one answer may make (more: the answer is refused, not run call by call)
+MAX_TOOL_CALLS = 128
+
 
 class StreamedAnswer:
     """The answer being assembled from server-sent chunks."""
@@ -48,11 +51,14 @@ class StreamedAnswer:
             for tc in delta.get("tool_calls") or ():
                 # pieces kept in lists, joined once: appending to a string held in a dict
                 # copies it every time (quadratic in a call's arguments)
-                slot = self.calls.setdefault(tc.get("index", 0), {"id": "", "name": [], "args": []})
-                slot["id"] = tc.get("id") or slot["id"]
+                index = tc.get("index", 0)
+                if index not in self.calls and len(self.calls) >= MAX_TOOL_CALLS:
+                    raise ProviderError(_too_many(len(self.calls) + 1))
+                slot = self.calls.setdefault(index, {"id": "", "name": [], "args": []})
+                slot["id"] = _text(tc.get("id"), "a tool call's id") or slot["id"]
                 function = tc.get("function") or {}
-                slot["name"].append(function.get("name") or "")
-                slot["args"].append(function.get("arguments") or "")
+                slot["name"].append(_text(function.get("name"), "a tool call's name"))
+                slot["args"].append(_text(function.get("arguments"), "a tool call's arguments"))
         return True
 
     def result(self) -> LLMResponse:
@@ -80,21 +86,46 @@ def error_message(doc: Any) -> str:
 def _tool_args(raw: str | None) -> dict[str, Any]:
     try:
         value = json.loads(raw or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _text(value: Any, what: str) -> str:
+    """``value`` when it is text (None: empty), else the answer is refused: a number or an
+    object where the wire has a string must not reach the turn as something else."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ProviderError(f"APIResponseValidationError: {what} is a {type(value).__name__}")
+    return value
+
+
+def _too_many(n: int) -> str:
+    return f"APIResponseValidationError: {n} tool calls in one answer (at most {MAX_TOOL_CALLS})"
 
 
 def parse_answer(doc: dict[str, Any]) -> LLMResponse:
     choice = doc["choices"][0]
     message = choice.get("message") or {}
+    raw_calls = message.get("tool_calls") or ()
+    if len(raw_calls) > MAX_TOOL_CALLS:
+        raise ProviderError(_too_many(len(raw_calls)))
     calls = [
-        ToolCallRequest(tc.get("id") or "", function["name"], _tool_args(function.get("arguments")))
-        for tc in (message.get("tool_calls") or ())
+        ToolCallRequest(
+            _text(tc.get("id"), "a tool call's id"),
+            _text(function["name"], "a tool call's name"),
+            _tool_args(_text(function.get("arguments"), "a tool call's arguments")),
+        )
+        for tc in raw_calls
         if isinstance(function := tc.get("function"), dict) and function.get("name")
     ]
+    content = message.get("content")
+    if isinstance(content, list):  # content parts (some servers): their text, joined
+        content = "".join(_text(p.get("text"), "a content part") for p in content
+                          if isinstance(p, dict) and p.get("type") == "text")  # fmt: skip
     return LLMResponse(
-        content=message.get("content"),
+        content=None if content is None else _text(content, "the answer's content"),
         tool_calls=calls,
         usage=doc.get("usage") or {},
         finish_reason=choice.get("finish_reason") or "stop",

@@ -29,12 +29,20 @@ import httpcore2 as httpcore
 import httpx2
 from httpx2._utils import URLPattern, get_environment_proxies  # httpx's NO_PROXY rules
 
-from worker.agent.providers.wire import BodyTooLargeError, Decoder, HeldWritesBackend
+from worker.agent.providers.wire import (
+    BodyTooLargeError,
+    Decoder,
+    HeldWrites,
+    HeldWritesBackend,
+    TooManyCodingsError,
+)
 
 KEEPALIVE_S = 5.0  # an idle connection is closed after this (httpx's default)
 # what of a body is read, decoded (an answer is kilobytes; a server that sends more, or a
-# small gzip body that inflates to more, fails the call instead of the worker's memory)
-MAX_BODY_BYTES = 32 * 1024 * 1024
+# small gzip body that inflates to more, fails the call instead of the worker's memory).
+# A whole body is parsed as JSON at once: 8 MiB of the smallest objects ("{},{},...")
+# parse to ~200 MiB in Python, so the bound is kept well below what an answer needs
+MAX_BODY_BYTES = 8 * 1024 * 1024
 _FAILURES = (
     httpcore.TimeoutException,
     httpcore.NetworkError,
@@ -91,6 +99,8 @@ class Response:
         except BodyTooLargeError:
             message = f"APIConnectionError: the response body is larger than {MAX_BODY_BYTES} bytes"
             raise HTTPError(message, retryable=False) from None
+        except TooManyCodingsError as exc:
+            raise HTTPError(f"APIConnectionError: {exc}", retryable=False) from None
         except zlib.error as exc:
             message = f"APIConnectionError: the body is not {self._decode.name}: {exc}"
             raise HTTPError(message, retryable=True) from exc
@@ -185,6 +195,7 @@ class HTTPClient:
         except _FAILURES as exc:
             raise failure(exc) from exc
         try:
+            await _not_stale(raw)
             yield Response(raw)
         finally:
             await raw.aclose()
@@ -192,6 +203,21 @@ class HTTPClient:
     async def aclose(self) -> None:
         for pool in self.pools:
             await pool.aclose()
+
+
+async def _not_stale(raw: httpcore.Response) -> None:
+    """Refuse an answer that is not this request's. A server that sent more than its last
+    answer (a Content-Length too short, an answer twice) leaves bytes that h11 keeps for
+    the connection's next cycle: the next call on it, maybe another user's turn, would be
+    answered from them, before its own request even left. Such a head is read while the
+    request is still held (``HeldWrites``): the connection is closed (never pooled again)
+    and the call fails retryably, to be made again on a connection of its own."""
+    stream = raw.extensions.get("network_stream")
+    if isinstance(stream, HeldWrites) and stream.unsent():
+        await stream.aclose()
+        await raw.aclose()
+        message = "APIConnectionError: an answer came before the request was sent (stale bytes)"
+        raise HTTPError(message, retryable=True)
 
 
 def _parse_url(url: str) -> httpx2.URL:

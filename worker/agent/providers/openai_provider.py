@@ -9,7 +9,7 @@ about what the HTTP exchange does.
 A request has ``timeout_s`` for each step (each read and write: the longest silence;
 connecting, at most 10 s) and ``deadline_s`` from its start to the answer's end: a server
 that trickles its answer a byte at a time, or sends endless interim heads, is a timeout
-too, not a call that runs until the body bound (32 MiB) is read. The deadline is each
+too, not a call that runs until the body bound (8 MiB) is read. The deadline is each
 attempt's: with retries, a call takes at most (retries + 1) x deadline plus the backoffs.
 
 Retries 408, 409, 429, 5xx, timeouts and connection errors with exponential backoff (or
@@ -28,6 +28,7 @@ import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from bus_redis.codec import safe
 from worker.agent.providers.answers import StreamedAnswer, error_message, parse_answer
 from worker.agent.providers.base import (
     DeltaCallback,
@@ -143,7 +144,7 @@ class OpenAIProvider:
                     delay = self.backoff_s * 2**attempt * (0.5 + random.random())
                 if self.on_retry is not None:
                     self.on_retry()
-                log.warning("provider retry %d in %.2fs: %s", attempt + 1, delay, exc)
+                log.warning("provider retry %d in %.2fs: %s", attempt + 1, delay, safe(str(exc)))
                 await asyncio.sleep(delay)
         raise ProviderError("unreachable")
 
@@ -167,8 +168,8 @@ class OpenAIProvider:
             _fail(status, headers, body)
         try:
             return parse_answer(json.loads(body))
-        except (ValueError, LookupError, TypeError, AttributeError) as exc:
-            raise ProviderError(f"APIResponseValidationError: {exc}") from exc
+        except (ValueError, LookupError, TypeError, AttributeError, RecursionError) as exc:
+            raise ProviderError(f"APIResponseValidationError: {_short(exc)}") from exc
 
     async def _stream(self, content: bytes, on_delta: DeltaCallback) -> LLMResponse:
         """Deltas reach ``on_delta`` as they come. Once one has, a failure is not retried
@@ -194,14 +195,17 @@ class OpenAIProvider:
             if stream.started and isinstance(error, _RetryableError):
                 raise ProviderError(f"{error} (after the answer began)") from exc
             raise error from exc
-        except (ValueError, LookupError, AttributeError, TypeError) as exc:
-            raise ProviderError(f"APIResponseValidationError: {exc}") from exc
+        except (ValueError, LookupError, AttributeError, TypeError, RecursionError) as exc:
+            raise ProviderError(f"APIResponseValidationError: {_short(exc)}") from exc
         if not stream.complete:
             message = "APIConnectionError: the stream ended before the answer did"
             if stream.started:
                 raise ProviderError(message)
             raise _RetryableError(message)
-        return stream.result()
+        try:
+            return stream.result()
+        except (ValueError, LookupError, AttributeError, TypeError, RecursionError) as exc:
+            raise ProviderError(f"APIResponseValidationError: {_short(exc)}") from exc
 
     async def _read_stream(self, content: bytes, stream: StreamedAnswer) -> LLMResponse | None:
         """One streamed exchange into ``stream``; the answer when the server sent it whole
@@ -242,10 +246,14 @@ def _failure(exc: HTTPError) -> Exception:
     return _RetryableError(str(exc)) if exc.retryable else ProviderError(str(exc))
 
 
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
 def _fail(status: int, headers: Mapping[str, str], body: bytes) -> None:
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = body.decode("utf-8", "replace")[:500]
     name = _STATUS_NAMES.get(status, "InternalServerError" if status >= 500 else "APIStatusError")
     message = f"{name}: HTTP {status}: {error_message(doc)}"

@@ -25,6 +25,11 @@ class HeldWrites(httpcore.AsyncNetworkStream):
         self._held.append(buffer)
         self._timeout = timeout
 
+    def unsent(self) -> bool:
+        """Whether a request written here has not left yet: an answer read meanwhile was
+        in the connection's buffer before it, bytes a server sent past its last answer."""
+        return bool(self._held)
+
     async def _flush(self) -> None:
         if self._held:
             data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
@@ -73,6 +78,13 @@ class HeldWritesBackend(httpcore.AsyncNetworkBackend):
 
 class BodyTooLargeError(ValueError):
     """A coding would inflate the body past the decoder's limit."""
+
+
+class TooManyCodingsError(ValueError):
+    """A body's Content-Encoding names more codings than a decoder takes."""
+
+
+MAX_CODINGS = 5  # as urllib3 since 2.6
 
 
 def _zlib_header(two: bytes) -> bool:
@@ -127,17 +139,22 @@ class Decoder:
     deflate, also chained, each stage's output bounded by ``limit`` (BodyTooLargeError);
     a body with a coding it does not know is left as it is (as httpx does: the status and
     what can be read of it still count). A body that is not what its coding says raises
-    ``zlib.error``."""
+    ``zlib.error``. More than ``MAX_CODINGS`` codings raise ``TooManyCodingsError`` at
+    the first chunk (each stage is a decoder of its own, and a header can name
+    thousands: urllib3's CVE-2025-66418)."""
 
     def __init__(self, encoding: str, limit: int) -> None:
         names = [e.strip().lower() for e in encoding.split(",") if e.strip()]
         names = [n for n in names if n != "identity"]
-        self.name = encoding
+        self.name = encoding[:100]
         self.stages: list[_Inflate] = []
-        if names and all(n in _WBITS for n in names):
+        self.too_many = len(names) > MAX_CODINGS
+        if names and not self.too_many and all(n in _WBITS for n in names):
             self.stages = [_Inflate(n, limit) for n in reversed(names)]  # the last applied first
 
     def __call__(self, chunk: bytes | None) -> bytes:
+        if self.too_many:
+            raise TooManyCodingsError(f"more than {MAX_CODINGS} content codings")
         end, data = chunk is None, chunk or b""
         for stage in self.stages:
             data = stage(data, end)
