@@ -124,12 +124,18 @@ class Private:
 
 
 @dataclass(frozen=True, slots=True)
+class Gone:
+    """The private session this worker holds has no owner record any more: it was lost
+    (the record ran out while the worker stalled); forget it, and acquire again."""
+
+
+@dataclass(frozen=True, slots=True)
 class Fold:
     """The notified stream is no private session (any more) and streams are folded under
     another key (unified mode): acquire it under that key."""
 
 
-AcquireResult = Acquired | Busy | Forward | Private | Fold
+AcquireResult = Acquired | Busy | Forward | Private | Fold | Gone
 
 
 @dataclass(slots=True)

@@ -30,10 +30,14 @@ class ScheduleStore:
         args = [token, sid, doc, first_ms, limit, channel_limit]
         return int(text(await self.bus.scripts.call("cron_add", keys, args)))
 
-    async def remove(self, session: str, sid: str) -> bool:
+    async def remove(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> bool:
+        """Remove a schedule of ``session``; with ``token``, only while the turn removing
+        it still holds the lease of ``lease_key`` (False otherwise)."""
         k, channel = self.keys, channel_of(session)
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
-        return int(text(await self.bus.scripts.call("cron_remove", keys, [sid]))) == 1
+        keys.append(k.lease(lease_key) if token else keys[2])
+        reply = await self.bus.scripts.call("cron_remove", keys, [sid, token])
+        return int(text(reply)) == 1
 
     async def purge(self, channel: str, sid: str) -> None:
         """Drop an unreadable definition (its session's set keeps the id until deleted)."""

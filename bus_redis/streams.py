@@ -31,6 +31,7 @@ from bus_redis.results import (
     ControlReached,
     Fold,
     Forward,
+    Gone,
     Late,
     Lost,
     More,
@@ -118,6 +119,7 @@ class RedisBus(ReadyQueues, TurnKeys):
         *,
         member: str = "",
         claim_owner: bool = False,
+        held_owner: bool = False,
         select: bool = True,
         note: Notification | None = None,
         memory_key: str = "",
@@ -139,7 +141,8 @@ class RedisBus(ReadyQueues, TurnKeys):
             keys += [f.lease, f.pending]
         else:
             keys += [n.lease, n.pending]  # nothing folded to look at
-        args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, "1" if claim_owner else "0"]
+        owner = "1" if claim_owner else "2" if held_owner else "0"
+        args: list[Any] = [worker_id, self.lock_ttl_ms, key, member, owner]
         nonce = fresh_nonce()
         args += [self.owner_ttl_ms, "1" if select else "0", nonce, READY_MAXLEN]
         args += [note.entry_id if note else "", WORKER_GROUP]
@@ -149,6 +152,8 @@ class RedisBus(ReadyQueues, TurnKeys):
             args += [cached.rows, cached.ahead, cached.generation, cached.version]
         raw = await self.scripts.call("acquire", keys + skeys, args + sargs)
         parts = texts(raw[:5])
+        if parts[0] == "gone":
+            return Gone()
         if parts[0] == "private":
             return Private()
         if parts[0] == "fold":

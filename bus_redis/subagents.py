@@ -30,11 +30,21 @@ class SubagentStore:
         args = [token, sid, doc, limit, REGISTRATION_TTL_MS, session, channel_limit]
         return int(text(await self.bus.scripts.call("spawn_add", keys, args)))
 
-    async def _done(self, session: str, sid: str, op: str, doc: str = "") -> bool:
+    async def _done(
+        self,
+        session: str,
+        sid: str,
+        op: str,
+        doc: str = "",
+        *,
+        lease_key: str = "",
+        token: str = "",
+    ) -> bool:
         k, channel = self.keys, channel_of(session)
         keys = [k.spawned(session), k.subagents(channel), k.inbound(session)]
         keys += [k.queued(channel), k.ready(channel)]
-        args = [sid, op, doc, session, READY_MAXLEN]
+        keys.append(k.lease(lease_key) if token else keys[0])
+        args = [sid, op, doc, session, READY_MAXLEN, token]
         return int(text(await self.bus.scripts.call("spawn_done", keys, args))) == 1
 
     async def running(self, session: str, sid: str, doc: str) -> bool:
@@ -45,8 +55,10 @@ class SubagentStore:
         """Publish the result message; False when it was aborted (nothing published)."""
         return await self._done(session, sid, "done", payload)
 
-    async def drop(self, session: str, sid: str) -> None:
-        await self._done(session, sid, "drop")
+    async def drop(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> bool:
+        """Unregister it; with ``token``, only while the turn dropping it still holds the
+        lease of ``lease_key`` (False otherwise)."""
+        return await self._done(session, sid, "drop", lease_key=lease_key, token=token)
 
     async def of_session(self, session: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.spawned(session))  # type: ignore[misc]

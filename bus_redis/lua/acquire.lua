@@ -12,7 +12,8 @@
 -- KEYS[10] pending U  that key's pending set
 -- KEYS[11..17]     stream keys of S (see _common.lua), only when selecting
 -- ARGV[1] worker id   ARGV[2] lease ttl ms   ARGV[3] K   ARGV[4] S ('' when none)
--- ARGV[5] '1' when this worker holds K's transient session in memory (claims ownership)
+-- ARGV[5] '1' when this worker is opening K's transient session (claims ownership), '2'
+--         when it holds one opened before (whose record must still be there), else '0'
 -- ARGV[6] owner ttl ms   ARGV[7] '1' to select the first entry (or release at once)
 -- ARGV[8] lease nonce    ARGV[9] ready MAXLEN    ARGV[10] notification entry id ('' none)
 -- ARGV[11] consumer group
@@ -20,7 +21,10 @@
 --          rows past them to read when it is behind ('0': no cached copy)
 -- ARGV[14] the cached copy's generation   ARGV[15] its version
 -- ARGV[16] S again (member of the stream keys)
--- returns {'private'}                  K ~= S but S is an open private session: retry
+-- returns {'gone'}                     ARGV[5] '2' and S has no owner record: the
+--                                      session was lost (its record ran out; the loss
+--                                      is told by the owners' sweep): forget it, retry
+--       | {'private'}                  K ~= S but S is an open private session: retry
 --                                      with K = S
 --       | {'fold'}                     K = S is folded under U (KEYS[9]) and S is no
 --                                      private session (no owner, none claimed): retry
@@ -50,6 +54,7 @@ local function ack()
 end
 
 local owner = redis.call('HGET', KEYS[5], 'worker')
+if ARGV[5] == '2' and not owner then return {'gone'} end  -- never re-created by a stalled worker
 if ARGV[4] ~= '' and ARGV[3] ~= ARGV[4] then  -- S folded under K
   if owner then return {'private'} end
   -- S has a holder of its own (an admin's hold, a former private session's turn): busy,

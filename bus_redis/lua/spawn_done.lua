@@ -3,9 +3,13 @@
 -- is still registered (a stop, discard or delete of the session unregisters it).
 -- KEYS[1] the session's subagents  KEYS[2] the channel's index of sessions with subagents
 -- KEYS[3] the session's inbound stream  KEYS[4] channel's queued index  KEYS[5] its ready queue
+-- KEYS[6] the lease of the turn dropping it (an undo; else KEYS[1])
 -- ARGV[1] subagent id  ARGV[2] 'running' (ARGV[3]: what it does now, JSON), 'done'
 -- (ARGV[3]: the result message, JSON) or 'drop'  ARGV[4] session key  ARGV[5] ready MAXLEN
--- returns 1 done, 0 not registered (aborted, or done already)
+-- ARGV[6] that turn's lease token ('': not fenced)
+-- returns 1 done, 0 not registered (aborted, or done already), -1 the dropping turn's
+-- lease is lost (a stalled worker's cut turn must not undo what the holder after it kept)
+if ARGV[6] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[6] then return -1 end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
 if ARGV[2] == 'running' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])

@@ -237,7 +237,8 @@ class Schedules:
         if added == 0:
             return f"Error: this conversation has {cfg.cron_max_per_session} schedules already; remove one first"
         if added == 1:
-            ctx.undo.append((ctx.round, lambda: self.store.remove(origin.member, sid)))
+            fence = {"lease_key": origin.lease_key or origin.member, "token": origin.token}
+            ctx.undo.append((ctx.round, lambda: self.store.remove(origin.member, sid, **fence)))
         await self.enqueue(schedule.channel, sid, first)
         return f"Scheduled {sid}: {schedule.describe()}, next at {iso(first, schedule.tz)}"
 

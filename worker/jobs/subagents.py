@@ -111,7 +111,8 @@ class Subagents:
         self._remember(origin.member)
         # a cut turn that does not keep this call (a discard; an interrupt or stop that
         # drops its tool round) takes the subagent with it, as it takes a schedule
-        ctx.undo.append((ctx.round, lambda: self._undo(origin.member, sid)))
+        fence = (origin.lease_key or origin.member, origin.token)
+        ctx.undo.append((ctx.round, lambda: self._undo(origin.member, sid, fence)))
         job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
         await self.rt.jobs.enqueue(JOB_NAME, job_id=job_id, session=origin.member, sid=sid)
         return (
@@ -242,14 +243,18 @@ class Subagents:
         if session in self.spawned_here:  # the ones not started yet
             self.rt.spawn(self._abort(session, at))
 
-    async def _undo(self, session: str, sid: str) -> None:
-        """End one subagent: cancelled here if it runs here, unregistered (a job that
-        starts later finds nothing; one running elsewhere publishes nothing)."""
+    async def _undo(self, session: str, sid: str, fence: tuple[str, str]) -> None:
+        """End one subagent of a cut turn: unregistered (a job that starts later finds
+        nothing; one running elsewhere publishes nothing), and cancelled if it runs here.
+        Only while the cut turn still holds its lease: a stalled worker's turn, taken
+        over and committed by another, must not undo what that one kept."""
+        lease_key, token = fence
+        if not await self.store.drop(session, sid, lease_key=lease_key, token=token):
+            return
         task, _ = self.running.get(session, {}).get(sid, (None, None))
         if task is not None:
             self.aborted.add(sid)
             task.cancel()
-        await self.store.drop(session, sid)
 
     async def _abort(self, session: str, at: tuple[int, int]) -> None:
         """Unregister the session's subagents spawned before the control at ``at``."""

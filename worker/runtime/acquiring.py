@@ -9,11 +9,22 @@ running turn, for the in-process API and consolidation.
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from bus_redis.results import Acquired, AcquireResult, Fold, Forward, Notification, Private
+from bus_redis.results import (
+    Acquired,
+    AcquireResult,
+    Fold,
+    Forward,
+    Gone,
+    Notification,
+    Private,
+)
 from session_store import OWNER_SCOPE, UNIFIED_SESSION_KEY
 from worker.runtime.context import Runtime
 from worker.runtime.outcomes import SessionNotActiveError
+
+log = logging.getLogger(__name__)
 
 
 class Acquirer:
@@ -48,12 +59,14 @@ class Acquirer:
                 await rt.drop_owner(stream, redrops[stream], later=False)
         while True:
             scope = self.memory_scope(key)
-            transient = rt.sessions.is_transient(key)
+            transient = rt.sessions.is_transient(key) and not rt.turns.is_closing(key)
+            opening = rt.turns.is_opening(key)
             result = await rt.bus.acquire(
                 key,
                 rt.worker_id,
                 member=member,
-                claim_owner=transient and not rt.turns.is_closing(key),
+                claim_owner=transient and opening,
+                held_owner=transient and not opening,
                 select=select,
                 note=note,
                 memory_key=rt.memory.key(scope) if scope else "",
@@ -61,7 +74,15 @@ class Acquirer:
                 cached=rt.sessions.cached_for_acquire(key) if select and not transient else None,
                 fold=UNIFIED_SESSION_KEY if rt.config.unified_session else "",
             )
-            if isinstance(result, Private):
+            if isinstance(result, Gone):  # lost while this worker stalled: never revived
+                if rt.turns.is_opening(key):
+                    continue  # opened again meanwhile: its commit writes the record
+                log.warning("owner record of a transient session expired; session dropped")
+                running = rt.turns.running().get(key)
+                if running is not None:  # (as the renewal does: no answer after the loss)
+                    rt.turns.cancel_entry(key, running[1], "discard")
+                rt.forget(key)
+            elif isinstance(result, Private):
                 key = member
             elif isinstance(result, Fold):  # a private session that ended meanwhile
                 key = UNIFIED_SESSION_KEY

@@ -62,8 +62,13 @@ class Liveness:
         self._done: dict[str, set[str]] = {}  # dead worker -> channels taken over here
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # when this worker's own beat last landed (monotonic s; set from the beat thread)
+        # when this worker's own beat last landed (monotonic s; set from the beat thread),
+        # and since when its beats have been landing without a break: another worker's
+        # silence is only told from an outage of Redis (every beat failed alike, and
+        # after a restart every other's last beat is from before it) once this worker's
+        # own beats have landed for as long as that worker may be silent
         self.beat_ok_at = float("-inf")
+        self.beat_ok_since = float("inf")
         self._blind = False  # the watch is skipping: logged once per stretch
 
     @property
@@ -91,8 +96,9 @@ class Liveness:
         while True:
             try:
                 await self.rt.registry.sweeps.beat(self.rt.worker_id)
-                self.beat_ok_at = time.monotonic()
+                self._landed()
             except (redis.RedisError, OSError) as exc:
+                self.beat_ok_since = float("inf")
                 log.debug("liveness beat failed: %s", type(exc).__name__)
             await asyncio.sleep(self.every_s)
 
@@ -104,15 +110,24 @@ class Liveness:
         while not self._stop.is_set():
             try:
                 script(keys=[alive], args=[me])
-                self.beat_ok_at = time.monotonic()
+                self._landed()
                 failing = False
             except (redis.RedisError, OSError) as exc:
+                self.beat_ok_since = float("inf")
                 if not failing:
                     log.warning("liveness beat failed: %s", type(exc).__name__)
                 failing = True
             self._stop.wait(self.every_s)
         with contextlib.suppress(Exception):
             self.beat_client.close()
+
+    def _landed(self) -> None:
+        """A beat landed: the streak goes on, or starts again after a failure or a gap
+        longer than the liveness limit (a beat that hung on a Redis that was away)."""
+        now = time.monotonic()
+        if self.beat_ok_since == float("inf") or now - self.beat_ok_at > self.liveness_ms / 1000:
+            self.beat_ok_since = now
+        self.beat_ok_at = now
 
     # --- the watch ------------------------------------------------------------------
     async def run_watch(self) -> None:
@@ -154,6 +169,8 @@ class Liveness:
             # judged by its own AGENT_LIVENESS_MS when that is longer (it beats less often:
             # a rolling change of the setting must not take a live worker's turns)
             after = max(self.liveness_ms, await rt.registry.declared_liveness(worker))
+            if time.monotonic() - self.beat_ok_since < after / 1000:
+                continue  # own beats not landing long enough to tell its silence from an outage
             if after > self.liveness_ms and not await sweeps.still_dead(worker, after):
                 continue
             keys = await sweeps.takeover(channels, worker, dead_after_ms=after)
