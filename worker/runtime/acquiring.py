@@ -60,13 +60,16 @@ class Acquirer:
         while True:
             scope = self.memory_scope(key)
             transient = rt.sessions.is_transient(key) and not rt.turns.is_closing(key)
-            opening = rt.turns.is_opening(key)
+            # a session opened over the wire (owned) has had its record since its opening
+            # commit: one missing now was lost; any other (opening, or made in process by
+            # process_message) claims the record
+            held = transient and rt.turns.owns(key) and not rt.turns.is_opening(key)
             result = await rt.bus.acquire(
                 key,
                 rt.worker_id,
                 member=member,
-                claim_owner=transient and opening,
-                held_owner=transient and not opening,
+                claim_owner=transient and not held,
+                held_owner=held,
                 select=select,
                 note=note,
                 memory_key=rt.memory.key(scope) if scope else "",
