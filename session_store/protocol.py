@@ -28,7 +28,9 @@ class SessionStore(Protocol):
 
     async def delete(self, key: str) -> bool: ...
 
-    async def delete_held(self, key: str, lease: str, token: str) -> int: ...
+    async def delete_held(
+        self, key: str, lease: str, token: str, *, events_before: str = ""
+    ) -> int: ...
 
     async def prune_idle(
         self, channel: str, older_than_ms: int, *, limit: int = 100

@@ -200,12 +200,15 @@ class RedisSessionStore:
                 await self._scripts.call("release", release, [token, key, 1_000_000])
         return deleted
 
-    async def delete_held(self, key: str, lease: str, token: str) -> int:
+    async def delete_held(
+        self, key: str, lease: str, token: str, *, events_before: str = ""
+    ) -> int:
         """Delete session ``key`` (hash, index entries, events) if ``lease`` still holds
-        ``token``: 1 deleted, 0 nothing stored, -1 the lease was lost."""
+        ``token``: 1 deleted, 0 nothing stored, -1 the lease was lost. With
+        ``events_before`` (a delete marker's id) only the events older than it go."""
         meta = decode_meta(text(await self.redis.hget(self.keys.session(key), "meta")))  # type: ignore[misc]
         keys = self.keys.deletion(key, lease, str(meta.get("scope") or ""))
-        return int(text(await self._scripts.call("delete", keys, [token, key])))
+        return int(text(await self._scripts.call("delete", keys, [token, key, events_before])))
 
     async def read(self, key: str, *, last: int | None = None) -> dict[str, Any] | None:
         """The stored session as a document; with ``last``, only its newest ``last`` rows

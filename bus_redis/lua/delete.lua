@@ -5,7 +5,9 @@
 -- KEYS[6] its tool journal  KEYS[7] its schedules (set of ids)  KEYS[8] the channel's
 -- schedule definitions  KEYS[9] the channel's due index  KEYS[10] its running subagents
 -- KEYS[11] the channel's index of sessions with subagents
--- ARGV[1] token  ARGV[2] the session key
+-- ARGV[1] token  ARGV[2] the session key  ARGV[3] the delete marker's id: only the events
+-- older than it go (the cancelled answers of the messages it covers were written after
+-- it, and stay for the frontend); '' (an operator): all of them
 -- returns 1 deleted, 0 nothing stored, -1 lease lost
 -- Work is bounded: a session has at most AGENT_CRON_MAX_PER_SESSION schedules.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -15,6 +17,11 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[7])) do
   redis.call('HDEL', KEYS[8], id)
   redis.call('ZREM', KEYS[9], id)
 end
-redis.call('DEL', KEYS[5], KEYS[6], KEYS[7], KEYS[10])
+local trimmed = nil
+if ARGV[3] and ARGV[3] ~= '' then
+  trimmed = redis.pcall('XTRIM', KEYS[5], 'MINID', ARGV[3])  -- junk there (a type): DEL
+end
+if type(trimmed) ~= 'number' then redis.call('DEL', KEYS[5]) end
+redis.call('DEL', KEYS[6], KEYS[7], KEYS[10])
 redis.call('ZREM', KEYS[11], ARGV[2])
 return redis.call('DEL', KEYS[2])

@@ -1,6 +1,7 @@
 -- owner_lost: a transient session's owner stopped renewing: tell the frontend once and
 -- re-notify the session so that queued messages are answered session_not_active.
--- Its earlier events are deleted: none of a private session's text outlives it.
+-- Its earlier events are deleted (its error answers excepted): none of a private
+-- session's text outlives it.
 -- KEYS[1] owner  KEYS[2] owners registry  KEYS[3] out stream of S  KEYS[4] ready stream of S's channel
 -- KEYS[5] the pulse of S's channel
 -- ARGV[1] registry member  ARGV[2] session_lost event JSON  ARGV[3] S  ARGV[4] MAXLEN
@@ -9,12 +10,28 @@
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
 -- the session ended: its events go with it (a fresh stream holds only the notice, with
--- an id greater than any the old stream had, so a reader's position stays valid)
+-- an id greater than any the old stream had, so a reader's position stays valid), but
+-- for the error answers (no text of the session: session_not_active, cancelled, ...):
+-- another worker may have answered a message of it before this notice, and every
+-- message keeps its one terminal event. At most 1,000 entries are looked at (the stream's
+-- MAXLEN; a private session's is rewritten to its 64 live events before each answer)
 local t = redis.call('TYPE', KEYS[3])
 t = t.ok or t
 local floor = nil
-if t == 'stream' then floor = redis.call('XADD', KEYS[3], '*', '_', '') end
+local kept = {}
+if t == 'stream' then
+  floor = redis.call('XADD', KEYS[3], '*', '_', '')
+  for _, e in ipairs(redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', 1000)) do
+    local f = e[2]
+    for i = 1, #f - 1, 2 do
+      if f[i] == 'payload' and string.find(f[i + 1], '"type":"error"', 1, true) then
+        kept[#kept + 1] = {e[1], f[i + 1]}
+      end
+    end
+  end
+end
 redis.call('DEL', KEYS[3])
+for _, k in ipairs(kept) do redis.call('XADD', KEYS[3], k[1], 'payload', k[2]) end
 if floor then
   redis.call('XADD', KEYS[3], floor, '_', '')
   redis.call('XDEL', KEYS[3], floor)

@@ -47,7 +47,7 @@ class EntryPolicy(Held):
     def transient(self) -> bool:
         return self.rt.sessions.is_transient(self.key)
 
-    async def discarded(self, member: str, op: str = "discard") -> None:
+    async def discarded(self, member: str, op: str = "discard", marker: str = "") -> None:
         """Forget (or delete) the session of stream ``member`` (the holder's)."""
         raise NotImplementedError
 

@@ -91,7 +91,7 @@ class SessionHolder(EntryPolicy):
                             step.op, safe(step.member), step.attempts,
                         )  # fmt: skip
                     else:
-                        await self.discarded(step.member, step.op)
+                        await self.discarded(step.member, step.op, step.marker)
                     if self._folds_again(step.member):
                         # the private session this lease served ended: what S holds next
                         # is durable, the unified session's to answer (re-notified)
@@ -128,7 +128,7 @@ class SessionHolder(EntryPolicy):
     async def _next(self, done: ControlReached | None = None) -> Step:
         return await self.rt.bus.next(self.key, self.token, sorted(self.members), done=done)
 
-    async def discarded(self, member: str, op: str = "discard") -> None:
+    async def discarded(self, member: str, op: str = "discard", marker: str = "") -> None:
         """A discard, new or delete reached stream ``member``: forget its session (a private
         one is gone); a delete also removes the stored session and its events, a new folds
         the stored history into memory first (in unified mode the shared session's), fenced
@@ -151,8 +151,10 @@ class SessionHolder(EntryPolicy):
                 return  # nothing written (not even the rows as they are): kept, not lost
             self.memory_scope = ""  # the next turn under this lease reads the folded memory
         if op in ("delete", "new") and owned is None:
+            # its events before the marker go; the answers to what the marker covered
+            # (written after it: cancelled) stay for the frontend to read
             deleted = await self.rt.sessions.store.delete_held(
-                stored, self.rt.bus.keys.lease(self.key), self.token
+                stored, self.rt.bus.keys.lease(self.key), self.token, events_before=marker
             )
             if deleted < 0:
                 self.lease.lost = True
