@@ -21,7 +21,9 @@ local trimmed = nil
 if ARGV[3] and ARGV[3] ~= '' then
   trimmed = redis.pcall('XTRIM', KEYS[5], 'MINID', ARGV[3])  -- junk there (a type): DEL
 end
-if type(trimmed) ~= 'number' then redis.call('DEL', KEYS[5]) end
+if type(trimmed) ~= 'number' or redis.call('XLEN', KEYS[5]) == 0 then
+  redis.call('DEL', KEYS[5])  -- (nothing came after the marker: no stream is left)
+end
 redis.call('DEL', KEYS[6], KEYS[7], KEYS[10])
 redis.call('ZREM', KEYS[11], ARGV[2])
 return redis.call('DEL', KEYS[2])
