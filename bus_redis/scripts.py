@@ -19,6 +19,7 @@ from redis.exceptions import NoScriptError
 from bus_redis.mux import Multiplexed
 
 _WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers", "release"})
+_WITH_EVENTS = frozenset({"owner_lost", "delete"})  # _events.lua: ending a session's events
 SCRIPT_NAMES = (
     "acquire",
     "next",
@@ -56,6 +57,8 @@ def script_source(name: str) -> str:
     body = (folder / f"{name}.lua").read_text(encoding="utf-8")
     if name in _WITH_PRELUDE:
         return (folder / "_common.lua").read_text(encoding="utf-8") + "\n" + body
+    if name in _WITH_EVENTS:
+        return (folder / "_events.lua").read_text(encoding="utf-8") + "\n" + body
     return body
 
 

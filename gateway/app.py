@@ -239,11 +239,15 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
     app.add_middleware(Deadline, timeout_s=settings.request_timeout_s)  # (after the body)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(Charge)  # (before the body is read)
-    app.add_middleware(  # another site's page: refused before anything is charged or read
-        SameOrigin,
-        allowed=settings.allowed_origins,
-        proxies=[ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies],
-    )
+    if settings.trusted_proxies:  # credentials a browser sends by itself (a proxy's
+        # login cookie turned into the user header): another site's page is refused
+        # before anything is charged or read. Bearer tokens and tickets are never sent
+        # by a browser on its own, so without a trusted proxy there is nothing to refuse
+        app.add_middleware(
+            SameOrigin,
+            allowed=settings.allowed_origins,
+            proxies=[ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies],
+        )
     metrics = gateway.metrics if gateway is not None else GatewayMetrics()
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.state.metrics = metrics

@@ -4,8 +4,9 @@ httptools buffers a request line and headers of any size until the head is compl
 one connection, credentials or not, could make the gateway hold memory in proportion to
 what it sent. A head still incomplete past ``HEAD_MAX_BYTES`` is answered 431 and the
 connection closed (h11, uvicorn's other protocol, has ``h11_max_incomplete_event_size``
-for this; httptools has nothing). Counted from the bytes received while a head is being
-read, so at most one read's worth (64 KiB) more is ever held.
+for this; httptools has nothing). Counted from the reads that continue a head (the read
+that begins one may also hold the previous request's body), so at most one read's worth
+(asyncio reads up to 256 KiB) more is ever held.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ class BoundedHead(HttpToolsProtocol):
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
+        was_in_head = self._in_head
         super().data_received(data)
         if not self._in_head or self.transport.is_closing():
             return
-        self._head_bytes += len(data)
+        # a head that began in this read is counted from the next one: the read may also
+        # hold the previous request's body (pipelining), which is no part of it
+        self._head_bytes += len(data) if was_in_head else 0
         if self._head_bytes > HEAD_MAX_BYTES:
             self._in_head = False
             self.transport.write(_REFUSAL)

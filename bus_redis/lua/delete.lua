@@ -5,9 +5,10 @@
 -- KEYS[6] its tool journal  KEYS[7] its schedules (set of ids)  KEYS[8] the channel's
 -- schedule definitions  KEYS[9] the channel's due index  KEYS[10] its running subagents
 -- KEYS[11] the channel's index of sessions with subagents
--- ARGV[1] token  ARGV[2] the session key  ARGV[3] the delete marker's id: only the events
--- older than it go (the cancelled answers of the messages it covers were written after
--- it, and stay for the frontend); '' (an operator): all of them
+-- ARGV[1] token  ARGV[2] the session key  ARGV[3] the delete marker's id: of the events,
+-- only the error answers written after it stay (the cancelled answers of the messages it
+-- covers; no text of the conversation, not even an answer that ended after the marker);
+-- '' (an operator): all of them go
 -- returns 1 deleted, 0 nothing stored, -1 lease lost
 -- Work is bounded: a session has at most AGENT_CRON_MAX_PER_SESSION schedules.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -17,12 +18,10 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[7])) do
   redis.call('HDEL', KEYS[8], id)
   redis.call('ZREM', KEYS[9], id)
 end
-local trimmed = nil
-if ARGV[3] and ARGV[3] ~= '' then
-  trimmed = redis.pcall('XTRIM', KEYS[5], 'MINID', ARGV[3])  -- junk there (a type): DEL
-end
-if type(trimmed) ~= 'number' or redis.call('XLEN', KEYS[5]) == 0 then
-  redis.call('DEL', KEYS[5])  -- (nothing came after the marker: no stream is left)
+if ARGV[3] and ARGV[3] ~= '' and keep_error_events(KEYS[5], ARGV[3]) then
+  if redis.call('XLEN', KEYS[5]) == 0 then redis.call('DEL', KEYS[5]) end  -- none: no stream
+else
+  redis.call('DEL', KEYS[5])
 end
 redis.call('DEL', KEYS[6], KEYS[7], KEYS[10])
 redis.call('ZREM', KEYS[11], ARGV[2])

@@ -9,33 +9,9 @@
 -- returns 1 when this call reported the loss, 0 otherwise
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
--- the session ended: its events go with it (a fresh stream holds only the notice, with
--- an id greater than any the old stream had, so a reader's position stays valid), but
--- for the error answers (no text of the session: session_not_active, cancelled, ...):
--- another worker may have answered a message of it before this notice, and every
--- message keeps its one terminal event. At most 1,000 entries are looked at (the stream's
--- MAXLEN; a private session's is rewritten to its 64 live events before each answer)
-local t = redis.call('TYPE', KEYS[3])
-t = t.ok or t
-local floor = nil
-local kept = {}
-if t == 'stream' then
-  floor = redis.call('XADD', KEYS[3], '*', '_', '')
-  for _, e in ipairs(redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', 1000)) do
-    local f = e[2]
-    for i = 1, #f - 1, 2 do
-      if f[i] == 'payload' and string.find(f[i + 1], '"type":"error"', 1, true) then
-        kept[#kept + 1] = {e[1], f[i + 1]}
-      end
-    end
-  end
-end
-redis.call('DEL', KEYS[3])
-for _, k in ipairs(kept) do redis.call('XADD', KEYS[3], k[1], 'payload', k[2]) end
-if floor then
-  redis.call('XADD', KEYS[3], floor, '_', '')
-  redis.call('XDEL', KEYS[3], floor)
-end
+-- the session ended: its events go with it but for its error answers (_events.lua):
+-- another worker may have answered a message of it before this notice
+keep_error_events(KEYS[3], '-')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 local pulsed = redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'o', KEYS[3])  -- PULSE_MAXLEN
