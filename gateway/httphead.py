@@ -24,23 +24,27 @@ _REFUSAL = (
 class BoundedHead(HttpToolsProtocol):
     _in_head = False
     _head_bytes = 0
+    _heads = 0  # heads begun on this connection
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
+        self._heads += 1
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
-        was_in_head = self._in_head
+        same_head = self._in_head, self._heads
         super().data_received(data)
         if not self._in_head or self.transport.is_closing():
             return
-        # a head that began in this read is counted from the next one: the read may also
-        # hold the previous request's body (pipelining), which is no part of it
-        self._head_bytes += len(data) if was_in_head else 0
+        # only a read that began and ended within one head is all of it: a head that began
+        # in this read is counted from the next one (the read may also hold the end of
+        # the previous request, its body, pipelining: no part of this head)
+        if same_head == (True, self._heads):
+            self._head_bytes += len(data)
         if self._head_bytes > HEAD_MAX_BYTES:
             self._in_head = False
             self.transport.write(_REFUSAL)

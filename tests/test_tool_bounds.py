@@ -4,7 +4,9 @@ them: a consolidation racing a re-created chat, tool arguments and the size of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -112,13 +114,9 @@ async def test_read_session_never_returns_more_rows_than_its_schema_allows(
     assert [r["content"][:5] for r in rows] == ["huge "]  # cut to fit, still JSON
 
 
-async def test_a_read_session_result_fits_the_deployments_bulk_limit() -> None:
-    """Tool results are not bounded in bytes: read_session returns up to 200 whole rows
-    (each may be a 256 KiB message), and the result is one row written to the tool
-    journal and the session hash as one script argument. docker-compose.yml runs Redis
-    with ``--proto-max-bulk-len 1mb`` (as docs/SECURITY.md advises), so twelve legitimate
-    long messages and one "read my session back" make a turn that can never be written:
-    it fails on every delivery (the RAW archive entry is capped for exactly this reason)."""
+@contextlib.asynccontextmanager
+async def _compose_like_redis() -> AsyncIterator[aioredis.Redis]:
+    """A redis-server of its own with docker-compose.yml's ``--proto-max-bulk-len 1mb``."""
     from servers import RedisServer, require_redis_server
 
     require_redis_server()
@@ -126,6 +124,32 @@ async def test_a_read_session_result_fits_the_deployments_bulk_limit() -> None:
     client = aioredis.from_url(server.url, decode_responses=True)
     try:
         await client.sadd("agent:channels", "web")
+        yield client
+    finally:
+        await client.aclose()
+        server.cleanup()
+
+
+async def _written(loop: AgentLoop, msg: InboundMessage, what: str) -> None:
+    """``msg``'s turn ran and was written (a script argument over the bulk limit fails
+    the call, and the server drops the connection it came on)."""
+    try:
+        reply = await loop.process_message(msg)
+    except Exception as exc:
+        detail = f"{type(exc).__name__}: {str(exc)[:120]}"
+        raise AssertionError(f"{what} could not be written: {detail}") from None
+    assert reply is not None
+    assert reply.type == "message"
+
+
+async def test_a_read_session_result_fits_the_deployments_bulk_limit() -> None:
+    """Tool results are not bounded in bytes: read_session returns up to 200 whole rows
+    (each may be a 256 KiB message), and the result is one row written to the tool
+    journal and the session hash as one script argument. docker-compose.yml runs Redis
+    with ``--proto-max-bulk-len 1mb`` (as docs/SECURITY.md advises), so twelve legitimate
+    long messages and one "read my session back" make a turn that can never be written:
+    it fails on every delivery (the RAW archive entry is capped for exactly this reason)."""
+    async with _compose_like_redis() as client:
 
         async def handler(**kw: Any) -> LLMResponse:
             last = kw["messages"][-1]
@@ -143,16 +167,7 @@ async def test_a_read_session_result_fits_the_deployments_bulk_limit() -> None:
             )  # fmt: skip
         ask = InboundMessage(id="r", channel="web", sender_id="u", chat_id="c",
                              content="read it back")  # fmt: skip
-        try:
-            reply = await loop.process_message(ask)
-        except Exception as exc:
-            raise AssertionError(f"the turn could not be written: {type(exc).__name__}: "
-                                 f"{str(exc)[:120]}") from None  # fmt: skip
-        assert reply is not None
-        assert reply.type == "message"
-    finally:
-        await client.aclose()
-        server.cleanup()
+        await _written(loop, ask, "the turn")
 
 
 async def test_one_search_reads_a_bounded_number_of_session_records(
@@ -194,13 +209,7 @@ async def test_goals_a_model_records_keep_the_session_writable() -> None:
     write in 20 calls a turn (~285 KB here): each turn rewrites all of it, and the turn
     that takes it past the compose file's proto-max-bulk-len (1 MB) can never be written
     (the server also drops the connection it came on: a worker's shared one)."""
-    from servers import RedisServer, require_redis_server
-
-    require_redis_server()
-    server = RedisServer(extra=["--proto-max-bulk-len", "1mb"]).start()
-    client = aioredis.from_url(server.url, decode_responses=True)
-    try:
-        await client.sadd("agent:channels", "web")
+    async with _compose_like_redis() as client:
 
         async def handler(**kw: Any) -> LLMResponse:
             messages = kw["messages"]
@@ -217,16 +226,7 @@ async def test_goals_a_model_records_keep_the_session_writable() -> None:
         for i in range(4):
             msg = InboundMessage(id=f"g{i}", channel="web", sender_id="u", chat_id="c",
                                  content="record goals")  # fmt: skip
-            try:
-                reply = await loop.process_message(msg)
-            except Exception as exc:
-                raise AssertionError(f"turn {i} could not be written: "
-                                     f"{type(exc).__name__}: {str(exc)[:120]}") from None  # fmt: skip
-            assert reply is not None
-            assert reply.type == "message"
-    finally:
-        await client.aclose()
-        server.cleanup()
+            await _written(loop, msg, f"turn {i}")
 
 
 async def test_goals_are_bounded_in_number_and_length(redis: aioredis.Redis) -> None:

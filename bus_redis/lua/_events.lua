@@ -5,7 +5,8 @@ local ERROR_PREFIX = '{"v":2,"type":"error",'  -- how a worker writes an error e
 -- Rewrite event stream `key` to hold only its error events with ids from `from` ('-': all)
 -- (no text of the session: cancelled, session_not_active, ...; a message keeps its one
 -- terminal event), ids kept and its last id kept as the stream's floor (a reader's
--- position stays valid), at most 1,000 entries looked at (the stream's MAXLEN). An event's
+-- position stays valid), its expiry kept, the newest 1,000 entries looked at (the
+-- stream's MAXLEN). An event's
 -- type is read from the start of its payload, where workers write it (frontends cannot
 -- write events): metadata copied from a message cannot pass for it. A key of another
 -- type is deleted. Returns whether a stream is left.
@@ -16,9 +17,10 @@ local function keep_error_events(key, from)
     redis.call('DEL', key)
     return false
   end
+  local ttl = redis.call('PTTL', key)
   local floor = redis.call('XADD', key, '*', '_', '')
-  local kept = {}
-  for _, e in ipairs(redis.call('XRANGE', key, from, '+', 'COUNT', 1000)) do
+  local kept = {}  -- newest first: the newest 1,000 entries are looked at
+  for _, e in ipairs(redis.call('XREVRANGE', key, '+', from, 'COUNT', 1000)) do
     local f = e[2]
     for i = 1, #f - 1, 2 do
       if f[i] == 'payload' and string.sub(f[i + 1], 1, #ERROR_PREFIX) == ERROR_PREFIX then
@@ -27,8 +29,9 @@ local function keep_error_events(key, from)
     end
   end
   redis.call('DEL', key)
-  for _, k in ipairs(kept) do redis.call('XADD', key, k[1], 'payload', k[2]) end
+  for i = #kept, 1, -1 do redis.call('XADD', key, kept[i][1], 'payload', kept[i][2]) end
   redis.call('XADD', key, floor, '_', '')
   redis.call('XDEL', key, floor)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) end  -- as long-lived as it was
   return true
 end

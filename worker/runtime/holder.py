@@ -151,8 +151,8 @@ class SessionHolder(EntryPolicy):
                 return  # nothing written (not even the rows as they are): kept, not lost
             self.memory_scope = ""  # the next turn under this lease reads the folded memory
         if op in ("delete", "new") and owned is None:
-            # its events before the marker go; the answers to what the marker covered
-            # (written after it: cancelled) stay for the frontend to read
+            # its events go, but for the error answers written after the marker (the
+            # cancelled answers of what it covered), for the frontend to read
             deleted = await self.rt.sessions.store.delete_held(
                 stored, self.rt.bus.keys.lease(self.key), self.token, events_before=marker
             )
