@@ -1,13 +1,9 @@
-"""A last reading of the ended-events rewrite and the head cap: a deleted session's kept
-answers keep their stream's expiry, the newest answers are the ones looked at, and a
-pipelined request after a split head and a large body is not refused 431."""
+"""A last reading of the ended-events rewrite: a deleted session's kept answers keep
+their stream's expiry, and the newest answers are the ones looked at."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
-
-import pytest
 
 from bus_redis.keys import Keys
 from bus_redis.schema import OutboundMessage
@@ -68,62 +64,3 @@ async def test_a_delete_keeps_the_cancelled_answer_after_many_deltas(redis) -> N
     await _delete(r, out, marker)
     left = [f["payload"] for _, f in await r.xrange(out)] if await r.exists(out) else []
     assert any('"cancelled"' in p for p in left), "the cancelled answer was dropped"
-
-
-# --------------------------------------------------------------------------------------
-# gateway/httphead.py: the fix counts a read that *completes* a head and begins the next
-# --------------------------------------------------------------------------------------
-
-
-class _Transport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = b""
-        self.closed = False
-
-    def write(self, data: bytes) -> None:  # type: ignore[override]
-        self.written += bytes(data)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 5555), "sockname": ("127.0.0.1", 8000)}.get(name, default)
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-@pytest.mark.frontend
-async def test_a_pipelined_request_after_a_split_head_and_large_body_is_not_refused() -> None:
-    """The first request's head arrives over two reads; the second read completes it,
-    holds its 100 KiB body and begins the next request. ``was_in_head`` is True (the
-    *first* head was in progress), so the whole read is added to the *next* head's count:
-    431 and the connection closed, as before the fix."""
-    import uvicorn
-    from uvicorn.server import ServerState
-
-    from gateway.httphead import BoundedHead
-
-    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
-        pass
-
-    config = uvicorn.Config(app, http=BoundedHead, log_level="error", lifespan="off")
-    config.load()
-    proto = BoundedHead(config, ServerState(), {}, _loop=asyncio.get_running_loop())
-    transport = _Transport()
-    proto.connection_made(transport)
-    body = b"x" * 100_000
-    proto.data_received(b"POST /api/x HTTP/1.1\r\nHost: gw\r\n")  # read 1: half a head
-    rest = b"Content-Length: %d\r\n\r\n" % len(body)
-    proto.data_received(rest + body + b"GET /livez HTTP/1.1\r\n")  # read 2
-    assert b" 431 " not in transport.written, transport.written[:80]
-    assert not transport.closed
-    for task in list(proto.tasks):
-        task.cancel()
