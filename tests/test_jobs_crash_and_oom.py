@@ -42,7 +42,9 @@ async def test_a_schedule_made_by_a_crashed_first_turn_survives_until_the_turn_i
     commits a history that says the reminder is set while it is gone: the README's
     "delivered once ... across restarts" and "tool effects at most once" (its recorded
     result is used) are both broken, silently."""
-    [doomed] = spawn_workers(1, env={"AGENT_FAULT_POINTS": "tool_recorded"})
+    [doomed] = spawn_workers(
+        1, env={"AGENT_FAULT_POINTS": "tool_recorded", "AGENT_LOCK_TTL_MS": "1000"}
+    )
     client = FrontendClient(real_redis)
     at = datetime.fromtimestamp(time.time(), UTC).isoformat()  # due at once
     add = json.dumps({"action": "add", "at": at, "message": "take the cake out"})

@@ -529,7 +529,7 @@ async def test_documented_frontend_acl(redis_factory, make_loop, redis_server) -
 async def _lose_private_session(real_redis, spawn_workers, fake_llm) -> tuple[Raw, str, str]:  # type: ignore[no-untyped-def]
     """Open a private session on w0, send `m` (held by the model), kill w0 with w1 alive;
     return once `m` is answered and the session_lost notice is written (polled in Redis)."""
-    env = {"AGENT_LIVENESS_MS": "400", "AGENT_LOCK_TTL_MS": "1500"}
+    env = {"AGENT_LIVENESS_MS": "400", "AGENT_LOCK_TTL_MS": "1000", "AGENT_OWNER_TTL_MS": "2000"}
     (w0,) = spawn_workers(1, env=env)
     fe = Raw(real_redis)
     key = "web:lost"
