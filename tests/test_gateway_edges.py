@@ -43,13 +43,8 @@ class _Transport(asyncio.Transport):
         pass
 
 
-async def test_a_pipelined_request_after_a_large_body_is_not_refused_431() -> None:
-    """HTTP/1.1 pipelining: one read (asyncio reads up to 256 KiB) holds a POST with a
-    100 KiB body and the first line of the next request. BoundedHead adds the whole
-    read's length to the *next* head's count (on_message_begin reset it to 0 inside
-    super().data_received, then ``_head_bytes += len(data)``), so a 25-byte head is
-    answered 431 and the connection closed under the first request, whose answer is
-    never written."""
+def _connection() -> tuple[Any, _Transport]:
+    """uvicorn's protocol with the head cap, on a transport that records what it wrote."""
     import uvicorn
     from uvicorn.server import ServerState
 
@@ -63,6 +58,30 @@ async def test_a_pipelined_request_after_a_large_body_is_not_refused_431() -> No
     proto = BoundedHead(config, ServerState(), {}, _loop=asyncio.get_running_loop())
     transport = _Transport()
     proto.connection_made(transport)
+    return proto, transport
+
+
+async def test_a_head_that_keeps_coming_is_refused_431() -> None:
+    """The cap itself: a head still incomplete past 64 KiB, over several reads, is
+    answered 431 and its connection closed, however it is split."""
+    proto, transport = _connection()
+    proto.data_received(b"GET /livez HTTP/1.1\r\nHost: gw\r\n")
+    for _ in range(40):  # 40 x 4 KiB of one header's value
+        if transport.closed:
+            break
+        proto.data_received(b"X-Pad: " + b"a" * 4096 + b"\r\n")
+    assert transport.written.startswith(b"HTTP/1.1 431 ")
+    assert transport.closed
+
+
+async def test_a_pipelined_request_after_a_large_body_is_not_refused_431() -> None:
+    """HTTP/1.1 pipelining: one read (asyncio reads up to 256 KiB) holds a POST with a
+    100 KiB body and the first line of the next request. BoundedHead adds the whole
+    read's length to the *next* head's count (on_message_begin reset it to 0 inside
+    super().data_received, then ``_head_bytes += len(data)``), so a 25-byte head is
+    answered 431 and the connection closed under the first request, whose answer is
+    never written."""
+    proto, transport = _connection()
     body = b"x" * 100_000
     first = b"POST /api/x HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n\r\n" % len(body)
     proto.data_received(first + body + b"GET /livez HTTP/1.1\r\n")  # one read
@@ -114,19 +133,7 @@ async def test_a_pipelined_request_after_a_split_head_and_large_body_is_not_refu
     holds its 100 KiB body and begins the next request. ``was_in_head`` is True (the
     *first* head was in progress), so the whole read is added to the *next* head's count:
     431 and the connection closed, as before the fix."""
-    import uvicorn
-    from uvicorn.server import ServerState
-
-    from gateway.httphead import BoundedHead
-
-    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
-        pass
-
-    config = uvicorn.Config(app, http=BoundedHead, log_level="error", lifespan="off")
-    config.load()
-    proto = BoundedHead(config, ServerState(), {}, _loop=asyncio.get_running_loop())
-    transport = _Transport()
-    proto.connection_made(transport)
+    proto, transport = _connection()
     body = b"x" * 100_000
     proto.data_received(b"POST /api/x HTTP/1.1\r\nHost: gw\r\n")  # read 1: half a head
     rest = b"Content-Length: %d\r\n\r\n" % len(body)
