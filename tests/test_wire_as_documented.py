@@ -39,6 +39,13 @@ def channel_of(session_key: str) -> str:
     return session_key.partition(":")[0]
 
 
+def _message(s: str, content: str, **extra: Any) -> dict[str, Any]:
+    """The README's inbound message document for session key ``s`` (``C:chat``)."""
+    channel, _, chat = s.partition(":")
+    doc = {"v": 2, "channel": channel, "sender_id": "u1", "chat_id": chat, "content": content}
+    return {**doc, **extra}
+
+
 class Raw:
     """A frontend in raw commands (README's wire section)."""
 
@@ -77,17 +84,9 @@ class Raw:
 
     async def send(self, s: str, content: str, *, id: str | None = None, **extra: Any) -> str:
         """A user message; returns its reply_to (the id, else the entry id)."""
-        channel, _, chat = s.partition(":")
-        doc: dict[str, Any] = {
-            "v": 2,
-            "channel": channel,
-            "sender_id": "u1",
-            "chat_id": chat,
-            "content": content,
-        }
+        doc = _message(s, content, **extra)
         if id is not None:
             doc["id"] = id
-        doc.update(extra)
         entry = await self.send_payload(s, json.dumps(doc))
         return id or entry
 
@@ -121,16 +120,8 @@ class Raw:
     async def interrupt(self, s: str, content: str, *, id: str, hint: bool = False) -> str:
         """README followup=interrupt: marker before the message in the publish transaction,
         then PUBLISH naming the marker. ``hint``: the "(with INCRBY P:{C}:ctl:<S> 1)"."""
-        channel, _, chat = s.partition(":")
-        doc = {
-            "v": 2,
-            "id": id,
-            "channel": channel,
-            "sender_id": "u1",
-            "chat_id": chat,
-            "content": content,
-            "followup": "interrupt",
-        }
+        channel = channel_of(s)
+        doc = _message(s, content, id=id, followup="interrupt")
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.execute_command("XADD", self.key(s, "in"), "*", "control", "interrupt")
             if hint:
@@ -144,16 +135,7 @@ class Raw:
 
     async def send_unless_busy(self, s: str, content: str, *, id: str) -> bool:
         """README followup=reject: WATCH in, XLEN; publish only when 0. False = busy."""
-        channel, _, chat = s.partition(":")
-        doc = {
-            "v": 2,
-            "id": id,
-            "channel": channel,
-            "sender_id": "u1",
-            "chat_id": chat,
-            "content": content,
-            "followup": "reject",
-        }
+        doc = _message(s, content, id=id, followup="reject")
         async with self.r.pipeline(transaction=True) as pipe:
             await pipe.watch(self.key(s, "in"))
             if int(await pipe.execute_command("XLEN", self.key(s, "in"))) > 0:
