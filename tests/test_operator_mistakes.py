@@ -271,3 +271,22 @@ def test_acl_default_replaces_the_admin_password() -> None:
         assert not old_still_works, "the replaced admin password still logs in"
     finally:
         server.cleanup()
+
+
+# --- minor: an age that is no number, a channel that is not there ---------------------------
+@pytest.mark.real_redis
+def test_an_age_or_a_channel_that_names_nothing_is_one_line(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """``sessions prune --older-than inf`` (or nan) used to end in a traceback; ``dlq`` and
+    ``cron`` with a mistyped ``--channel`` listed or purged nothing and exited 0."""
+    url = redis_server.url
+    for age in ("inf", "nan", "-5m"):
+        r = run_cli("sessions", "prune", "--older-than", age, "--redis-url", url)
+        assert r.returncode == 2, (age, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr
+    run_cli("channels", "add", "web", "--redis-url", url)
+    for argv in (("dlq", "purge"), ("dlq", "list"), ("cron", "list")):
+        r = run_cli(*argv, "--channel", "wbe", "--redis-url", url)
+        assert r.returncode == 2, (argv, r.returncode, r.stdout)
+        assert "no channel 'wbe'" in r.stderr, r.stderr
+    assert run_cli("dlq", "list", "--channel", "web", "--redis-url", url).returncode == 0
+    assert run_cli("cron", "list", "--channel", "web", "--redis-url", url).returncode == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +58,17 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.set_defaults(handler=channels)
 
 
+async def unknown_channel(redis: aioredis.Redis, keys: Keys, channel: str) -> str | None:
+    """Why ``--channel`` names no channel of this deployment (a typo would otherwise list
+    or purge nothing and exit 0), or None."""
+    if not valid_channel(channel):
+        return f"{channel!r} is not a channel name"
+    known = await _channels(redis, keys)
+    if channel in known:
+        return None
+    return f"no channel {channel!r} here (known: {', '.join(known) or 'none'})"
+
+
 async def _channels(redis: aioredis.Redis, keys: Keys, *, discover: bool = True) -> list[str]:
     """Registered channels, and (``discover``: a SCAN of the keyspace) those whose ready
     queue exists."""
@@ -90,8 +102,8 @@ def _age(value: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not an age like 30d, 12h, 90m or 600s"
         ) from None
-    if age <= 0:
-        raise argparse.ArgumentTypeError("the age must be positive")
+    if not math.isfinite(age) or age <= 0:  # (inf and nan parse as floats)
+        raise argparse.ArgumentTypeError("the age must be a positive number")
     return age
 
 
@@ -180,6 +192,11 @@ async def dlq(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     keys = Keys(settings.key_prefix)
     try:
+        if args.channel and not await redis.exists(keys.dead(args.channel)):
+            why = await unknown_channel(redis, keys, args.channel)
+            if why:
+                print(f"agent-worker: {why}", file=sys.stderr)
+                return 2
         names = [args.channel] if args.channel else await _dead_channels(redis, keys)
         if args.action == "list":
             shown = 0

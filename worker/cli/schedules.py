@@ -15,7 +15,7 @@ from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.schedules import ScheduleStore
 from worker.app import make_redis
-from worker.cli.admin import _channels
+from worker.cli.admin import _channels, unknown_channel
 from worker.jobs.schedules import Schedule, iso
 from worker.settings import Settings
 
@@ -46,6 +46,10 @@ async def cron(args: argparse.Namespace, settings: Settings) -> int:
         if args.session:
             channels = [channel_of(args.session)]
         elif args.channel:
+            why = await unknown_channel(redis, keys, args.channel)
+            if why:
+                print(f"agent-worker: {why}", file=sys.stderr)
+                return 2
             channels = [args.channel]
         else:
             channels = await _channels(redis, keys)
