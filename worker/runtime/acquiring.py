@@ -9,7 +9,6 @@ running turn, for the in-process API and consolidation.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from bus_redis.results import (
     Acquired,
@@ -23,8 +22,6 @@ from bus_redis.results import (
 from session_store import OWNER_SCOPE, UNIFIED_SESSION_KEY
 from worker.runtime.context import Runtime
 from worker.runtime.outcomes import SessionNotActiveError
-
-log = logging.getLogger(__name__)
 
 
 class Acquirer:
@@ -80,11 +77,7 @@ class Acquirer:
             if isinstance(result, Gone):  # lost while this worker stalled: never revived
                 if rt.turns.is_opening(key):
                     continue  # opened again meanwhile: its commit writes the record
-                log.warning("owner record of a transient session expired; session dropped")
-                running = rt.turns.running().get(key)
-                if running is not None:  # (as the renewal does: no answer after the loss)
-                    rt.turns.cancel_entry(key, running[1], "discard")
-                rt.forget(key)
+                rt.lost(key)  # as the renewal does
             elif isinstance(result, Private):
                 key = member
             elif isinstance(result, Fold):  # a private session that ended meanwhile

@@ -146,6 +146,16 @@ class Runtime:
         self.sessions.invalidate(key)
         self.turns.disown(key)
 
+    def lost(self, key: str) -> None:
+        """A private session whose owner record ran out under this worker (its renewals
+        failed, or it stalled): a turn running on it is cancelled, so that no answer comes
+        after the ``session_lost`` the owners' sweep writes, and it is forgotten."""
+        log.warning("owner record of a transient session expired; session dropped")
+        running = self.turns.running().get(key)
+        if running is not None:
+            self.turns.cancel_entry(key, running[1], "discard")
+        self.forget(key)
+
 
 async def _noop() -> None:
     return None

@@ -213,11 +213,7 @@ class Maintenance:
             if not await rt.registry.renew_owner(key, rt.worker_id, member):
                 if opening or rt.turns.is_opening(key) or rt.turns.epoch(key) != epoch:
                     continue  # its opening commit is (or was) on its way; or it is another
-                log.warning("owner record of a transient session expired; session dropped")
-                running = rt.turns.running().get(key)
-                if running is not None:
-                    rt.turns.cancel_entry(key, running[1], "discard")
-                rt.forget(key)
+                rt.lost(key)
 
     async def check_owned(self) -> None:
         """Serve our transient sessions that have messages but no notification reached
