@@ -252,6 +252,54 @@ async def test_a_streamed_tool_call_whose_arguments_are_an_object_is_a_provider_
         assert all(isinstance(c.name, str) for c in resp.tool_calls)
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+async def test_arguments_that_are_not_a_json_object_are_kept_as_malformed(streamed: bool) -> None:
+    """A call whose arguments are not a JSON object (cut text, a list) must not become a
+    call with no arguments: a tool with optional arguments would run on its defaults."""
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "a", "arguments": '{"x": '}},
+        {"id": "c2", "type": "function", "function": {"name": "b", "arguments": "[1]"}},
+        {"id": "c3", "type": "function", "function": {"name": "c", "arguments": '{"y": 2}'}},
+    ]
+
+    async def answer(_text: str, writer: Writer) -> None:
+        if not streamed:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            doc = {"choices": [{"message": message, "finish_reason": "tool_calls"}]}
+            writer.write(response(json.dumps(doc).encode()))
+            return
+        pieces = [{"index": i, **c} for i, c in enumerate(calls)]
+        body = sse(
+            {"choices": [{"delta": {"tool_calls": pieces}}]},
+            {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+        )
+        writer.write(response(body, content_type=b"text/event-stream"))
+
+    resp = await _answered_or_refused(answer, streamed=streamed)
+    got = [(c.name, c.arguments, c.malformed) for c in resp.tool_calls]
+    assert got == [("a", {}, '{"x": '), ("b", {}, "[1]"), ("c", {"y": 2}, None)]
+
+
+async def test_streamed_calls_without_an_index_stay_apart() -> None:
+    """Some servers stream each call whole and leave ``index`` out: two calls must stay
+    two (merged, their names and arguments would run as one garbled call), while the
+    pieces of one call without an index still join."""
+
+    async def answer(_text: str, writer: Writer) -> None:
+        first = {"id": "c1", "function": {"name": "look", "arguments": '{"q": '}}
+        rest = {"function": {"arguments": '"a"}'}}
+        second = {"id": "c2", "function": {"name": "find", "arguments": '{"q": "b"}'}}
+        body = sse(
+            *({"choices": [{"delta": {"tool_calls": [piece]}}]} for piece in (first, rest, second)),
+            {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+        )
+        writer.write(response(body, content_type=b"text/event-stream"))
+
+    resp = await _answered_or_refused(answer, streamed=True)
+    got = [(c.id, c.name, c.arguments) for c in resp.tool_calls]
+    assert got == [("c1", "look", {"q": "a"}), ("c2", "find", {"q": "b"})]
+
+
 @pytest.mark.parametrize(
     "content",
     [[{"type": "text", "text": "hello"}], 42, {"text": "hello"}],

@@ -254,3 +254,51 @@ async def test_goals_are_bounded_in_number_and_length(redis: aioredis.Redis) -> 
     assert len(goals) == MAX_GOALS
     assert goals[-1] == added
     assert ids[3] not in [g["id"] for g in goals]  # the closed one made room
+
+
+class _Counter:
+    """A tool whose arguments are all optional: run with none, it still acts."""
+
+    name = "count"
+    description = "count"
+    parameters: dict[str, Any] = {"type": "object", "properties": {"step": {"type": "integer"}}}
+
+    def __init__(self) -> None:
+        self.runs: list[dict[str, Any]] = []
+
+    async def execute(self, ctx: ToolContext, **kw: Any) -> str:
+        self.runs.append(kw)
+        return "counted"
+
+
+async def test_a_call_whose_arguments_are_not_json_never_runs_on_defaults(
+    redis: aioredis.Redis,
+) -> None:
+    """Cut or garbled arguments are answered with an error the model can read; the tool
+    does not run with its defaults, and the stored call keeps the text the model sent."""
+    counter = _Counter()
+    tools = default_registry()
+    tools.register(counter)
+    steps = [
+        LLMResponse(tool_calls=[ToolCallRequest("c1", "count", {}, malformed='{"step": ')]),
+        LLMResponse(content="done"),
+    ]
+
+    async def handler(**_kw: Any) -> LLMResponse:
+        return steps.pop(0)
+
+    provider = ScriptedProvider(handler=handler)
+    loop = AgentLoop(RedisBus(redis), provider, tools=tools)
+    reply = await loop.process_message(
+        InboundMessage(channel="web", sender_id="u", chat_id="cut", content="count")
+    )
+    assert reply is not None
+    assert reply.content == "done"
+    assert counter.runs == []
+    result = provider.calls[1]["messages"][-1]
+    assert result["role"] == "tool"
+    assert "not a JSON object" in result["content"]
+    session = await loop.sessions.store.load("web:cut")
+    assert session is not None
+    call = next(m for m in session.messages if m.get("tool_calls"))
+    assert call["tool_calls"][0]["function"]["arguments"] == '{"step": '

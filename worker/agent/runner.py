@@ -86,7 +86,10 @@ def _call_row(content: str | None, calls: list[ToolCallRequest]) -> dict[str, An
             {
                 "id": c.id,
                 "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                "function": {
+                    "name": c.name,
+                    "arguments": json.dumps(c.arguments) if c.malformed is None else c.malformed,
+                },
             }
             for c in calls
         ],
@@ -113,12 +116,14 @@ async def _record(state: TurnState, rows: list[dict[str, Any]]) -> None:
         await state.journal.record(rows)
 
 
-def _arguments(fn: dict[str, Any]) -> dict[str, Any]:
+def _arguments(fn: dict[str, Any]) -> dict[str, Any] | None:
+    """A journaled call's arguments; None when they are not a JSON object (as stored by
+    ``_call_row`` for a malformed call: it is answered with an error again)."""
     try:
         args = json.loads(fn.get("arguments") or "{}")
-    except ValueError:
-        return {}
-    return args if isinstance(args, dict) else {}
+    except (ValueError, RecursionError):
+        return None
+    return args if isinstance(args, dict) else None
 
 
 async def _drain(followups: FollowUps) -> list[dict[str, Any]]:
@@ -197,7 +202,8 @@ class TurnRunner:
             state.rows.append(call_row)
             await _record(state, [call_row])  # before any call runs
             for call in response.tool_calls:
-                result = await self._execute(state, call.name, call.arguments, at.ctx, call.id)
+                arguments = call.arguments if call.malformed is None else None
+                result = await self._execute(state, call.name, arguments, at.ctx, call.id)
                 crash_point("tool_ran")
                 await self._answer(state, messages, call.id, call.name, result)
                 crash_point("tool_recorded")
@@ -254,7 +260,7 @@ class TurnRunner:
         self,
         state: TurnState,
         name: str,
-        arguments: dict[str, Any],
+        arguments: dict[str, Any] | None,
         ctx: ToolContext,
         tool_call_id: str = "",
     ) -> str:

@@ -11,6 +11,9 @@ from worker.agent.providers.base import DeltaCallback, LLMResponse, ProviderErro
 
 # tool calls one answer may make (more: the answer is refused, not run call by call)
 MAX_TOOL_CALLS = 128
+# of a call's arguments that are not a JSON object, the text kept in its row (the model
+# reads it back with the error; it is no use to anyone whole)
+MALFORMED_MAX_CHARS = 2_000
 
 
 class StreamedAnswer:
@@ -19,7 +22,7 @@ class StreamedAnswer:
     def __init__(self, on_delta: DeltaCallback) -> None:
         self.on_delta = on_delta
         self.parts: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
+        self.calls: dict[Any, dict[str, Any]] = {}
         self.finish = ""
         self.usage: dict[str, Any] = {}
         self.done = False
@@ -51,7 +54,7 @@ class StreamedAnswer:
             for tc in delta.get("tool_calls") or ():
                 # pieces kept in lists, joined once: appending to a string held in a dict
                 # copies it every time (quadratic in a call's arguments)
-                index = tc.get("index", 0)
+                index = self._slot(tc)
                 if index not in self.calls and len(self.calls) >= MAX_TOOL_CALLS:
                     raise ProviderError(_too_many(len(self.calls) + 1))
                 slot = self.calls.setdefault(index, {"id": "", "name": [], "args": []})
@@ -61,10 +64,21 @@ class StreamedAnswer:
                 slot["args"].append(_text(function.get("arguments"), "a tool call's arguments"))
         return True
 
+    def _slot(self, piece: dict[str, Any]) -> Any:
+        """Which call a streamed piece continues: its ``index``; without one (some servers
+        send each call whole), a piece naming a new ``id`` starts a call and any other
+        continues the last one."""
+        if (index := piece.get("index")) is not None:
+            return index
+        last = next(reversed(self.calls), None)
+        new_id = piece.get("id")
+        if last is None or (new_id and self.calls[last]["id"] and new_id != self.calls[last]["id"]):
+            return ("unindexed", len(self.calls))
+        return last
+
     def result(self) -> LLMResponse:
         tool_calls = [
-            ToolCallRequest(c["id"], "".join(c["name"]), _tool_args("".join(c["args"])))
-            for c in self.calls.values()
+            _call(c["id"], "".join(c["name"]), "".join(c["args"])) for c in self.calls.values()
         ]
         return LLMResponse(
             content="".join(self.parts),
@@ -83,12 +97,16 @@ def error_message(doc: Any) -> str:
     return str(doc)[:500]
 
 
-def _tool_args(raw: str | None) -> dict[str, Any]:
+def _call(call_id: str, name: str, raw: str) -> ToolCallRequest:
+    """A tool call; arguments that are not a JSON object are kept as ``malformed`` text
+    (cut to ``MALFORMED_MAX_CHARS``), never replaced by defaults."""
     try:
         value = json.loads(raw or "{}")
     except (ValueError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        value = None
+    if isinstance(value, dict):
+        return ToolCallRequest(call_id, name, value)
+    return ToolCallRequest(call_id, name, {}, malformed=raw[:MALFORMED_MAX_CHARS])
 
 
 def _text(value: Any, what: str) -> str:
@@ -112,10 +130,10 @@ def parse_answer(doc: dict[str, Any]) -> LLMResponse:
     if len(raw_calls) > MAX_TOOL_CALLS:
         raise ProviderError(_too_many(len(raw_calls)))
     calls = [
-        ToolCallRequest(
+        _call(
             _text(tc.get("id"), "a tool call's id"),
             _text(function["name"], "a tool call's name"),
-            _tool_args(_text(function.get("arguments"), "a tool call's arguments")),
+            _text(function.get("arguments"), "a tool call's arguments"),
         )
         for tc in raw_calls
         if isinstance(function := tc.get("function"), dict) and function.get("name")

@@ -16,9 +16,13 @@ class ProviderError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ToolCallRequest:
+    """One call the model asked for. ``malformed`` is the arguments' text when it is not a
+    JSON object (the call is then answered with an error, never run with defaults)."""
+
     id: str
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
+    malformed: str | None = None
 
 
 @dataclass(slots=True)

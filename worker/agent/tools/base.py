@@ -156,13 +156,16 @@ class ToolRegistry:
             if t.name not in disabled
         ]
 
-    async def execute(self, name: str, arguments: dict[str, Any], ctx: ToolContext) -> str:
-        """Run one call; a disabled, unknown or failing tool, or arguments its schema does
-        not allow, become an error string the model can read, never an exception out of
-        the turn. A result is cut to ``RESULT_MAX_CHARS`` (``tools.arguments``)."""
+    async def execute(self, name: str, arguments: dict[str, Any] | None, ctx: ToolContext) -> str:
+        """Run one call; a disabled, unknown or failing tool, arguments that are not a JSON
+        object (None) or that its schema does not allow, become an error string the model
+        can read, never an exception out of the turn. A result is cut to
+        ``RESULT_MAX_CHARS`` (``tools.arguments``)."""
         tool = self._tools.get(name)
         if tool is None or name in self.unavailable(ctx.session):
             return f"Error: tool {name!r} is not available in this session"
+        if arguments is None:
+            return f"Error: bad arguments for {name}: not a JSON object; the tool did not run"
         args, why = checked_arguments(tool.parameters, arguments)
         if why:
             return f"Error: bad arguments for {name}: {why}"
