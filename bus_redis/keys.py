@@ -59,6 +59,11 @@ class Keys:
         return f"{self.prefix}:channels"
 
     @property
+    def removed_channels(self) -> str:
+        """Set of channels an operator removed: discovery does not register them again."""
+        return f"{self.prefix}:channels:removed"
+
+    @property
     def alive(self) -> str:
         """Sorted set: worker id -> Redis time of its last liveness beat (ms)."""
         return f"{self.prefix}:alive"

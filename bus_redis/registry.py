@@ -42,8 +42,8 @@ class Registry:
         return {c for c in (strict_text(m) for m in members) if c and valid_channel(c)}
 
     async def discover_channels(self, *, steps: int | None = DISCOVER_STEPS) -> set[str]:
-        """Channels whose ready queue exists but that nobody registered, found by SCAN and
-        registered for all workers. At most ``steps`` SCAN steps of ``SCAN_COUNT`` keys per
+        """Channels whose ready queue exists but that nobody registered (nor removed), found
+        by SCAN and registered for all workers. At most ``steps`` SCAN steps of ``SCAN_COUNT`` keys per
         call, resumed where the last call (of any worker) stopped (``P:discovery``): a full
         pass over a keyspace of K keys takes K / (steps * SCAN_COUNT) calls, and no call
         does work in proportion to what the channels wrote. ``steps=None``: the whole
@@ -72,6 +72,9 @@ class Registry:
                 break
         if steps is not None:
             await self.bus.raw.set(self.keys.discovery, cursor)
+        if found:  # an operator's `channels remove` stands until `channels add`
+            removed = await self.bus.raw.smembers(self.keys.removed_channels)  # type: ignore[misc]
+            found -= {strict_text(m) for m in removed}
         if found:
             await self.redis.sadd(self.keys.channels, *found)  # type: ignore[misc]
         return found

@@ -15,6 +15,7 @@ from replies import until
 from servers import RedisServer, require_redis_server
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
+from bus_redis.registry import Registry
 from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse
 
@@ -290,3 +291,31 @@ def test_an_age_or_a_channel_that_names_nothing_is_one_line(redis_server) -> Non
         assert "no channel 'wbe'" in r.stderr, r.stderr
     assert run_cli("dlq", "list", "--channel", "web", "--redis-url", url).returncode == 0
     assert run_cli("cron", "list", "--channel", "web", "--redis-url", url).returncode == 0
+
+
+@pytest.mark.real_redis
+def test_a_removed_channel_stays_removed_while_its_ready_queue_exists(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """``channels remove C`` used to print "removed" while the next discovery step (any
+    worker's, every sweep period) found C's ready queue and registered it again."""
+    url = redis_server.url
+
+    async def served(*, send: bool = False) -> tuple[bool, bool, bool]:
+        """Whether "old" is found by a whole scan, a worker's bounded step, registered."""
+        redis = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            if send:
+                msg = InboundMessage(channel="old", sender_id="u", chat_id="1", content="hi")
+                await FrontendClient(redis).send(msg)
+            registry = Registry(RedisBus(redis))
+            whole = "old" in await registry.discover_channels(steps=None)
+            step = "old" in await registry.discover_channels()
+            return whole, step, "old" in await registry.registered_channels()
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(served(send=True)) == (True, True, True)
+    assert run_cli("channels", "remove", "old", "--redis-url", url).returncode == 0
+    assert asyncio.run(served()) == (False, False, False)
+    assert "old" not in run_cli("channels", "list", "--redis-url", url).stdout.split()
+    assert run_cli("channels", "add", "old", "--redis-url", url).returncode == 0
+    assert asyncio.run(served()) == (True, True, True)

@@ -267,11 +267,23 @@ async def channels(args: argparse.Namespace, settings: Settings) -> int:
         if not args.name or not valid_channel(args.name):
             print("agent-worker: a channel NAME of letters, digits, '_' or '-'", file=sys.stderr)
             return 2
+        async with redis.pipeline(transaction=True) as tx:
+            serve, drop = (
+                (keys.channels, keys.removed_channels)
+                if args.action == "add"
+                else (keys.removed_channels, keys.channels)
+            )
+            tx.sadd(serve, args.name)
+            tx.srem(drop, args.name)
+            await tx.execute()
         if args.action == "add":
-            await redis.sadd(keys.channels, args.name)  # type: ignore[misc]
-        else:
-            await redis.srem(keys.channels, args.name)  # type: ignore[misc]
-        print(f"channel {args.name} {args.action}{'ed' if args.action == 'add' else 'd'}")
+            print(f"channel {args.name} added")
+            return 0
+        print(
+            f"channel {args.name} removed: workers stop serving it within a maintenance tick "
+            "(except those naming it in AGENT_CHANNELS); what its frontends send meanwhile "
+            "waits until `channels add`"
+        )
         return 0
     finally:
         await redis.aclose()
