@@ -26,6 +26,8 @@ def frontend_acl(
     # even give its own keys a type the workers do not expect.
     setuser = ["ACL", "SETUSER", name, "reset", "on", f">{password}", "-@all"]
     setuser += ["+ping", "+multi", "+exec", "+discard", "+unwatch"]
+    # what client libraries send on connect: a name, the protocol, the default database
+    setuser += ["+hello", "+client|setname", "+select|0"]
     setuser += ["+xadd", f"%W~{tag}:in:*", f"%W~{k.ready(channel)}"]  # publish; never read back
     setuser += [f"(+incrby ~{tag}:ctl:*)"]  # the marker hint
     setuser += [f"(+watch +xlen ~{tag}:in:*)"]  # followup=reject: is the session busy?

@@ -167,3 +167,25 @@ async def test_a_frontend_publishing_into_another_channel_writes_nothing_and_kee
         await client.aclose()
         await web.aclose()
         await real_redis.execute_command("ACL", "DELUSER", "frontend-web")
+
+
+async def test_a_frontend_may_name_its_connection_and_select_database_0_only(
+    real_redis: aioredis.Redis, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """Client libraries send ``CLIENT SETNAME`` (a configured name) and ``SELECT 0`` (an
+    explicit database) when they connect; refused, the frontend cannot connect at all.
+    Another database stays refused: nothing is served there."""
+    url = redis_server.url.replace("redis://", "redis://frontend-web:s3cret-pw@")
+    for line in frontend_acl("web", "s3cret-pw"):
+        await real_redis.execute_command(*line.split())
+    named = aioredis.from_url(url, client_name="gateway-replica-1", decode_responses=True)
+    try:
+        assert await named.execute_command("SELECT", "0")
+        with pytest.raises(NoPermissionError):
+            await named.execute_command("SELECT", "1")
+        msg = InboundMessage(channel="web", sender_id="u", chat_id="n", content="hi")
+        assert await FrontendClient(named).send(msg)
+        assert "gateway-replica-1" in await real_redis.execute_command("CLIENT", "LIST")
+    finally:
+        await named.aclose()
+        await real_redis.execute_command("ACL", "DELUSER", "frontend-web")
