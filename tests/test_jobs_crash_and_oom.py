@@ -126,3 +126,28 @@ async def test_a_subagent_whose_start_meets_a_full_redis_still_reports_back(real
 
 async def _more_oom(redis: aioredis.Redis, before: int) -> bool:
     return await _oom_errors(redis) > before
+
+
+# --- a worker started while Redis is full -------------------------------------------------
+@pytest.mark.real_redis
+async def test_a_worker_started_while_redis_is_full_waits_and_then_serves(
+    real_redis, spawn_workers
+) -> None:  # type: ignore[no-untyped-def]
+    """Its start writes (the worker record, the beat, the consumer groups): refused at
+    maxmemory, the worker used to exit, so a fleet restarted while Redis was full stayed
+    down after memory was freed. It waits with backoff, as for a Redis it cannot reach."""
+    before = await _oom_errors(real_redis)
+    await real_redis.config_set("maxmemory", "1")
+    try:
+        (worker,) = spawn_workers(1)
+
+        async def refused_twice_or_exited() -> bool:
+            return worker.proc.poll() is not None or await _more_oom(real_redis, before + 1)
+
+        await until(refused_twice_or_exited, timeout_s=20)
+        assert worker.proc.poll() is None, f"the worker exited:\n{worker.log()[-2000:]}"
+    finally:
+        await real_redis.config_set("maxmemory", "0")
+    msg = InboundMessage(channel="web", sender_id="u", chat_id="full", content="hello")
+    reply = await FrontendClient(real_redis).ask(msg, timeout_s=20)
+    assert reply.content

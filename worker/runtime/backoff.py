@@ -1,5 +1,5 @@
 """Exponential backoff for the reconnect loops (queue reads, the control subscription,
-starting the job queue)."""
+the worker's start, starting the job queue)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,28 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# what a start waits out: Redis full (maxmemory), loading its data, a replica while a
+# failover promotes it, unreachable or slow. Anything else (a script refused, a wrong
+# server) is a fault the operator must see at once.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    OutOfMemoryError,
+    BusyLoadingError,
+    ReadOnlyError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+)
 
 
 class Backoff:
@@ -32,14 +53,21 @@ class Backoff:
         self.delay_s = min(self.delay_s * 2, self.cap_s)
 
     async def until_done(
-        self, action: Callable[[], Awaitable[object]], stopping: asyncio.Event
-    ) -> None:
-        """Run ``action`` until it returns, waiting with backoff after each Redis or
-        connection error (e.g. Redis refusing a connection at ``maxclients``), or until
-        ``stopping`` is set."""
+        self,
+        action: Callable[[], Awaitable[object]],
+        stopping: asyncio.Event,
+        *,
+        retry: tuple[type[BaseException], ...] = (RedisError, OSError),
+    ) -> bool:
+        """Run ``action`` until it returns (True), waiting with backoff after each error
+        of ``retry`` (e.g. Redis refusing a connection at ``maxclients``), or until
+        ``stopping`` is set (False). Wrong credentials or permissions are raised."""
         while not stopping.is_set():
             try:
                 await action()
-                return
-            except (RedisError, OSError) as exc:
+                return True
+            except (AuthenticationError, NoPermissionError):
+                raise
+            except retry as exc:
                 await self.after(exc)
+        return False

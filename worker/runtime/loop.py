@@ -38,7 +38,7 @@ from worker.jobs.services import BackgroundServices
 from worker.jobs.subagents import JOB_NAME as SUBAGENT_JOB
 from worker.jobs.subagents import Subagents
 from worker.runtime.acquiring import Acquirer
-from worker.runtime.backoff import Backoff
+from worker.runtime.backoff import TRANSIENT, Backoff
 from worker.runtime.context import Runtime
 from worker.runtime.controls import Controls
 from worker.runtime.direct import process_message
@@ -181,26 +181,16 @@ class AgentLoop:
         """Consume until :meth:`stop`; then drain within the grace period."""
         self._stopping.clear()
         self.rt.turns.stopping = False
-        await check_can_serve(
-            self.bus,
-            self.worker_id,
-            unified=self.config.unified_session,
-            single_owner=self.config.single_owner,
-        )
-        await self.bus.scripts.load_all()
-        if self.liveness.enabled:  # alive before anything is acquired (an old beat of this
-            await self.rt.registry.sweeps.beat(self.worker_id)  # id would look dead)
         listener = self._listener = ControlListener(
             self.bus.raw, self.bus.keys, self.on_control, self.check_flags
         )
-        await self.maintenance.refresh_channels(discover=True)
-        self._set_channels(self.maintenance.channels)
-        await self._apply_streams()
-        # leases still held under this worker id are a former life's (killed, restarted
-        # under the same id before anyone noticed): hand them over at once
-        await self.rt.registry.sweeps.takeover(
-            self._served_channels(), self.worker_id, dead_after_ms=None
-        )
+        # a full Redis (or one loading, failing over) refuses the start's writes: wait
+        # (a refusal, e.g. the id in use by a live worker, leaves at once: the cleanup
+        # below would deregister that worker)
+        starting = Backoff("starting the worker", log, first_s=0.2, cap_s=5.0)
+        if not await starting.until_done(self._start, self._stopping, retry=TRANSIENT):
+            await self.bus.aclose()  # stopped while waiting
+            return
         background = [
             asyncio.create_task(self.liveness.run_beat(), name="liveness-beat"),
             asyncio.create_task(self.liveness.run_watch(), name="liveness-watch"),
@@ -227,6 +217,26 @@ class AgentLoop:
                 await self.rt.registry.sweeps.forget_dead(self.worker_id)
             await self.bus.aclose()
             log.info("worker %s stopped", safe(self.worker_id))
+
+    async def _start(self) -> None:
+        """What a start writes, each step safe to run again."""
+        await check_can_serve(
+            self.bus,
+            self.worker_id,
+            unified=self.config.unified_session,
+            single_owner=self.config.single_owner,
+        )
+        await self.bus.scripts.load_all()
+        if self.liveness.enabled:  # alive before anything is acquired (an old beat of this
+            await self.rt.registry.sweeps.beat(self.worker_id)  # id would look dead)
+        await self.maintenance.refresh_channels(discover=True)
+        self._set_channels(self.maintenance.channels)
+        await self._apply_streams()
+        # leases still held under this worker id are a former life's (killed, restarted
+        # under the same id before anyone noticed): hand them over at once
+        await self.rt.registry.sweeps.takeover(
+            self._served_channels(), self.worker_id, dead_after_ms=None
+        )
 
     @property
     def stopping(self) -> bool:
