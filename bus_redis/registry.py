@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterable, Sequence
 
 from redis.exceptions import NoScriptError
 
-from bus_redis.codec import safe, strict_text, text, texts
+from bus_redis.codec import safe, server_ms, strict_text, text, texts
 from bus_redis.keys import channel_of, valid_channel
 from bus_redis.schema import CONTROL_OPS
 from bus_redis.scripts import script_sha
@@ -112,7 +111,7 @@ class Registry:
         return bool(await self.redis.exists(self.keys.private_mark(key)))
 
     async def due_owners(self, channels: Iterable[str], *, limit: int = 100) -> list[str]:
-        now_ms = int(time.time() * 1000)
+        now_ms = await server_ms(self.redis)  # the registry is stamped with Redis time
         due: list[str] = []
         for channel in channels:
             members = await self.redis.zrangebyscore(
@@ -203,8 +202,9 @@ class Registry:
     ) -> None:
         """The worker's record; with ``mode``, the deployment's mode is set again where it
         is missing (a Redis restarted without persistence forgot it, and a worker of
-        another mode must still be refused at its start)."""
-        now_ms = int(time.time() * 1000)
+        another mode must still be refused at its start). Stamped with Redis's clock:
+        workers on hosts whose clocks differ are judged alike."""
+        now_ms = await server_ms(self.redis)
         async with self.redis.pipeline(transaction=False) as pipe:
             if mode:
                 pipe.set(self.keys.mode, mode, nx=True)
@@ -234,7 +234,7 @@ class Registry:
     async def prune_dead_workers(self, *, older_than_ms: int, streams: Sequence[str]) -> list[str]:
         """Forget workers whose heartbeat stopped: their inbox, heartbeat entry and idle
         consumers without pending entries (entries still pending are claimed first)."""
-        cutoff = int(time.time() * 1000) - older_than_ms
+        cutoff = await server_ms(self.redis) - older_than_ms
         dead = texts(await self.redis.zrangebyscore(self.keys.workers, "-inf", cutoff))
         for worker_id in dead:
             async with self.redis.pipeline(transaction=False) as pipe:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from itertools import permutations
 from typing import Any
 
@@ -161,6 +162,29 @@ async def test_a_dead_workers_leftovers_are_pruned(redis: aioredis.Redis) -> Non
     assert not await redis.exists(bus.keys.inbox("dead"), bus.keys.worker_info("dead"))
     assert await redis.zcard(bus.keys.workers) == 0
     assert await redis.xinfo_consumers(bus.keys.ready("web"), "workers") == []
+
+
+@pytest.mark.parametrize("skew_s", [-600, 600], ids=["slow", "fast"])
+async def test_hosts_whose_clocks_differ_judge_workers_alike(
+    real_redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch, skew_s: int
+) -> None:
+    """Heartbeats are stamped with Redis's clock: a worker on a host whose clock runs ten
+    minutes ahead used to prune every live worker (their records, their inboxes) as dead,
+    and one whose clock lags was pruned by the others while alive. (Real Redis only:
+    fakeredis reads the test process's clock, the one skewed here.)"""
+    redis = real_redis
+    bus = RedisBus(redis, lock_ttl_ms=300)
+    registry = Registry(bus)
+    streams = bus.note_streams("right", ["web"])
+    await bus.ensure_groups(streams)
+    await registry.heartbeat("right", {"pid": "1"}, ttl_ms=60_000)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + skew_s)  # the other host
+    await registry.heartbeat("skewed", {"pid": "2"}, ttl_ms=60_000)
+    assert await registry.prune_dead_workers(older_than_ms=60_000, streams=streams) == []
+    monkeypatch.setattr(time, "time", real_time)  # and the right host
+    assert await registry.prune_dead_workers(older_than_ms=60_000, streams=streams) == []
+    assert await redis.zcard(bus.keys.workers) == 2
 
 
 async def test_wire_values_are_escaped_in_logs(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from bus_redis import Keys, RedisBus
-from bus_redis.codec import stream_id_ms, text
+from bus_redis.codec import server_ms, stream_id_ms, text
 from bus_redis.streams import WORKER_GROUP
 from bus_redis.subagents import SubagentStore
 from worker.app import make_redis
@@ -54,7 +53,7 @@ def _number(value: str) -> int | str:
 async def collect_status(
     redis: aioredis.Redis, keys: Keys, *, discover: bool = True
 ) -> dict[str, Any]:
-    now_ms = int(time.time() * 1000)
+    now_ms = await server_ms(redis)  # heartbeats are stamped with Redis's clock
     workers = []
     for worker_id, seen in await redis.zrange(keys.workers, 0, -1, withscores=True):
         info = {

@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 
 from bus_redis import RedisBus
-from bus_redis.codec import fresh_nonce, text, texts
+from bus_redis.codec import fresh_nonce, server_ms, text, texts
 
 log = logging.getLogger(__name__)
 SAFE_POLICIES = frozenset({"noeviction"})
@@ -88,7 +87,8 @@ async def check_can_serve(
         for k, v in (await bus.redis.hgetall(bus.keys.worker_info(worker_id))).items()  # type: ignore[misc]
     }
     seen = await bus.redis.zscore(bus.keys.workers, worker_id)
-    alive = seen is not None and time.time() * 1000 - float(seen) < 3 * bus.lock_ttl_ms
+    now_ms = await server_ms(bus.redis)  # heartbeats are stamped with Redis's clock
+    alive = seen is not None and now_ms - float(seen) < 3 * bus.lock_ttl_ms
     me = (socket.gethostname(), str(os.getpid()))
     if alive and info and info.get("host") == me[0] and not _pid_alive(info.get("pid", "")):
         alive = False  # a crashed process of this host: restarting under its id is fine
@@ -107,7 +107,7 @@ async def check_can_serve(
     # the id, last (no record is left behind by a refusal above), taken atomically: a twin
     # started at the same moment read no live record either
     keys = [bus.keys.worker_info(worker_id), bus.keys.workers]
-    ttl_ms, now_ms = 3 * bus.lock_ttl_ms, int(time.time() * 1000)
+    ttl_ms = 3 * bus.lock_ttl_ms
     args = [worker_id, info.get("claim", ""), fresh_nonce(), *me, ttl_ms, now_ms]
     claimed = await bus.scripts.call("claim", keys, args)
     if claimed != 1:
