@@ -128,13 +128,7 @@ async def test_a_careless_message_after_a_failed_abandon_is_not_stored_under_the
     loop = make_loop(answering(), unified_session=True)
     client = FrontendClient(redis)
     key = await open_private(client, "p")
-    abandon = loop.rt.registry.abandon_owner
-
-    async def blip(*args: Any) -> None:
-        loop.rt.registry.abandon_owner = abandon
-        raise RedisConnectionError("Redis went away for a moment")
-
-    loop.rt.registry.abandon_owner = blip
+    _blip_once(loop.rt.registry, "abandon_owner")
     with pytest.raises(RedisConnectionError):  # the tick logs it and goes on
         await loop.maintenance.close_private(key, "idle")
     assert key in loop.turns.owned()  # closed at the next tick
@@ -266,13 +260,7 @@ async def test_an_opening_dead_lettered_after_a_blip_still_marks_its_key(  # typ
     client = FrontendClient(redis)
     shared = InboundMessage(channel="web", sender_id="u", chat_id="a", content="my name is Ada")
     assert (await client.ask(shared, timeout_s=10)).content == "ok"
-    mark = loop.bus.mark_private
-
-    async def blip(member: str) -> None:
-        loop.bus.mark_private = mark
-        raise RedisConnectionError("Redis went away for a moment")
-
-    loop.bus.mark_private = blip
+    _blip_once(loop.bus, "mark_private")
     key, opened = await client.open_transient("web", "p", session_key="web:p-private")
     got = await collect(client, "web", {opened}, timeout_s=15)
     assert [e.code for e in got[opened] if e.is_terminal] == ["dead_lettered"]
@@ -372,13 +360,7 @@ async def test_a_failed_owner_drop_at_a_discard_does_not_store_a_durable_session
     loop = make_loop(answering(), unified_session=True, lock_ttl_ms=300)
     client = FrontendClient(redis)
     key = await open_private(client, "p")
-    drop = loop.rt.registry.drop_owner
-
-    async def blip(*args: Any) -> None:
-        loop.rt.registry.drop_owner = drop
-        raise RedisConnectionError("Redis went away for a moment")
-
-    loop.rt.registry.drop_owner = blip
+    _blip_once(loop.rt.registry, "drop_owner")
     await client.discard(key)
     await until(lambda: key not in loop.turns.owned(), timeout_s=10)
     careless = _msg("p", "no flag", id="c1", session_key_override=key)
@@ -625,6 +607,34 @@ async def test_a_pubsub_discards_late_drop_does_not_delete_the_reopened_sessions
     assert await redis.zscore(K.owners("web"), member) is not None, "registry entry gone"
 
 
+def _blip_once(holder: Any, name: str) -> None:
+    """``holder.<name>`` fails once, as in a Redis blip, and is itself again after."""
+    real = getattr(holder, name)
+
+    async def blip(*_args: Any) -> None:
+        setattr(holder, name, real)
+        raise RedisConnectionError("Redis went away for a moment")
+
+    setattr(holder, name, blip)
+
+
+async def _discarded_while_redis_blips(a: Any, client: FrontendClient) -> tuple[str, list[bool]]:
+    """A private session on worker ``a``, discarded while Redis refuses ``a``'s drop of its
+    owner record (a blip): the drop is kept for a retry. ``failing[0] = False`` ends it."""
+    key = await open_private(client, "p")
+    drop, failing = a.rt.registry.drop_owner, [True]
+
+    async def blip(*args: Any) -> None:
+        if failing[0]:
+            raise ConnectionError("Redis went away for a moment")
+        await drop(*args)
+
+    a.rt.registry.drop_owner = blip
+    await client.discard(key)
+    await until(lambda: a.turns.redropping(), timeout_s=10)  # the marker's drop failed
+    return key, failing
+
+
 async def test_a_failed_drop_is_not_left_behind_by_a_graceful_stop(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop
 ) -> None:
@@ -637,15 +647,7 @@ async def test_a_failed_drop_is_not_left_behind_by_a_graceful_stop(  # type: ign
 
     a = make_loop(answering())
     client = FrontendClient(redis)
-    key = await open_private(client, "p")
-    drop, failing = a.rt.registry.drop_owner, [True]
-
-    async def blip(*args: Any) -> None:
-        if failing[0]:
-            raise ConnectionError("Redis went away for a moment")
-        await drop(*args)
-
-    a.rt.registry.drop_owner = blip
+    key, failing = await _discarded_while_redis_blips(a, client)
     leave = a.maintenance.leave
 
     async def leaving() -> None:  # Redis is back once the worker leaves
@@ -653,8 +655,6 @@ async def test_a_failed_drop_is_not_left_behind_by_a_graceful_stop(  # type: ign
         await leave()
 
     a.maintenance.leave = leaving
-    await client.discard(key)
-    await until(lambda: a.turns.redropping(), timeout_s=10)  # the marker's drop failed
     a.stop()
 
     async def left() -> bool:
@@ -686,17 +686,7 @@ async def test_a_late_redrop_of_worker_a_keeps_worker_bs_registry_entry(  # type
 
     a = make_loop(answering(), lock_ttl_ms=60_000)  # ticks: rare
     client = FrontendClient(redis)
-    key = await open_private(client, "p")
-    drop, failing = a.rt.registry.drop_owner, [True]
-
-    async def blip(*args: Any) -> None:
-        if failing[0]:
-            raise ConnectionError("Redis went away for a moment")
-        await drop(*args)
-
-    a.rt.registry.drop_owner = blip
-    await client.discard(key)
-    await until(lambda: a.turns.redropping(), timeout_s=10)
+    key, failing = await _discarded_while_redis_blips(a, client)
     await redis.delete(K.owner(key))  # A's record ran out
     a.stop()  # (A's worker goes on as a stalled process would; only its redrop matters)
     a.maintenance.leave = _nothing  # type: ignore[method-assign]
