@@ -221,3 +221,20 @@ async def test_a_worker_whose_own_beat_fails_takes_over_no_one(
 
 async def _gone(redis: aioredis.Redis, key: str) -> bool:
     return await redis.get(key) is None
+
+
+async def test_a_worker_id_restarted_without_beats_leaves_no_old_beat(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """A fixed ``AGENT_WORKER_ID`` restarted with ``AGENT_LIVENESS_MS=0`` never beats: its
+    former life's beat, left in ``P:alive``, looked like a worker gone silent, and workers
+    that beat took over the leases this life holds (its turns done twice)."""
+    from worker.agent.providers import EchoProvider
+
+    secs, micros = await redis.time()
+    await redis.zadd(K.alive, {"fixed": secs * 1000 + micros // 1000 - 5_000})  # a former life
+    loop = make_loop(EchoProvider(), worker_id="fixed", liveness_ms=0)
+    reply = await FrontendClient(redis).ask(_m("q", "hello"), timeout_s=10)
+    assert reply.content
+    assert loop.worker_id == "fixed"
+    assert await redis.zscore(K.alive, "fixed") is None

@@ -227,8 +227,10 @@ class AgentLoop:
             single_owner=self.config.single_owner,
         )
         await self.bus.scripts.load_all()
-        if self.liveness.enabled:  # alive before anything is acquired (an old beat of this
-            await self.rt.registry.sweeps.beat(self.worker_id)  # id would look dead)
+        # alive before anything is acquired (an old beat of this id would look dead); with
+        # no beats, a former life's beat goes, or others would take this life's leases
+        sweeps = self.rt.registry.sweeps
+        await (sweeps.beat if self.liveness.enabled else sweeps.forget_dead)(self.worker_id)
         await self.maintenance.refresh_channels(discover=True)
         self._set_channels(self.maintenance.channels)
         await self._apply_streams()
