@@ -60,6 +60,10 @@ class SubagentStore:
         lease of ``lease_key`` (False otherwise)."""
         return await self._done(session, sid, "drop", lease_key=lease_key, token=token)
 
+    async def registered(self, session: str, sid: str) -> bool:
+        """Whether the subagent is still registered (a cut turn's undo, anywhere, drops it)."""
+        return bool(await self.redis.hexists(self.keys.spawned(session), sid))  # type: ignore[misc]
+
     async def of_session(self, session: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.spawned(session))  # type: ignore[misc]
         return {text(a): text(b) for a, b in raw.items()}

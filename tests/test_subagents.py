@@ -318,3 +318,22 @@ async def test_an_interrupt_that_drops_the_spawns_tool_round_takes_the_subagent_
     assert model.cancelled == 1  # cancelled where it ran
     assert not await redis.hlen(K.spawned("web:ir"))  # and unregistered
     assert await _spawn_replies(client, "web") == []  # no result comes back
+
+
+async def test_a_subagent_unregistered_elsewhere_stops_running(  # type: ignore[no-untyped-def]
+    redis, make_loop
+) -> None:
+    """A cut turn's undo on another worker unregisters the subagent but cannot cancel it:
+    it ran on to its end (model calls, tools) although its result is never published.
+    It now ends soon after its registration goes."""
+    model = Model()
+    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
+    client = FrontendClient(redis)
+    await client.send(_m("un", "research slow thing", "q1"))
+    await collect(client, "web", {"q1"}, timeout_s=10)
+    await asyncio.wait_for(model.subagent_started.wait(), 10)
+    [sid] = await redis.hkeys(K.spawned("web:un"))
+    assert await loop.subagents.store.drop("web:un", sid)  # as another worker's undo does
+    await until(lambda: model.cancelled == 1, timeout_s=10)
+    await until(lambda: not loop.subagents.running, timeout_s=10)
+    assert await _spawn_replies(client, "web") == []

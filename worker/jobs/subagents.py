@@ -50,6 +50,9 @@ MAX_TASK_CHARS = 8000
 FINISH_ATTEMPTS = 7  # starting a subagent, publishing its result: tried for about a minute
 T = TypeVar("T")
 SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
+# how often a running subagent's registration is looked at: a cut turn on another worker
+# undoes it there (one HEXISTS per running subagent, bounded by the slots)
+WATCH_S = 2.0
 IDENTITY = (
     "You are a subagent of redis-agent-worker: you work on one task for a conversation "
     "and reply with its result only, complete and self-contained. Use tools when they help "
@@ -159,7 +162,7 @@ class Subagents:
         task = asyncio.create_task(self._work(spec), name=f"subagent:{sid}")
         self.running.setdefault(session, {})[sid] = (task, spec)
         try:
-            result = await asyncio.wait_for(asyncio.shield(task), self.rt.config.subagent_timeout_s)
+            result = await self._watched(task, session, sid)
             text = f"[{name} finished]\n{result[: self.max_chars]}"
         except TimeoutError:
             task.cancel()
@@ -185,6 +188,27 @@ class Subagents:
             await self.store.drop(session, sid)
             return
         await self._publish(session, sid, self._message(spec, text))
+
+    async def _watched(self, task: asyncio.Task[str], session: str, sid: str) -> str:
+        """``task``'s result within the subagent timeout (else TimeoutError). A subagent
+        unregistered meanwhile (a cut turn undid it, maybe on another worker, which
+        cannot cancel it) is cancelled as aborted: it would run on to its end for
+        nothing, since its result is never published."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.rt.config.subagent_timeout_s
+        while (left := deadline - loop.time()) > 0:
+            done, _ = await asyncio.wait({task}, timeout=min(left, WATCH_S))
+            if done:
+                return task.result()
+            try:
+                gone = not await self.store.registered(session, sid)
+            except RedisError:  # not known: it runs on
+                gone = False
+            if gone:
+                self.aborted.add(sid)
+                task.cancel()
+                raise asyncio.CancelledError
+        raise TimeoutError
 
     async def _publish(self, session: str, sid: str, payload: str) -> None:
         """The result into the session's stream; Redis refusing it (full) is tried again
