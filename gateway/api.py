@@ -154,10 +154,18 @@ async def get_session(request: Request, chat: Owned) -> dict[str, Any]:
 
 @router.get("/sessions/{session_id}/messages")
 async def history(
-    request: Request, chat: Owned, limit: Annotated[int, Query(ge=1, le=10_000)] = 200
+    request: Request,
+    response: Response,
+    chat: Owned,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
 ) -> list[dict[str, Any]]:
+    """The newest stored rows. Header ``X-Event-Cursor``: the chat's events stream as of
+    these rows (read with them at once): follow the events after it, and no answer is
+    both in the rows and among the events (a turn ends with its rows and its event)."""
     g = gw(request)
-    return await g.chats.history(chat, min(limit, g.settings.history_limit))
+    rows, cursor = await g.chats.history(chat, min(limit, g.settings.history_limit))
+    response.headers["X-Event-Cursor"] = cursor
+    return rows
 
 
 @router.delete("/sessions/{session_id}", status_code=204)

@@ -235,6 +235,10 @@ def create_app(settings: GatewaySettings, gateway: Gateway | None = None) -> Fas
         version="2",
         summary="HTTP, SSE and WebSocket front door of redis-agent-worker (wire v2).",
         lifespan=lifespan,
+        # no /docs or /redoc: FastAPI's load their scripts from a CDN by floating version,
+        # on the origin whose localStorage holds the page's token (/openapi.json stays)
+        docs_url=None,
+        redoc_url=None,
     )
     app.add_middleware(Deadline, timeout_s=settings.request_timeout_s)  # (after the body)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)

@@ -227,16 +227,26 @@ class Chats:
             "last_event_id": last_id,
         }
 
-    async def history(self, chat: Chat, limit: int) -> list[dict[str, Any]]:
+    async def history(self, chat: Chat, limit: int) -> tuple[list[dict[str, Any]], str]:
         """The newest ``limit`` rows of a durable chat: user and assistant text only (tool
         rows and tool calls are the model's working, not the conversation), and no more
         than ``HISTORY_MAX_CHARS`` of them (older rows are left out): rows are read
         newest first, ``HISTORY_BATCH`` at a time, so a read costs Redis and the gateway
-        what it answers, however long the rows a user sent."""
-        if chat.temporary:
-            return []  # a private session's text lives only in its worker's memory
+        what it answers, however long the rows a user sent. With them, the events
+        stream's last id as of those rows: the row count and that id are read in one
+        transaction, and a turn's commit writes its rows and its terminal event at once."""
         hkey = self.keys.session(chat.session_key)
-        count = int(text(await self.redis.hget(hkey, "count")) or 0)  # type: ignore[misc]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(hkey, "count")
+            pipe.xrevrange(self.keys.out(chat.session_key), "+", "-", count=1)
+            counted, last = await pipe.execute(raise_on_error=False)
+        cursor = text(last[0][0]) if isinstance(last, list) and last else "0-0"
+        if chat.temporary:
+            return [], cursor  # a private session's text lives only in its worker's memory
+        try:
+            count = int(text(counted) or 0) if not isinstance(counted, Exception) else 0
+        except ValueError:
+            count = 0
         first, raw, size = max(0, count - limit), [], 0
         end = count
         while end > first and size <= HISTORY_MAX_CHARS:
@@ -261,7 +271,7 @@ class Chats:
             if not isinstance(content, str) or not content:
                 continue
             out.append({"role": row["role"], "content": content, "timestamp": row.get("timestamp")})
-        return out
+        return out, cursor
 
 
 def _use_reads(keys: Keys, session_key: str) -> list[tuple[str, ...]]:

@@ -114,7 +114,10 @@ def test_send_stream_stop_and_a_temporary_chat(browser: Any, stack: Stack) -> No
     page.locator(".msg.user", has_text="queued behind it").locator(
         ".tag", has_text="queued"
     ).wait_for()
-    page.click("#send")  # the input is empty again: this is Stop
+    # the input is empty again: once it shows Stop (not at once: the second click of a
+    # send's double click must not stop it), the button is Stop
+    page.wait_for_selector("#send.stop")
+    page.click("#send")
     # the stop covers the running message and the one queued before it
     page.locator(".msg.error").nth(1).wait_for()
     assert page.locator(".msg.error", has_text="Stopped.").count() == 2

@@ -1,0 +1,96 @@
+"""Hostile review: floods and a full Redis (maxmemory reached, noeviction).
+
+Each test fails on the current code because of the defect its docstring names."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from replies import collect, wait_until_async
+
+from bus_redis import FrontendClient, InboundMessage, Keys
+from session_store import Session
+from session_store.redis_store import RedisSessionStore
+
+pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
+K = Keys()
+
+
+def _m(channel: str, chat: str, text: str, **kw: object) -> InboundMessage:
+    return InboundMessage(
+        id=f"{chat}:{text}", channel=channel, sender_id="u", chat_id=chat, content=text, **kw
+    )  # type: ignore[arg-type]
+
+
+async def _net_out(r: aioredis.Redis) -> int:
+    return int((await r.info("stats"))["total_net_output_bytes"])
+
+
+async def test_a_cold_turn_of_a_long_chat_reads_only_what_it_needs_from_redis(
+    real_redis, spawn_workers
+) -> None:  # type: ignore[no-untyped-def]
+    """A chat a frontend kept talking in holds 20,000 rows (~10 MB), all but the newest 100
+    already consolidated into memory. A worker whose cache does not hold it (any other
+    worker, after a restart, or after the row-bounded cache evicted it) answers one
+    message: it must not pull the whole history out of Redis in one command (HGETALL
+    blocks every channel for as long as the chat is long, and the copy is then cached
+    whole)."""
+    store = RedisSessionStore(real_redis, K)
+    rows: list[dict[str, object]] = []
+    for i in range(10_000):
+        rows.append({"role": "user", "content": f"{i} " + "x" * 1000})
+        rows.append({"role": "assistant", "content": f"answer {i}"})
+    await store.save(
+        Session(key="web:long", messages=rows, scope="web/sender:u", last_consolidated=19_900)
+    )
+    history_bytes = sum(len(v) for v in (await real_redis.hvals(K.session("web:long"))))
+    assert history_bytes > 10_000_000
+    (w,) = spawn_workers(1)
+
+    async def idle() -> bool:  # started, channels subscribed, first ticks done
+        return bool(await real_redis.hget(K.worker_info(w.worker_id), "active") == "0")
+
+    assert await wait_until_async(idle, timeout_s=20)
+    before = await _net_out(real_redis)
+    ev = await FrontendClient(real_redis).ask(_m("web", "long", "one more"), timeout_s=30)
+    sent = await _net_out(real_redis) - before
+    assert ev.type == "message", ev
+    # the prompt window (AGENT_HISTORY_TOKENS 16,000) needs ~64 KB of rows; 2 MB is slack
+    assert sent < 2_000_000, (
+        f"Redis sent {sent} bytes to answer one message of a {history_bytes}-byte chat"
+    )
+
+
+async def test_a_full_redis_during_commits_does_not_dead_letter_an_accepted_message(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """Redis reaches maxmemory (noeviction) while a turn runs, five times in a row (a
+    flood keeps it at the edge): each time the fenced commit is refused before it wrote
+    anything, and the lease runs out. Once memory is freed the message must be answered;
+    a refusal for Redis' state is not a failed delivery of the message (not poison)."""
+    (w,) = spawn_workers(1, env={"AGENT_LOCK_TTL_MS": "1500"})
+    client = FrontendClient(real_redis)
+    mid = await client.send(_m("web", "edge", "block edge"))
+    for episode in range(5):  # AGENT_MAX_DELIVERIES
+        # the attempt's model call is held until Redis is full
+        assert await asyncio.to_thread(fake_llm.started.wait, 30), f"episode {episode}"
+        refused = w.log().count("serving web:edge failed")
+        await real_redis.config_set("maxmemory", "1")
+        try:
+            fake_llm.release()  # answered: its commit meets the full Redis
+
+            async def commit_refused(seen: int = refused) -> bool:
+                return w.log().count("serving web:edge failed") > seen
+
+            assert await wait_until_async(commit_refused, timeout_s=20), f"episode {episode}"
+            assert "OutOfMemoryError" in w.log()
+            fake_llm.rearm()  # (that call is over) the next attempt's call is held again
+        finally:
+            await real_redis.config_set("maxmemory", "0")  # memory freed: the lease runs out
+    fake_llm.release()
+    got = await collect(client, "web", {mid}, timeout_s=30)
+    terminal = [ev for ev in got[mid] if ev.is_terminal]
+    assert len(terminal) == 1
+    assert terminal[0].type == "message", f"{terminal[0].code}: {terminal[0].content}"
