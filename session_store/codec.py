@@ -19,7 +19,7 @@ def encode_meta(session: Session) -> str:
             "created_at": session.created_at,
             "updated_at": session.updated_at,
             "metadata": session.metadata,
-            "last_consolidated": session.last_consolidated,
+            "last_consolidated": session.base + session.last_consolidated,
             "scope": session.scope,
         }
     )
@@ -77,6 +77,8 @@ def apply_meta(session: Session, meta: dict[str, Any]) -> None:
     session.updated_at = str(meta.get("updated_at", session.updated_at))
     session.metadata = meta.get("metadata") or {}
     lc = meta.get("last_consolidated", 0)
+    if isinstance(lc, int) and not isinstance(lc, bool):
+        lc -= session.base  # stored from the hash's first row; here from messages[0]
     valid = isinstance(lc, int) and not isinstance(lc, bool) and 0 <= lc <= len(session.messages)
     session.last_consolidated = lc if valid else 0
     session.scope = str(meta.get("scope") or "")

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from bus_redis.results import Ahead, Cached
-from session_store.models import Session, SessionPolicy
+from session_store.models import RECENT_ROWS, Session, SessionPolicy
 from session_store.protocol import SessionInfo, SessionStore
 
 SESSION_CACHE_MAX_SIZE = 16_384  # durable sessions cached, at most
@@ -156,6 +156,7 @@ class SessionManager:
             and cached.generation == generation
             and not cached.unpersisted()
         ):
+            _trim(cached)
             self._cache.move_to_end(key)
             self._count(cached)  # it grew by the turns committed since
             self._evict()
@@ -169,8 +170,9 @@ class SessionManager:
             and await self.store.load_since(cached, ahead)
             and cached.version == version
         ):
+            _trim(cached)
             return self._remember(cached)  # (it may have been evicted while we read)
-        loaded = await self.store.load(key) if version else None
+        loaded = await self.store.load_recent(key) if version else None
         return self._remember(loaded or Session(key=key))
 
     async def save(self, session: Session) -> None:
@@ -206,3 +208,14 @@ class SessionManager:
         """Stored sessions, newest first; with ``scope``, only that scope's; with
         ``limit``, the newest ``limit``."""
         return await self.store.list_sessions(scope, limit=limit)
+
+
+def _trim(session: Session) -> None:
+    """A copy kept between turns holds about what a load for a turn reads (the rows not
+    consolidated and the newest ``RECENT_ROWS``), not every row the session ever had:
+    the consolidated rows before those go, ``RECENT_ROWS`` or more at a time."""
+    cut = min(
+        session.last_consolidated, session.persisted_count, len(session.messages) - RECENT_ROWS
+    )
+    if cut >= RECENT_ROWS:
+        session.forget_before(cut)

@@ -79,6 +79,12 @@ def estimate_tokens(row: dict[str, Any]) -> int:
     return size // 4 + 4
 
 
+# rows a turn's load reads besides the unconsolidated ones, and about what a copy kept
+# between turns holds (a re-sent message id, a retry, read_session of the current session
+# look among them)
+RECENT_ROWS = 512
+
+
 @dataclass(frozen=True, slots=True)
 class SessionPolicy:
     """Runtime rules that are not session data: a transient session does not persist."""
@@ -107,6 +113,10 @@ class Session:
     generation: str = ""  # of its Redis hash: a re-created hash has a new one
     persisted_count: int = 0
     skipped_rows: int = 0  # rows of its hash that could not be read (left out of messages)
+    # rows of its hash before messages[0], consolidated, not loaded (a turn's load reads the
+    # unconsolidated rows and the newest few, not the whole history): ``last_consolidated``
+    # counts from messages[0]; stored, it counts from the hash's first row (codec)
+    base: int = 0
     _replay: list[dict[str, Any]] = field(default_factory=list, repr=False)  # LLM views
     _at: list[int] = field(default_factory=lambda: [0], repr=False)  # views before row i
     _seen_ids: set[str] = field(default_factory=set, repr=False)
@@ -202,6 +212,23 @@ class Session:
         del self._at[n + 1 :]
         del self._prefix[n + 1 :]
         self._pending, self.updated_at = pending, updated_at
+
+    def forget_before(self, cut: int) -> None:
+        """Drop the first ``cut`` rows from memory (consolidated and stored: they stay in
+        the hash, counted in ``base``), so a copy kept between turns holds what a load
+        for a turn would read, not every row the session ever had. Between turns only."""
+        if not 0 < cut <= min(self.last_consolidated, self.persisted_count):
+            raise ValueError("only consolidated, stored rows can be forgotten")
+        rows = self.messages[cut:]
+        self.base += cut
+        self.last_consolidated -= cut
+        self.persisted_count -= cut
+        self.messages = rows
+        self._replay, self._at = [], [0]
+        for m in rows:
+            self._view(m)
+        self._prefix = list(accumulate((estimate_tokens(m) for m in rows), initial=0))
+        self._seen_ids = {m["message_id"] for m in rows if m.get("message_id")}
 
     def unpersisted(self) -> list[dict[str, Any]]:
         return self.messages[self.persisted_count :]

@@ -25,7 +25,7 @@ from session_store.codec import (
     encode_rows,
     readable_rows,
 )
-from session_store.models import Session
+from session_store.models import RECENT_ROWS, Session
 from session_store.protocol import SessionInfo
 
 # the holder names in the leases of operations that run no turn (``_hold``): in the lease
@@ -36,6 +36,7 @@ NON_TURN_HOLDERS = frozenset({ADMIN_HOLDER, PRUNE_HOLDER})
 
 ROWS_AHEAD = 24  # rows read with the head fields when catching up (one round trip): a dozen
 # two-row turns that ran on other workers
+LOAD_BATCH = 1000  # rows per HMGET of a load: no one command as long as a history
 
 
 class SessionBusyError(TimeoutError):
@@ -71,10 +72,41 @@ class RedisSessionStore:
         raw = await self.redis.hgetall(self.keys.session(key))  # type: ignore[misc]
         return decode_session(key, {text(k): text(v) for k, v in raw.items()})
 
+    async def load_recent(self, key: str, *, keep: int = RECENT_ROWS) -> Session | None:
+        """The stored session for a turn: its rows from the first not consolidated (and at
+        least the newest ``keep``), the older ones left out (``Session.base``), read
+        ``LOAD_BATCH`` at a time: a turn's load costs what it can use, not the length of the
+        history (a chat consolidated over months holds every row it ever had). The rows
+        are read after the head fields; under the lease no commit lands in between, and a
+        rewrite meanwhile (another generation) is caught by whoever commits."""
+        hkey = self.keys.session(key)
+        meta_raw, count_raw, version, gen = await self._hmget(
+            hkey, ["meta", "count", "version", "gen"]
+        )
+        if meta_raw is None and count_raw is None:
+            return None
+        meta = decode_meta(text(meta_raw) if meta_raw is not None else None)
+        count = int(text(count_raw) or 0) if count_raw is not None else 0
+        lc = meta.get("last_consolidated", 0)
+        lc = lc if isinstance(lc, int) and not isinstance(lc, bool) and lc >= 0 else 0
+        first = max(0, min(lc, count - keep))
+        raws: list[Any] = []
+        for start in range(first, count, LOAD_BATCH):
+            end = min(count, start + LOAD_BATCH)
+            raws += await self._hmget(hkey, [f"m:{i}" for i in range(start, end)])
+        session = Session(
+            key=key, messages=readable_rows(text(r) if r is not None else None for r in raws)
+        )
+        session.base = first
+        apply_meta(session, meta)
+        session.skipped_rows = (count - first) - len(session.messages)
+        session.mark_persisted(int(text(version) or 0), text(gen) if gen is not None else "")
+        return session
+
     def cached(self, session: Session) -> Cached:
         """How acquire sees ``session`` (a current, persisted copy): it reads the rows the
         copy lacks in the same call when the copy is behind."""
-        rows = session.persisted_count + session.skipped_rows  # the hash's rows it has seen
+        rows = session.base + session.persisted_count + session.skipped_rows  # rows it has seen
         return Cached(rows, session.generation or "", session.version, ROWS_AHEAD)
 
     async def load_since(self, cached: Session, ahead: Ahead | None = None) -> bool:
@@ -84,7 +116,7 @@ class RedisSessionStore:
         enough (another generation: re-created or rewritten; fewer rows; an older version):
         the caller loads the whole hash."""
         hkey = self.keys.session(cached.key)
-        have = cached.persisted_count + cached.skipped_rows  # the hash's rows it has seen
+        have = cached.base + cached.persisted_count + cached.skipped_rows  # rows it has seen
         if ahead is None or ahead.start != have:
             fields = ["meta", "count", "version", "gen"]
             fields += [f"m:{i}" for i in range(have, have + ROWS_AHEAD)]  # usually all it lacks
@@ -114,8 +146,9 @@ class RedisSessionStore:
     async def save(self, session: Session) -> None:
         hkey = self.keys.session(session.key)
         rows = encode_rows(session.messages)
-        mapping: dict[str, Any] = {"meta": encode_meta(session), "count": len(rows)}
-        mapping.update({f"m:{i}": row for i, row in enumerate(rows)})
+        base = session.base  # rows before them (a turn's load left them out) stay as they are
+        mapping: dict[str, Any] = {"meta": encode_meta(session), "count": base + len(rows)}
+        mapping.update({f"m:{base + i}": row for i, row in enumerate(rows)})
         # a rewrite is a new generation: a copy cached elsewhere reloads the whole hash
         # instead of reading only rows appended since (load_since)
         generation = secrets.token_hex(8)
@@ -126,7 +159,7 @@ class RedisSessionStore:
                     old_count = int(text(await pipe.hget(hkey, "count")) or 0)  # type: ignore[misc]
                     pipe.multi()
                     pipe.hset(hkey, mapping={**mapping, "gen": generation})
-                    stale = [f"m:{i}" for i in range(len(rows), old_count)]
+                    stale = [f"m:{i}" for i in range(base + len(rows), old_count)]
                     if stale:
                         pipe.hdel(hkey, *stale)
                     pipe.hincrby(hkey, "version", 1)

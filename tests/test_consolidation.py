@@ -176,3 +176,103 @@ def test_an_empty_memory_answer_forgets_nothing() -> None:
     assert _read('{"memory": "  ", "history": ""}', "") == ("", "consolidated")
     assert _read("plain summary", "old fact") == ("old fact\nplain summary", "plain summary")
     assert bounded("one\ntwo\nthree", 9) == "two\nthree"
+
+
+# --- a turn loads what it can use, not the whole history -------------------------------
+def _seeded(n: int, consolidated: int) -> Session:
+    rows = []
+    for i in range(0, n, 2):
+        rows.append({"role": "user", "content": f"old {i}", "message_id": f"id{i}"})
+        rows.append({"role": "assistant", "content": f"answer {i}"})
+    return Session(key="web:long", messages=rows, scope=SCOPE, last_consolidated=consolidated)
+
+
+async def test_a_partly_loaded_session_keeps_and_counts_what_it_left_out(
+    redis: aioredis.Redis,
+) -> None:
+    """A turn's load reads the rows not consolidated and the newest 512, not a history of
+    thousands; what it writes back (a turn's commit, a whole save) keeps the rows it left
+    out, and its ``last_consolidated`` still counts from the hash's first row."""
+    loop = AgentLoop(RedisBus(redis), EchoProvider(), config=LoopConfig(read_block_ms=100))
+    store = loop.sessions.store
+    await store.save(_seeded(3000, 2900))
+    recent = await store.load_recent("web:long")
+    assert recent is not None
+    assert recent.base == 2900 - 412
+    assert len(recent.messages) == 3000 - recent.base
+    assert recent.last_consolidated == 412
+    reply = await loop.process_message(
+        InboundMessage(id="new1", channel="web", sender_id="u", chat_id="long", content="hi")
+    )
+    assert reply is not None
+    assert reply.content
+    again = await loop.process_message(  # a re-sent id of a recent row: its answer again
+        InboundMessage(id="id2990", channel="web", sender_id="u", chat_id="long", content="x")
+    )
+    assert again is not None
+    assert again.content == "answer 2990"
+    assert again.metadata.get("duplicate") is True
+    whole = await store.load("web:long")
+    assert whole is not None
+    assert len(whole.messages) == 3002
+    assert whole.messages[0]["content"] == "old 0"
+    assert whole.last_consolidated == 2900 == await _last_consolidated(redis)
+    recent.add_message("user", "saved whole")  # administration's save of that copy
+    await store.save(recent)
+    whole = await store.load("web:long")
+    assert whole is not None
+    assert len(whole.messages) == 3001
+    assert whole.messages[0]["content"] == "old 0"
+    assert whole.last_consolidated == 2900
+    await loop.jobs.aclose()
+
+
+async def test_a_consolidation_of_a_partly_loaded_session_folds_the_right_rows(
+    redis: aioredis.Redis,
+) -> None:
+    """The job's rows count from the hash's first row: it folds rows 2000-2100 of a chat
+    whose load left the first 2000 out, and moves ``last_consolidated`` to 2100 there."""
+    folded: list[str] = []
+
+    async def summarise(**kw: Any) -> LLMResponse:
+        user = kw["messages"][-1]["content"]
+        folded.append(user.split("# Conversation\n", 1)[1])
+        return LLMResponse(content=json.dumps({"memory": "m", "history": "h"}))
+
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=summarise), config=LOW)
+    await loop.sessions.store.save(_seeded(3000, 2000))
+    await loop.consolidator.run_job(key="web:long", start=2000, end=2100)
+    assert "old 2000" in folded[0]
+    assert "answer 2098" in folded[0]
+    assert "old 1998" not in folded[0]
+    assert "old 2100" not in folded[0]
+    assert await _last_consolidated(redis) == 2100
+    await loop.jobs.aclose()
+
+
+async def test_a_copy_kept_between_turns_forgets_consolidated_rows(redis: aioredis.Redis) -> None:
+    """A session whose every turn ran on one worker grew there row by row: its cached copy
+    held every row the chat ever had. Between turns it keeps about what a load for a turn
+    reads, and what it writes back still counts from the hash's first row."""
+    loop = AgentLoop(RedisBus(redis), EchoProvider(), config=LoopConfig(read_block_ms=100))
+    store = loop.sessions.store
+    await store.save(_seeded(3000, 0))
+    whole = await store.load("web:long")
+    assert whole is not None
+    loop.sessions._remember(whole)  # a copy holding all 3,000 rows
+    meta = decode_meta(await redis.hget(Keys().session("web:long"), "meta"))
+    meta["last_consolidated"] = 2800  # consolidated meanwhile (as a job commits it)
+    await redis.hset(Keys().session("web:long"), "meta", json.dumps(meta))
+    await redis.hincrby(Keys().session("web:long"), "version", 1)
+    msg = InboundMessage(id="n1", channel="web", sender_id="u", chat_id="long", content="hi")
+    assert await loop.process_message(msg) is not None
+    cached = loop.sessions.get_cached("web:long")
+    assert cached is not None
+    assert len(cached.messages) <= 2 * 512
+    assert cached.base + len(cached.messages) == 3002
+    assert await _last_consolidated(redis) == 2800
+    stored = await store.load("web:long")
+    assert stored is not None
+    assert len(stored.messages) == 3002
+    assert stored.messages[0]["content"] == "old 0"
+    await loop.jobs.aclose()

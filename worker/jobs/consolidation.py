@@ -136,21 +136,27 @@ class Consolidator:
         end = len(session.messages) - KEEP_RECENT
         if end <= session.last_consolidated:
             return False
-        return await self.rt.jobs.enqueue(
+        return await self.rt.jobs.enqueue(  # rows counted from the hash's first (absolute)
             JOB_NAME,
             job_id=f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{session.key}",
             key=session.key,
-            start=session.last_consolidated,
-            end=end,
+            start=session.base + session.last_consolidated,
+            end=session.base + end,
         )
 
     async def run_job(self, *, key: str, start: int, end: int) -> None:
-        """The job: fold rows ``start:end`` of a stored session into its scope's memory."""
+        """The job: fold rows ``start:end`` of a stored session (counted from the hash's
+        first row) into its scope's memory."""
         for _ in range(FOLD_ATTEMPTS):
-            snapshot = await self.rt.sessions.store.load(key)
-            if snapshot is None or snapshot.last_consolidated != start or not snapshot.scope:
+            snapshot = await self.rt.sessions.store.load_recent(key)
+            if (
+                snapshot is None
+                or snapshot.base + snapshot.last_consolidated != start
+                or not snapshot.scope
+            ):
                 return  # gone, transient (never stored), or consolidated meanwhile
-            folded = await fold(self.rt, snapshot.scope, snapshot.messages[start:end])
+            rows = snapshot.messages[start - snapshot.base : end - snapshot.base]
+            folded = await fold(self.rt, snapshot.scope, rows)
             if await self._commit(snapshot, start, end, folded) != "memory_moved":
                 return
         log.warning("consolidation of %s gave up: its memory kept changing", safe(key))
@@ -169,11 +175,11 @@ class Consolidator:
             if (
                 session.generation != folded_from.generation
                 or session.scope != folded_from.scope
-                or session.last_consolidated != start
-                or len(session.messages) < end
+                or session.base + session.last_consolidated != start
+                or session.base + len(session.messages) < end
             ):
                 return "moved"
-            session.last_consolidated = end
+            session.last_consolidated = end - session.base
             result = await self.rt.bus.consolidate(
                 key,
                 acquired.token,
@@ -199,7 +205,7 @@ async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> st
     archived as they are (``raw_fold``, nanobot's raw archive). ``'ok'`` (nothing to fold
     counts), ``'failed'`` (nothing could be written: keep the session) or ``'lost'``."""
     for _ in range(FOLD_ATTEMPTS):
-        session = await rt.sessions.store.load(member)
+        session = await rt.sessions.store.load_recent(member)
         if session is None or not session.scope:
             return "ok"  # nothing stored: a fresh conversation already
         rows = session.messages[session.last_consolidated :]

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable
 
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from bus_redis.codec import safe, stream_id_ms
 from bus_redis.results import (
@@ -32,6 +32,7 @@ from bus_redis.results import (
 )
 from session_store import UNIFIED_SESSION_KEY
 from worker.jobs.consolidation import fold_into_memory
+from worker.runtime.backoff import Backoff
 from worker.runtime.context import Runtime
 from worker.runtime.entry import EntryPolicy
 from worker.runtime.faults import crash_point
@@ -256,14 +257,23 @@ class SessionHolder(EntryPolicy):
     ) -> tuple[Step | Late | None, bool]:
         """The fenced commit and the next step; ``(next step, False)`` when it failed and
         the entry is tried again; ``Late`` when refused (``spec.late_after``)."""
-        try:
-            _, step = await self.commit(spec, select=sorted(self.members))
-        except (RedisError, OSError):
-            raise  # outcome unknown: the lease runs out and the entry is served again
-        except Exception as exc:  # e.g. a value Redis cannot take: try again, then dead letter
-            log.exception("commit of an entry of %s failed", safe(self.key))
-            await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
-            return await self._next(), False
+        full = Backoff(f"commit of a turn of {safe(self.key)}", log, first_s=0.05, cap_s=1.0)
+        while True:
+            try:
+                _, step = await self.commit(spec, select=sorted(self.members))
+                break
+            except OutOfMemoryError as exc:  # refused before it wrote anything: a full
+                if self.lease.lost:  # Redis is no failure of the message; wait while ours
+                    raise
+                await full.after(exc)
+            except (RedisError, OSError):
+                raise  # outcome unknown: the lease runs out and the entry is served again
+            except Exception as exc:  # e.g. a value Redis cannot take: again, then dead letter
+                log.exception("commit of an entry of %s failed", safe(self.key))
+                await self.rt.registry.note_failure(
+                    entry.member, entry.entry_id, type(exc).__name__
+                )
+                return await self._next(), False
         return step, True
 
     async def _running(
