@@ -389,3 +389,31 @@ async def test_ask_gets_its_answer_over_a_junk_event_key(real_redis: aioredis.Re
         loop.stop()
         await asyncio.wait_for(task, 10)
     assert answer.content == "re: hello"
+
+
+async def test_a_failing_maintenance_step_skips_no_other(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """The janitor's step meets a key it cannot handle (a WRONGTYPE answer, a bug): the
+    steps after it in the tick (schedules, stale claims, lost owners) used to be skipped,
+    tick after tick, for every channel."""
+    from redis.exceptions import ResponseError
+
+    loop = make_loop(ScriptedProvider(handler=_echo))
+    await until(lambda: bool(loop.maintenance.channels))  # started
+
+    async def broken(**_kw: object) -> int:
+        raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+    loop.rt.registry.sweeps.hints = broken
+    loop.rt.registry.take_sweep_turn = _yes  # this worker sweeps this period
+    ran: list[set[str]] = []
+
+    async def periodic(channels: set[str]) -> None:
+        ran.append(channels)
+
+    loop.maintenance.periodic = periodic
+    await loop.maintenance.tick()
+    assert ran, "the schedules step was skipped"
+
+
+async def _yes(*_args: object) -> bool:
+    return True

@@ -61,7 +61,9 @@ async def test_order_no_overlap_exactly_once(real_redis, spawn_workers, fake_llm
     got = await collect(client, "web", ids, timeout_s=60)
 
     assert all(sum(ev.is_terminal for ev in got[i]) == 1 for i in ids)
-    assert all(got[i][-1].type == "message" for i in ids), [got[i][-1] for i in ids if got[i][-1].type != "message"]
+    assert all(got[i][-1].type == "message" for i in ids), [
+        got[i][-1] for i in ids if got[i][-1].type != "message"
+    ]
     assert fake_llm.overlaps == 0
     await _assert_histories(real_redis, 24, 4)
     workers_used = {ev.metadata.get("worker") for i in ids for ev in got[i]}

@@ -13,7 +13,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus_redis import OutboundMessage
 from bus_redis.codec import safe, stream_id_ms, text
@@ -84,30 +86,59 @@ class Maintenance:
                     "history can vanish; set maxmemory-policy noeviction",
                     policy,
                 )
-        await self.heartbeat()
-        await self.observe_queues()
-        await self.refresh_channels()
-        await self.close_idle()
-        await self.renew_owned()
-        await self.check_owned()
+        # each step on its own: one that fails for a reason of its own (a key of an
+        # unexpected type, a bug) must not skip the others, tick after tick; Redis out of
+        # reach ends the tick (every step would fail)
+        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            ("heartbeat", self.heartbeat),
+            ("queue observation", self.observe_queues),
+            ("channel refresh", self.refresh_channels),
+            ("idle private sessions", self.close_idle),
+            ("owner renewal", self.renew_owned),
+            ("owner check", self.check_owned),
+            ("lease sweep", self._leases),
+            ("stranded-stream sweep", self.sweep),
+            ("schedules", self._periodic),
+            ("stale notifications", self._claims),
+            ("lost owners", self._lost_owners),
+            ("dead workers", self._prune_workers),
+        ]
+        for name, step in steps:
+            try:
+                await step()
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                raise
+            except Exception:
+                log.exception("maintenance step failed: %s", name)
+
+    async def _leases(self) -> None:
+        rt = self.rt
         channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
         for key in await rt.registry.sweeps.leases(channels):
             log.info("lease of %s expired without release; re-notified", safe(key))
-        await self.sweep()
+
+    async def _periodic(self) -> None:
         if self.periodic is not None:
-            try:
-                await self.periodic(self.channels)
-            except Exception:  # the rest of the tick (claims, owners) must still run
-                log.exception("periodic maintenance work failed")
-        streams = self.streams()
-        stale = await rt.bus.claim_stale(rt.worker_id, streams, min_idle_ms=rt.bus.lock_ttl_ms)
+            await self.periodic(self.channels)
+
+    async def _claims(self) -> None:
+        rt = self.rt
+        stale = await rt.bus.claim_stale(
+            rt.worker_id, self.streams(), min_idle_ms=rt.bus.lock_ttl_ms
+        )
         if stale:
             log.info("claimed %d notifications unacknowledged for a lease TTL", len(stale))
             self.dispatch(stale)
+
+    async def _lost_owners(self) -> None:
+        rt = self.rt
         for member in await rt.registry.due_owners(self.channels):
             await rt.registry.report_owner_lost(member, self._lost_event(member))
+
+    async def _prune_workers(self) -> None:
+        rt = self.rt
         await rt.registry.prune_dead_workers(
-            older_than_ms=rt.bus.lock_ttl_ms * DEAD_WORKER_AFTER_TTLS, streams=streams
+            older_than_ms=rt.bus.lock_ttl_ms * DEAD_WORKER_AFTER_TTLS, streams=self.streams()
         )
 
     async def heartbeat(self) -> None:
