@@ -97,3 +97,31 @@ async def test_a_full_redis_at_a_commit_is_waited_out_not_counted_as_a_delivery(
 async def _oom_errors(redis: aioredis.Redis) -> int:
     stats = await redis.info("errorstats")
     return int((stats.get("errorstat_OOM") or {}).get("count", 0))
+
+
+async def test_a_full_redis_drops_a_live_piece_of_an_answer_not_the_turn(real_redis) -> None:  # type: ignore[no-untyped-def]
+    """A streamed piece (``delta``) refused because Redis is full failed the whole turn
+    (a delivery counted, the model asked again); the answer comes whole with its terminal
+    event anyway, so the piece is left out and the turn goes on."""
+    from helpers import ScriptedProvider
+
+    from bus_redis import RedisBus
+    from worker import AgentLoop, LoopConfig
+    from worker.agent.providers import LLMResponse
+
+    async def streamed(**kw: object) -> LLMResponse:
+        on_delta = kw["on_delta"]
+        await real_redis.config_set("maxmemory", "1")
+        try:
+            await on_delta("a piece")  # type: ignore[operator]
+        finally:
+            await real_redis.config_set("maxmemory", "0")
+        return LLMResponse(content="the whole answer")
+
+    provider = ScriptedProvider(handler=streamed)
+    loop = AgentLoop(RedisBus(real_redis), provider, config=LoopConfig(stream_deltas=True))
+    reply = await loop.process_message(_m("web", "full", "stream it"))
+    assert reply is not None
+    assert (reply.type, reply.content) == ("message", "the whole answer")
+    assert len(provider.calls) == 1
+    await loop.jobs.aclose()

@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from redis.exceptions import OutOfMemoryError
+
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
 from bus_redis.codec import safe
 from bus_redis.results import Ahead, owner_member
@@ -329,7 +331,14 @@ class TurnExecution:
         payload = out.model_dump_json(exclude_none=True)
         transient = self.holder.transient
         bus, token = self.rt.bus, self.holder.token
-        if not await bus.emit(self.key, token, self.member, payload, transient=transient):
+        try:
+            written = await bus.emit(self.key, token, self.member, payload, transient=transient)
+        except OutOfMemoryError:
+            if kind != "delta":
+                raise  # (the message tool answers the model with the failure)
+            return  # Redis is full: a piece of the answer is not shown live; the answer
+            # itself comes whole with the terminal event (a failed turn would be counted)
+        if not written:
             self.rt.turns.metrics["fenced_writes_rejected"] += 1
             self.rt.metrics.fenced_writes_rejected.inc()
 
