@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import fakeredis
 
@@ -175,3 +176,34 @@ async def make_loop(redis_factory: RedisFactory) -> AsyncIterator[Callable[..., 
     for loop, task in started:
         loop.stop()
         await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Debian's chromium under Playwright, one per test module (tests/browser.py)."""
+    from browser import ARTIFACTS, CHROMIUM
+    from servers import in_ci
+
+    if not Path(CHROMIUM).exists():
+        if in_ci():
+            pytest.fail(
+                "chromium is missing in CI: scripts/test.sh installs it (apt-get install chromium)"
+            )
+        pytest.skip("chromium not installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield chromium
+        chromium.close()

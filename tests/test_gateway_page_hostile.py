@@ -13,88 +13,28 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from servers import in_ci
+from browser import TIMEOUT_MS
+from browser import assistant as _assistant
+from browser import say as _say
+from browser import shot as _shot
+from browser import signed_in as _page
+from browser import until_js as _until
 from stacks import ALICE, ALICE_TOKEN, BOB_TOKEN, Stack, running_stack
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow, pytest.mark.frontend]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", "test-artifacts"))
-TIMEOUT_MS = 20_000
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     with running_stack(gateways=2, workers=2, failover_lb=True) as st:
         yield st
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        if in_ci():
-            pytest.fail("chromium is missing in CI: scripts/test.sh installs it")
-        pytest.skip("chromium not installed (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        yield browser
-        browser.close()
-
-
-def _page(browser: Any, stack: Stack, token: str) -> Any:
-    assert stack.lb is not None
-    context = browser.new_context()
-    page = context.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(stack.lb.url)
-    page.get_by_test_id("login").wait_for()
-    page.fill("#token", token)
-    page.click("#login button")
-    page.wait_for_selector("body[data-ready]")
-    return page
-
-
-def _say(page: Any, text: str) -> None:
-    page.fill("#input", text)
-    page.press("#input", "Enter")
-
-
-def _assistant(page: Any, text: str) -> Any:
-    return page.locator(".msg.assistant", has_text=text)
-
-
-def _until(page: Any, expression: str) -> None:
-    """Poll a JavaScript expression (the page's CSP forbids ``wait_for_function``'s eval)."""
-    deadline = time.monotonic() + TIMEOUT_MS / 1000
-    while not page.evaluate(expression):
-        assert time.monotonic() < deadline, f"still false: {expression}"
-        page.wait_for_timeout(20)
-
-
-def _shot(page: Any, name: str) -> None:
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
 def _api(stack: Stack) -> httpx.Client:
