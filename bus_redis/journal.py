@@ -33,3 +33,11 @@ class JournalStore:
             return []
         n = int(doc.get("n") or 0)
         return [doc[str(i)] for i in range(1, n + 1) if str(i) in doc]
+
+    async def drop_of(self, key: str, token: str, session: str) -> None:
+        """Drop the journal under ``key``'s lease when it is of an entry of ``session`` (a
+        chat folded into the unified session, deleted or discarded while the journal of
+        its crashed turn waited: its entry is cancelled, never re-run)."""
+        held = text(await self.bus.raw.hget(self.keys.journal(key), "entry"))  # type: ignore[misc]
+        if held.startswith(f"{session}|"):
+            await self.append(key, token, held, ())

@@ -240,7 +240,8 @@ class RedisBus(ReadyQueues, TurnKeys):
         ttl = r.transient_ttl_ms if spec.transient else r.ttl_ms
         args: list[Any] = [token, " ".join(spec.entry_ids), spec.reply, r.maxlen, ttl, spec.meta]
         args += [key, spec.owner_op, worker_id, spec.owner_member, self.owner_ttl_ms, spec.dead]
-        mode = ("1" if select is not None else "0") + ("j" if spec.journaled else "")
+        mode = ("1" if select is not None else "0") + ("j" if spec.journaled else "-")
+        mode += "p" if spec.transient else ""
         args += [mode, fresh_nonce(), spec.late_after]
         args += [len(spec.rows), *spec.rows, *sargs]
         # a cancelled turn's commit carries the `cancelled` event a stop waits for: sent at

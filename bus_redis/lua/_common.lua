@@ -84,6 +84,23 @@ end
 -- streams: list of {in, attempts, hint, owner, ready, member, lease of S, queued index};
 -- a caller that knows a stream holds nothing sets its `empty` (its head is not read), and
 -- its `deleted` when it deleted the stream, its attempts and its hint already
+-- A private session's inbound stream rewritten with only its live entries (at most `max`;
+-- more: left as it is until its queue drains): XDEL only marks an entry while its node
+-- has live ones, so a processed message's text stayed in memory and in snapshots while
+-- messages waited behind it. Ids, the id floor (the next entry's id stays greater than
+-- any so far) and the TTL are kept.
+local function shed_deleted(key, max)
+  local live = redis.call('XRANGE', key, '-', '+', 'COUNT', max + 1)
+  if #live == 0 or #live > max then return end
+  local ttl = redis.call('PTTL', key)
+  local floor = redis.call('XADD', key, '*', '_', '')
+  redis.call('DEL', key)
+  for _, e in ipairs(live) do redis.call('XADD', key, e[1], unpack(e[2])) end
+  redis.call('XADD', key, floor, '_', '')
+  redis.call('XDEL', key, floor)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
+
 local function streams_of(first_key, first_arg)
   local out = {}
   local n = 0

@@ -13,8 +13,10 @@
 -- ARGV[4] MAXLEN of streams  ARGV[5] out stream ttl ms  ARGV[6] session meta JSON ('' = nothing
 -- to persist)  ARGV[7] K  ARGV[8] owner op ('', 'set', 'del')  ARGV[9] worker id
 -- ARGV[10] owner registry member  ARGV[11] owner ttl ms  ARGV[12] dead-letter JSON ('' none)
--- ARGV[13] '1' to select the next entry / release, '0' to stop after the commit; a 'j'
---          after it: the turn kept a tool journal, dropped now that it is answered
+-- ARGV[13] '1' to select the next entry / release, '0' to stop after the commit; then 'j':
+--          the turn kept a tool journal, dropped now that it is answered ('-' none); then
+--          'p': a private session's (its stream is rewritten when messages wait behind the
+--          processed ones: shed_deleted)
 -- ARGV[14] generation for a session hash this commit creates
 -- ARGV[15] an entry id ('' none): a payload entry after it in S refuses the commit, nothing
 --          written (a message arrived that may join the turn, which then goes on: the
@@ -87,6 +89,7 @@ if not applied then
       redis.call('XDEL', KEYS[3], id)
       redis.call('HDEL', KEYS[4], id, id .. ':error')
     end
+    if string.sub(ARGV[13], 3, 3) == 'p' and not emptied then shed_deleted(KEYS[3], 64) end
   end
   if ARGV[3] ~= '' then
     if safe(false, 'XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[3]) == false then

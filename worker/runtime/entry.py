@@ -170,9 +170,23 @@ class EntryPolicy(Held):
             out = error(op.channel, op.chat_id, key, reply_to, "limit_exceeded", detail)
             self._set_reply(spec, out)
             return spec
+        live = self.rt.sessions.get_cached(key) if rt.turns.owns(key) else None
+        wanted = None if op.scope is None else rt.scope_for(op.channel, op.scope, op.sender_id)
+        if (
+            live is not None
+            and live.scope
+            and wanted is not None
+            and wanted != live.scope
+            and not rt.config.owner_mode
+        ):  # a live private session is its scope's: another one's opening takes nothing of it
+            detail = "this private session is open under another scope"
+            self._set_reply(
+                spec, error(op.channel, op.chat_id, key, reply_to, "invalid_message", detail)
+            )
+            return spec
         session = self.rt.sessions.get_or_create_transient(key, disabled_tools=op.disabled_tools)
-        if op.scope is not None:
-            session.scope = self.rt.scope_for(op.channel, op.scope, op.sender_id)
+        if wanted is not None:
+            session.scope = wanted
         member = owner_member(key, op.channel, op.chat_id)
         self.rt.turns.own(key, member, opening=True)
         spec.owner_op, spec.owner_member, spec.transient = "set", member, True

@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from bus_redis.codec import safe, stream_id_ms
+from bus_redis.journal import JournalStore
 from bus_redis.results import (
     Acquired,
     Again,
@@ -159,6 +160,10 @@ class SessionHolder(EntryPolicy):
             )
             if deleted < 0:
                 self.lease.lost = True
+        if member != self.key and op in ("delete", "new", "discard"):
+            # a folded chat's turns journal under the unified lease: a crashed turn's
+            # journal of this chat goes with it (delete.lua drops the chat's own key only)
+            await JournalStore(self.rt.bus).drop_of(self.key, self.token, member)
 
     async def _process(self, entry: Entry) -> Step:
         metrics, started = self.rt.metrics, time.monotonic()

@@ -144,7 +144,10 @@ class OpenAIProvider:
                     delay = self.backoff_s * 2**attempt * (0.5 + random.random())
                 if self.on_retry is not None:
                     self.on_retry()
-                log.warning("provider retry %d in %.2fs: %s", attempt + 1, delay, safe(str(exc)))
+                # the kind and status only: a server's message may quote the request (a
+                # private session's text is never logged)
+                kind = ":".join(str(exc).split(":", 2)[:2])
+                log.warning("provider retry %d in %.2fs: %s", attempt + 1, delay, safe(kind))
                 await asyncio.sleep(delay)
         raise ProviderError("unreachable")
 
