@@ -39,5 +39,5 @@ class JournalStore:
         chat folded into the unified session, deleted or discarded while the journal of
         its crashed turn waited: its entry is cancelled, never re-run)."""
         held = text(await self.bus.raw.hget(self.keys.journal(key), "entry"))  # type: ignore[misc]
-        if held.startswith(f"{session}|"):
+        if held.rpartition("|")[0] == session:  # (entry ids hold no '|'; keys may)
             await self.append(key, token, held, ())

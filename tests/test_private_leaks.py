@@ -193,3 +193,67 @@ async def test_a_delete_in_unified_mode_leaves_no_tool_journal_of_the_chat(  # t
     the chat was deleted. (Per-session mode, the same steps leave nothing.)"""
     left = await _journal_left_by_a_delete(redis, make_loop, unified=True)
     assert "JOURNAL-SECRET-31" not in left, "the crashed turn's tool journal outlived the delete"
+
+
+# --- from a second reading of the fixes ------------------------------------------------
+_MAX_ID = "18446744073709551615-18446744073709551615"
+
+
+async def test_shedding_a_private_stream_with_an_entry_at_the_maximal_id_keeps_the_commit(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """commit.lua's new ``shed_deleted`` (private sessions, 'p') takes its id floor with
+    ``XADD key * ...``. A frontend may XADD an entry at the maximal id (the scripts guard
+    every other look for it: ``entry_after``, test_an_entry_at_the_maximal_id_breaks_no_look);
+    when such an entry waits behind a processed private message, ``XADD *`` raises
+    ("exhausted the last possible ID") in the middle of commit.lua, after the processed
+    entry was XDEL'd and before the terminal event is written: the answer is lost (the
+    commit is then idempotent: its entry is gone, nothing is written again)."""
+    first_in, first_go = asyncio.Event(), asyncio.Event()
+
+    async def answer(**kw: Any) -> LLMResponse:
+        if "FIRST" in json.dumps(kw["messages"][-1]):
+            first_in.set()
+            await first_go.wait()
+        return LLMResponse(content="answered")
+
+    make_loop(ScriptedProvider(handler=answer), followup_mode="queue")
+    client = FrontendClient(redis)
+    key, opened = await client.open_transient("web", "mx", session_key="web:mx-private")
+    await collect(client, "web", {opened})
+    m1 = InboundMessage(
+        channel="web", sender_id="u", chat_id="mx", id="m1", content="FIRST",
+        session_key_override=key, require_existing_session=True,
+    )  # fmt: skip
+    await client.send(m1)
+    await asyncio.wait_for(first_in.wait(), 10)
+    # a frontend's entry at the maximal id, queued behind m1 (no payload: not a late
+    # message the commit would wait for)
+    await redis.xadd(K.inbound(key), {"junk": "1"}, id=_MAX_ID)
+    first_go.set()
+    got = await collect(client, "web", {"m1"}, timeout_s=15)
+    assert [(e.type, e.content) for e in got["m1"] if e.is_terminal] == [("message", "answered")]
+
+
+async def test_deleting_a_unified_chat_keeps_the_journal_of_a_chat_whose_key_extends_it(
+    redis: aioredis.Redis,
+) -> None:
+    """``JournalStore.drop_of`` (new: a unified chat's delete/new/discard drops its crashed
+    turn's tool journal) matches the journal's entry ``"<session>|<entry id>"`` by prefix
+    ``f"{session}|"``. A chat id may hold ``|`` (``chat_id`` is any non-empty text), so
+    deleting chat ``web:a`` drops the journal of chat ``web:a|b``'s crashed turn: its
+    re-run no longer replays the tool calls it already made (a message sent twice)."""
+    from bus_redis import RedisBus
+    from bus_redis.journal import JournalStore
+    from session_store import UNIFIED_SESSION_KEY
+
+    bus = RedisBus(redis)
+    token = "tok|w1"
+    await redis.set(K.lease(UNIFIED_SESSION_KEY), token, px=60_000)
+    journal = JournalStore(bus)
+    entry = "web:a|b|1700000000000-0"  # chat "a|b"'s crashed turn: its entry of web:a|b
+    assert await journal.append(UNIFIED_SESSION_KEY, token, entry, ['{"role":"tool"}']) == 1
+    await journal.drop_of(UNIFIED_SESSION_KEY, token, "web:a")  # chat "a" is deleted
+    assert await journal.read(UNIFIED_SESSION_KEY, entry) == ['{"role":"tool"}'], (
+        "deleting web:a dropped the tool journal of web:a|b"
+    )

@@ -92,8 +92,9 @@ end
 local function shed_deleted(key, max)
   local live = redis.call('XRANGE', key, '-', '+', 'COUNT', max + 1)
   if #live == 0 or #live > max then return end
+  local floor = redis.pcall('XADD', key, '*', '_', '')
+  if type(floor) == 'table' then return end  -- an entry at the maximal id: left as it is
   local ttl = redis.call('PTTL', key)
-  local floor = redis.call('XADD', key, '*', '_', '')
   redis.call('DEL', key)
   for _, e in ipairs(live) do redis.call('XADD', key, e[1], unpack(e[2])) end
   redis.call('XADD', key, floor, '_', '')

@@ -3,9 +3,10 @@ the rows to append; the caller commits them under the session lease."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,6 +58,9 @@ class TurnState:
     replayed: list[dict[str, Any]] = field(default_factory=list)  # the lost attempt's journal
     unknown: list[str] = field(default_factory=list)  # tools whose effect a crash left unknown
     calls: int = 0  # tool calls executed (or replayed) so far: a call's ordinal
+    # whether the turn may still act (its lease holds: ``Lease.holds``), looked at before
+    # each model call and each tool call; None: always
+    held: Callable[[], bool] | None = None
     # set when the turn ended at its last model boundary with ``final`` and left what
     # arrived meanwhile to whoever commits it (``FollowUps.deferred``): where its loop
     # stands, for ``TurnRunner.go_on`` (nothing in it refers back to this state: no
@@ -126,6 +130,14 @@ def _arguments(fn: dict[str, Any]) -> dict[str, Any] | None:
     return args if isinstance(args, dict) else None
 
 
+def _still_held(state: TurnState) -> None:
+    """The turn's lease ran out (its worker stalled past it): no model call or tool call
+    is made for a session another worker may be serving now. The lease is marked lost,
+    which cancels the turn; this ends it before the call."""
+    if state.held is not None and not state.held():
+        raise asyncio.CancelledError
+
+
 async def _drain(followups: FollowUps) -> list[dict[str, Any]]:
     """Everything pending that can join (at most FINAL_DRAIN_MAX rows)."""
     rows: list[dict[str, Any]] = []
@@ -175,6 +187,7 @@ class TurnRunner:
         while at.done < self.max_iterations:
             at.done += 1
             stall_point("before_model")
+            _still_held(state)
             response = await self.provider.chat_with_retry(
                 messages=messages, tools=at.offered or None, model=self.model, on_delta=at.on_delta
             )
@@ -272,6 +285,7 @@ class TurnRunner:
         if not ctx.turn_id:
             ctx.turn_id = uuid.uuid4().hex
         ctx.call_id = f"{ctx.turn_id}#{state.calls}"  # the same call in a re-run: same id
+        _still_held(state)
         return await self.tools.execute(name, arguments, ctx)
 
     @staticmethod

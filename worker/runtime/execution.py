@@ -61,6 +61,11 @@ class Held(Protocol):
     @property
     def transient(self) -> bool: ...
 
+    def holds(self) -> bool:
+        """Whether its lease still holds (``Lease.holds``): looked at before each model
+        call and tool call."""
+        ...
+
 
 @dataclass(slots=True)
 class Outcome:
@@ -161,7 +166,7 @@ class TurnExecution:
         if not retry and is_duplicate(msg, session, row_id):
             return self._duplicate(msg, session, reply_to, row_id)
         memory = await self._memory(session)
-        state = TurnState()
+        state = TurnState(held=self.holder.holds)
         journal = None
         if entry_id and session.policy.persist:
             holder = self.holder

@@ -65,6 +65,9 @@ class SessionHolder(EntryPolicy):
         self.slot: Slot | None = None  # the entry being handled as the running turn of K
         self.lease = Lease(rt.bus, key, acquired.token, on_lost=self._lease_lost)
 
+    def holds(self) -> bool:
+        return self.lease.holds()
+
     def _lease_lost(self) -> None:
         self.rt.turns.metrics["leases_lost"] += 1
         self.rt.metrics.leases_lost.inc()

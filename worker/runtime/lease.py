@@ -55,6 +55,19 @@ class Lease:
         self.active = False
         self._on_lost = _nothing
 
+    def holds(self) -> bool:
+        """Whether the lease is still ours as far as this worker can tell: not lost, and
+        its last renewal's term not over. A loop that stalled past the term (another worker
+        may hold the session now) finds it over before it calls the model or a tool; the
+        lease is then marked lost. Writes need no such look: they are fenced."""
+        if self.lost:
+            return False
+        if self.active and time.monotonic() >= self._deadline:
+            log.warning("lease of %s ran out while this worker stalled", self.key)
+            self.mark_lost()
+            return False
+        return True
+
     def mark_lost(self) -> None:
         if not self.lost:
             self.lost = True
