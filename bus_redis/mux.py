@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -67,6 +67,12 @@ class Multiplexed:
         self._link: _Link | None = None
         self._connecting: asyncio.Task[_Link] | None = None
         self._epoch = 0  # aclose() moves it on: a connect begun before is not kept
+        # called when a (re)connect finds another server than before (its ``run_id``: a
+        # restart, a failover), before any command of the new connection is answered: a
+        # server that came back from an older snapshot may hold the same versions with
+        # other contents, so the caller's copies of what it held go (the worker's caches)
+        self.on_new_server: Callable[[], None] | None = None
+        self._server = ""
 
     @classmethod
     def for_client(cls, redis: Redis) -> Multiplexed | None:
@@ -209,6 +215,11 @@ class Multiplexed:
                 await link.call(_pack(("CLIENT", "SETNAME", self.client_name)))
             if self.db:
                 await link.call(_pack(("SELECT", self.db)))
+            if self.on_new_server is not None:
+                server = _run_id(await link.call(_pack(("INFO", "server"))))
+                if self._server and server != self._server:
+                    self.on_new_server()
+                self._server = server
         except BaseException:
             link.close()
             raise
@@ -216,6 +227,14 @@ class Multiplexed:
 
 
 _loop = asyncio.get_running_loop
+
+
+def _run_id(info: Any) -> str:
+    text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        if line.startswith("run_id:"):
+            return line[7:].strip()
+    return ""
 
 
 def _retrieved(task: asyncio.Task[_Link]) -> None:

@@ -85,6 +85,13 @@ class SessionManager:
             policy=session.policy,
         )
 
+    def forget_stored(self) -> None:
+        """Forget every copy of a durable session (Redis came back as another server: the
+        same versions may hold other rows); private sessions live here only and stay."""
+        self._cache.clear()
+        self._sizes.clear()
+        self._rows = 0
+
     def invalidate(self, key: str) -> None:
         self._drop(key)
         self._transient.pop(key, None)

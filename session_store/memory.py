@@ -22,6 +22,10 @@ class MemoryStore:
         self.keys = keys
         self._cached: dict[str, tuple[int, str]] = {}
 
+    def forget_cached(self) -> None:
+        """Forget every cached memory (Redis came back as another server)."""
+        self._cached.clear()
+
     def key(self, scope: str = OWNER_SCOPE) -> str:
         return self.keys.memory(scope)
 

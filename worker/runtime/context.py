@@ -85,7 +85,7 @@ class Runtime:
                 cache_size=config.session_cache_sessions,
                 cache_rows=config.session_cache_rows,
             )
-        return cls(
+        rt = cls(
             config=config,
             bus=bus,
             registry=Registry(bus),
@@ -97,6 +97,17 @@ class Runtime:
             model=model,
             turns=TurnRegistry(),
         )
+        if bus.fast is not None:  # a restart or failover may bring back older contents
+            bus.fast.on_new_server = rt.forget_copies
+        return rt
+
+    def forget_copies(self) -> None:
+        """Redis came back as another server (restarted, failed over): what it holds may be
+        older than what this worker saw, at the same versions. Copies of stored sessions and
+        memories go; the next turns read them again."""
+        log.warning("Redis is another server than before: cached sessions and memory dropped")
+        self.sessions.forget_stored()
+        self.memory.forget_cached()
 
     @property
     def tools(self) -> ToolRegistry:
