@@ -14,6 +14,7 @@ from typing import Any
 
 from arq import create_pool
 from arq.connections import ArqRedis, RedisSettings
+from arq.constants import in_progress_key_prefix
 from arq.worker import Worker, func
 
 from bus_redis.keys import Keys
@@ -51,6 +52,18 @@ class ArqJobQueue:
             name, _job_id=job_id, _defer_until=when, **kwargs
         )
         return job is not None
+
+    async def orphaned(self, name: str, *, job_id: str, **kwargs: Any) -> None:
+        """arq marks a running job in progress for its whole timeout (15 min): a job whose
+        worker was killed waits that long. The mark goes, so a worker picks the job up at
+        its next poll (still queued: arq drops it only once it ended); a job no longer
+        queued is queued again."""
+        if self._enqueue_pool is None:
+            self._enqueue_pool = await create_pool(
+                self.settings, default_queue_name=self.queue_name
+            )
+        await self._enqueue_pool.delete(in_progress_key_prefix + job_id)
+        await self.enqueue(name, job_id=job_id, **kwargs)
 
     async def start(self) -> None:
         functions = [

@@ -47,6 +47,9 @@ class LocalJobQueue:
         except Exception:
             log.exception("job %s failed", name)
 
+    async def orphaned(self, name: str, *, job_id: str, **kwargs: Any) -> None:
+        await self.enqueue(name, job_id=job_id, **kwargs)  # (another process's: run here)
+
     async def start(self) -> None:
         return None
 

@@ -25,7 +25,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
@@ -249,6 +249,30 @@ class Subagents:
             metadata={"subagent": spec["id"]},
         )
         return msg.model_dump_json(exclude_none=True)
+
+    async def rerun_orphans(self, dead: str, channels: Iterable[str]) -> int:
+        """The subagents that ran on worker ``dead`` (judged dead: their leases were taken
+        over) run again, at once, instead of once the job queue's timeout ran out. Bounded:
+        the sessions of a channel running subagents are at most
+        ``AGENT_SUBAGENT_SESSIONS_PER_CHANNEL``, each with at most
+        ``AGENT_SUBAGENTS_PER_SESSION``."""
+        limit = self.rt.config.subagent_sessions_per_channel
+        again = 0
+        for channel in channels:
+            for session in await self.store.sessions(channel, limit=limit):
+                for sid, raw in (await self.store.of_session(session)).items():
+                    try:
+                        spec = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if not isinstance(spec, dict) or spec.get("worker") != dead:
+                        continue
+                    if spec.get("state") != "running":
+                        continue
+                    job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
+                    await self.rt.jobs.orphaned(JOB_NAME, job_id=job_id, session=session, sid=sid)
+                    again += 1
+        return again
 
     # --- aborting -----------------------------------------------------------------------
     def on_control(self, control: ControlMessage) -> None:

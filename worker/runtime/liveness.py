@@ -29,7 +29,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis
 
@@ -51,6 +51,7 @@ class Liveness:
         streams: Callable[[], list[str]],
         dispatch: Callable[[list[Notification]], None],
         beat_client: redis.Redis | None = None,
+        on_dead: Callable[[str, set[str]], Awaitable[object]] | None = None,
     ) -> None:
         self.rt = rt
         self.liveness_ms = liveness_ms
@@ -58,6 +59,7 @@ class Liveness:
         self.channels = channels
         self.streams = streams
         self.dispatch = dispatch
+        self.on_dead = on_dead  # what else a dead worker left running (its subagents)
         self.beat_client = beat_client  # sync: beats from a thread
         self._done: dict[str, set[str]] = {}  # dead worker -> channels taken over here
         self._stop = threading.Event()
@@ -143,6 +145,14 @@ class Liveness:
                 log.exception("liveness watch failed")
             await asyncio.sleep(self.every_s)
 
+    async def _left_running(self, worker: str, channels: set[str]) -> None:
+        if self.on_dead is None:
+            return
+        try:
+            await self.on_dead(worker, channels)
+        except Exception:  # the takeover itself is done: it must not be undone by this
+            log.exception("restarting what worker %s left running failed", safe(worker))
+
     async def watch_once(self) -> list[str]:
         """One look: the keys taken over from dead workers (in the served channels). Only
         while this worker's own beat lands: when it cannot (Redis out of memory or
@@ -177,6 +187,7 @@ class Liveness:
             notes: list[Notification] = []
             if await sweeps.still_dead(worker, after):  # not restarted meanwhile
                 notes = await rt.bus.claim_from(rt.worker_id, worker, self.streams())
+                await self._left_running(worker, channels)
             self._done.setdefault(worker, set()).update(channels)
             if keys or notes:
                 log.warning(

@@ -130,6 +130,7 @@ class AgentLoop:
             channels=self._served_channels,
             streams=lambda: list(self._streams),
             dispatch=self.dispatch,
+            on_dead=self.subagents.rerun_orphans,
         )
 
     # --- the in-process surface (README: Embedding) ---------------------------------------------
