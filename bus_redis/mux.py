@@ -36,7 +36,7 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError
+from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus_redis.link import _detect_dead_peers, _Link, _pack
@@ -216,7 +216,10 @@ class Multiplexed:
             if self.db:
                 await link.call(_pack(("SELECT", self.db)))
             if self.on_new_server is not None:
-                server = _run_id(await link.call(_pack(("INFO", "server"))))
+                try:
+                    server = _run_id(await link.call(_pack(("INFO", "server"))))
+                except ResponseError:  # a server without INFO (fakeredis): not told apart
+                    server = ""
                 if self._server and server != self._server:
                     self.on_new_server()
                 self._server = server
