@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider, dump_all
-from replies import collect, until
+from replies import collect, open_private, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 from worker.agent.providers import LLMResponse, ToolCallRequest
@@ -118,8 +118,7 @@ async def test_a_processed_private_message_is_not_kept_in_the_inbound_streams_by
 
     make_loop(ScriptedProvider(handler=answer), followup_mode="queue")
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "ib", session_key="web:ib-private")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "ib")
     private = {"session_key_override": key, "require_existing_session": True}
     m1 = InboundMessage(
         channel="web", sender_id="u", chat_id="ib", id="m1",
@@ -219,8 +218,7 @@ async def test_shedding_a_private_stream_with_an_entry_at_the_maximal_id_keeps_t
 
     make_loop(ScriptedProvider(handler=answer), followup_mode="queue")
     client = FrontendClient(redis)
-    key, opened = await client.open_transient("web", "mx", session_key="web:mx-private")
-    await collect(client, "web", {opened})
+    key = await open_private(client, "mx")
     m1 = InboundMessage(
         channel="web", sender_id="u", chat_id="mx", id="m1", content="FIRST",
         session_key_override=key, require_existing_session=True,
