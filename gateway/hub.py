@@ -32,7 +32,7 @@ from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from bus_redis import OutboundMessage
 from bus_redis.aio import still_wanted
-from bus_redis.codec import fields, text
+from bus_redis.codec import fields, parse_stream_id, text
 from bus_redis.keys import Keys
 from bus_redis.pulse import PulseWatch
 from gateway.subscription import HubEvent, Subscription
@@ -279,6 +279,8 @@ class EventHub:
             return last, False
         if after in ("0", "0-0", ""):
             return "0-0", False
+        if last != "0-0" and parse_stream_id(after) > parse_stream_id(last):
+            return last, True  # past every event the chat has: no cursor of this stream
         return after, not await self.cursor_kept(stream, after)
 
     async def first_id(self, stream: str) -> str | None:

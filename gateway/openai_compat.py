@@ -74,8 +74,10 @@ async def completions(
 ) -> JSONResponse | StreamingResponse:
     g = gw(request)
     content = _last_user_text(body.messages)
-    if content is None:
-        return _error(400, "invalid_request_error", "messages has no user message with text")
+    if content is None:  # (an older question is never asked again)
+        return _error(
+            400, "invalid_request_error", "the last message must be the user's, with text"
+        )
     if len(content) > MAX_MESSAGE_CHARS:
         detail = (
             f"the last user message has {len(content)} characters (at most {MAX_MESSAGE_CHARS})"
@@ -86,8 +88,11 @@ async def completions(
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
     if not g.has_room(user, chat):
         return _error(429, "rate_limit_exceeded", "too many open streams for this user")
+    message = g.message(user, chat, content, id=message_id)
+    if body.user:  # a bot's end users: each a scope of its own (memory, session tools)
+        message = message.model_copy(update={"scope": f"{message.scope}-oa-{_digest(body.user)}"})
     try:
-        ids = await g.publish(user, chat, g.message(user, chat, content, id=message_id))
+        ids = await g.publish(user, chat, message)
     except BacklogFullError as exc:
         return _error(429, "rate_limit_exceeded", str(exc))
     except ChatGoneError:
@@ -129,23 +134,28 @@ async def _pick(g: Gateway, user: User, session_id: str | None, end_user: str | 
         if chat is None:
             raise HTTPException(404, "no such session")
         return chat
-    digest = hashlib.sha256(f"openai|{end_user or ''}".encode()).hexdigest()[:24]
     try:
-        return await g.chats.ensure(user, f"{user.hash}-oa-{digest}")
+        return await g.chats.ensure(user, f"{user.hash}-oa-{_digest(end_user)}")
     except ChatLimitError as exc:
         raise HTTPException(409, str(exc)) from None
 
 
+def _digest(end_user: str | None) -> str:
+    return hashlib.sha256(f"openai|{end_user or ''}".encode()).hexdigest()[:24]
+
+
 def _last_user_text(messages: list[ChatMessage]) -> str | None:
-    for m in reversed(messages):
-        if m.role != "user":
-            continue
-        if isinstance(m.content, str):
-            return m.content
-        if isinstance(m.content, list):
-            parts = [p.get("text", "") for p in m.content if p.get("type") == "text"]
-            return "\n".join(str(p) for p in parts)
+    """The text of the last message when it is the user's (the agent keeps the history:
+    only the newest message is new; a list ending with the assistant or a tool asks
+    nothing, and an older user message must not be asked again)."""
+    if not messages or messages[-1].role != "user":
         return None
+    content = messages[-1].content
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if p.get("type") == "text"]
+        return "\n".join(str(p) for p in parts)
     return None
 
 

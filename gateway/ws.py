@@ -32,6 +32,9 @@ MAX_SUBSCRIPTIONS = 64  # per socket
 MAX_FRAME = 4096  # bytes of a client frame
 OUTBOX = 512  # frames queued for a slow client before it is disconnected
 OUTBOX_BYTES = 4 << 20  # ... or bytes of the events' text they carry
+ROOM_WAIT_S = (
+    30.0  # a subscription waits this long for a client that reads nothing, then lets it go
+)
 
 
 @router.websocket("/api/ws")
@@ -65,6 +68,7 @@ class Connection:
         self.pumps: dict[str, asyncio.Task[None]] = {}
         self.overflowed = False
         self.ended = asyncio.Event()
+        self.room = asyncio.Event()  # set by the writer each time it took a frame
 
     async def serve(self) -> None:
         tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._write())]
@@ -91,6 +95,22 @@ class Connection:
             self._overflow()
             return
         self.queued_bytes += size
+
+    async def put_in_turn(self, frame: dict[str, Any], size: int) -> None:
+        """A subscription's event: it waits for the writer to make room, so a resume's
+        catch-up (up to 200 events a read) goes at the pace the client reads; a client
+        that takes nothing for ``ROOM_WAIT_S`` is let go as too slow."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ROOM_WAIT_S
+        while self.queued_bytes and (self.queued_bytes + size > OUTBOX_BYTES or self.outbox.full()):
+            self.room.clear()
+            left = deadline - loop.time()
+            if left <= 0 or self.ended.is_set():
+                self._overflow()
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.room.wait(), left)
+        self.put(frame, size)
 
     def _overflow(self) -> None:
         self.overflowed = True
@@ -124,6 +144,7 @@ class Connection:
             while True:
                 frame, size = await self.outbox.get()
                 self.queued_bytes -= size
+                self.room.set()
                 await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.ended.set()
@@ -133,7 +154,7 @@ class Connection:
             frame = json.loads(raw)
             op, session_id = frame["op"], str(frame["session_id"])
             after = str(frame.get("after") or "$")
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             self.put({"type": "error", "message": "expected {op, session_id}"})
             return
         if op == "unsubscribe":
@@ -153,8 +174,9 @@ class Connection:
             )
             return
         old = self.pumps.pop(session_id, None)
-        if old is not None:
+        if old is not None:  # ended before the new one starts: its stream slot is free
             old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
         task = asyncio.create_task(self._pump(chat, after))
         self.pumps[session_id] = task
         task.add_done_callback(lambda t: self._ended_pump(session_id, t))
@@ -173,7 +195,7 @@ class Connection:
                     if ev.kind == "gap":
                         self.put({"type": "gap", "session_id": chat.id, "id": ev.entry_id})
                     elif ev.event is not None:
-                        self.put(
+                        await self.put_in_turn(
                             {
                                 "type": "event",
                                 "session_id": chat.id,
