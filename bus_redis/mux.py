@@ -218,11 +218,11 @@ class Multiplexed:
             if self.on_new_server is not None:
                 try:
                     server = _run_id(await link.call(_pack(("INFO", "server"))))
-                except ResponseError:  # a server without INFO (fakeredis): not told apart
-                    server = ""
-                if self._server and server != self._server:
+                except ResponseError:  # no INFO (fakeredis, a user without +info): not
+                    server = ""  # told apart this time; the last id known stays
+                if server and self._server and server != self._server:
                     self.on_new_server()
-                self._server = server
+                self._server = server or self._server
         except BaseException:
             link.close()
             raise

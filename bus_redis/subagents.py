@@ -6,6 +6,10 @@ stop, discard or delete of the session unregisters them, and nothing comes back.
 
 from __future__ import annotations
 
+import json
+
+from redis.exceptions import WatchError
+
 from bus_redis.codec import text
 from bus_redis.keys import channel_of
 from bus_redis.streams import READY_MAXLEN, RedisBus
@@ -63,6 +67,30 @@ class SubagentStore:
     async def registered(self, session: str, sid: str) -> bool:
         """Whether the subagent is still registered (a cut turn's undo, anywhere, drops it)."""
         return bool(await self.redis.hexists(self.keys.spawned(session), sid))  # type: ignore[misc]
+
+    async def claim_orphan(self, session: str, sid: str, dead: str, me: str) -> bool:
+        """Take a subagent registered as running on worker ``dead`` over for ``me``, at most
+        once among every worker that judged ``dead`` dead (``WATCH``: the registration
+        must still name ``dead``). Its job then runs again, started by the winner only."""
+        key = self.keys.spawned(session)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key)
+                raw = await pipe.hget(key, sid)  # type: ignore[misc]
+                try:
+                    spec = json.loads(text(raw)) if raw is not None else None
+                except ValueError:
+                    spec = None
+                if not isinstance(spec, dict) or spec.get("worker") != dead:
+                    return False
+                if spec.get("state") != "running":
+                    return False
+                pipe.multi()
+                pipe.hset(key, sid, json.dumps({**spec, "worker": me}))
+                await pipe.execute()
+            except WatchError:
+                return False
+        return True
 
     async def of_session(self, session: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.spawned(session))  # type: ignore[misc]

@@ -260,15 +260,9 @@ class Subagents:
         again = 0
         for channel in channels:
             for session in await self.store.sessions(channel, limit=limit):
-                for sid, raw in (await self.store.of_session(session)).items():
-                    try:
-                        spec = json.loads(raw)
-                    except ValueError:
-                        continue
-                    if not isinstance(spec, dict) or spec.get("worker") != dead:
-                        continue
-                    if spec.get("state") != "running":
-                        continue
+                for sid in await self.store.of_session(session):
+                    if not await self.store.claim_orphan(session, sid, dead, self.rt.worker_id):
+                        continue  # not the dead worker's, or another survivor took it
                     job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
                     await self.rt.jobs.orphaned(JOB_NAME, job_id=job_id, session=session, sid=sid)
                     again += 1

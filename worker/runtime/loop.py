@@ -123,6 +123,7 @@ class AgentLoop:
             set_channels=self._set_channels,
             streams=lambda: list(self._streams),
             periodic=self.schedules.sweep,
+            left_by=self.subagents.rerun_orphans,
         )
         self.liveness = Liveness(
             self.rt,
@@ -239,7 +240,8 @@ class AgentLoop:
         # under the same id before anyone noticed): hand them over at once
         await self.rt.registry.sweeps.takeover(
             self._served_channels(), self.worker_id, dead_after_ms=None
-        )
+        )  # ... and the subagents it ran
+        await self.subagents.rerun_orphans(self.worker_id, self._served_channels())
 
     @property
     def stopping(self) -> bool:

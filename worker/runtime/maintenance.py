@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus_redis import OutboundMessage
@@ -40,16 +40,22 @@ class Maintenance:
         set_channels: Callable[[set[str]], None],
         streams: Callable[[], list[str]],
         periodic: Callable[[set[str]], Awaitable[Any]] | None = None,
+        left_by: Callable[[str, set[str]], Awaitable[Any]] | None = None,
     ) -> None:
         self.rt = rt
         self.streams = streams  # the notification streams the consumer reads
         self.periodic = periodic  # more work per tick over the served channels (schedules)
+        # what a worker gone for good left running (its subagents): the liveness takeover
+        # runs it again within a second; a worker pruned here was silent longer than the
+        # liveness watch remembers (or liveness is off)
+        self.left_by = left_by
         self.dispatch = dispatch
         self.serving = serving  # whether a holder runs for this key here
         self.set_channels = set_channels
         self.channels: set[str] = set()
         self.started_ms = int(time.time() * 1000)
         self.ticks = 0
+        self.server = ""  # the Redis server's run_id last seen (a restart, a failover)
 
     @property
     def every_s(self) -> float:
@@ -90,6 +96,7 @@ class Maintenance:
         # unexpected type, a bug) must not skip the others, tick after tick; Redis out of
         # reach ends the tick (every step would fail)
         steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            ("server identity", self.check_server),
             ("heartbeat", self.heartbeat),
             ("queue observation", self.observe_queues),
             ("channel refresh", self.refresh_channels),
@@ -110,6 +117,19 @@ class Maintenance:
                 raise
             except Exception:
                 log.exception("maintenance step failed: %s", name)
+
+    async def check_server(self) -> None:
+        """Another Redis server than before (restarted from an older snapshot, a replica
+        promoted): cached sessions and memories go. The turn path's own connection tells
+        at once when it reconnects; this look covers workers without it (TLS, Sentinel,
+        RESP3) within a tick. A server without INFO is not told apart."""
+        try:
+            server = str((await self.rt.bus.raw.info("server")).get("run_id") or "")
+        except ResponseError:
+            return
+        if server and self.server and server != self.server:
+            self.rt.forget_copies()
+        self.server = server or self.server
 
     async def _leases(self) -> None:
         rt = self.rt
@@ -137,9 +157,13 @@ class Maintenance:
 
     async def _prune_workers(self) -> None:
         rt = self.rt
-        await rt.registry.prune_dead_workers(
+        dead = await rt.registry.prune_dead_workers(
             older_than_ms=rt.bus.lock_ttl_ms * DEAD_WORKER_AFTER_TTLS, streams=self.streams()
         )
+        if self.left_by is not None:
+            for worker in dead:
+                if worker != rt.worker_id:
+                    await self.left_by(worker, set(self.channels))
 
     async def heartbeat(self) -> None:
         rt = self.rt
