@@ -35,6 +35,7 @@ def _proxied_app(**kw: Any) -> tuple[Any, Gateway]:
 
     settings = GatewaySettings(tokens={}, trusted_proxies=["127.0.0.1/32"], **kw)
     gw = Gateway(settings, make(), [make()])
+    gw.hub.block_ms = 100  # (a fake blocked read ends only at its timeout: the app's end waits it)
     return create_app(settings, gw), gw
 
 

@@ -33,6 +33,7 @@ def _app(**kw: Any) -> tuple[Any, Gateway, fakeredis.FakeRedis]:
 
     settings = GatewaySettings(**{"tokens": TOKENS, **kw})
     gw = Gateway(settings, make(), [make()])
+    gw.hub.block_ms = 100  # (a fake blocked read ends only at its timeout: the app's end waits it)
     admin = fakeredis.FakeRedis(server=server, decode_responses=True)
     return create_app(settings, gw), gw, admin
 

@@ -321,11 +321,12 @@ async def test_an_interrupt_that_drops_the_spawns_tool_round_takes_the_subagent_
 
 
 async def test_a_subagent_unregistered_elsewhere_stops_running(  # type: ignore[no-untyped-def]
-    redis, make_loop
+    redis, make_loop, monkeypatch
 ) -> None:
     """A cut turn's undo on another worker unregisters the subagent but cannot cancel it:
     it ran on to its end (model calls, tools) although its result is never published.
     It now ends soon after its registration goes."""
+    monkeypatch.setattr("worker.jobs.subagents.WATCH_S", 0.05)  # (2 s in a worker)
     model = Model()
     loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
     client = FrontendClient(redis)
