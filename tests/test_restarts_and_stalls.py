@@ -37,8 +37,11 @@ async def _users(redis: aioredis.Redis, key: str) -> list[str]:
     return [r["content"] for r in rows if r["role"] == "user"]
 
 
+@pytest.mark.parametrize(
+    "query", ["", "?socket_timeout=30"], ids=["multiplexed", "redis-py connection"]
+)
 async def test_a_cached_session_is_not_taken_as_current_after_redis_came_back_older(
-    spawn_workers, fake_llm
+    spawn_workers, fake_llm, query: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Redis comes back from an RDB snapshot (the same holds for AOF ``everysec`` or a
     failover to a replica that lagged): the session hash is one turn older than the copy
@@ -46,10 +49,12 @@ async def test_a_cached_session_is_not_taken_as_current_after_redis_came_back_ol
     hash back to the *same* ``version`` number with the same ``gen``. w0's next turn takes
     its cached copy as current (``SessionManager.load_for_turn`` compares only version
     and generation), so the model is shown a message the store does not hold and not the
-    one it does, and that worker keeps the diverged copy for every later turn."""
+    one it does, and that worker keeps the diverged copy for every later turn. With
+    ``socket_timeout`` in its URL (as TLS, Sentinel, RESP3 or a credential provider) the
+    worker has no multiplexed connection: its maintenance tick must tell instead."""
     server = RedisServer(aof=False).start()
     try:
-        (w0,) = spawn_workers(1, env=FAST, url=server.url)
+        (w0,) = spawn_workers(1, env=FAST, url=server.url + query)
         redis = aioredis.from_url(server.url, decode_responses=True)
         client = FrontendClient(redis)
         await collect(client, "web", {await client.send(_m("r", "one"))}, timeout_s=20)
@@ -63,7 +68,7 @@ async def test_a_cached_session_is_not_taken_as_current_after_redis_came_back_ol
         assert await _users(redis, "web:r") == ["one"]
 
         w0.signal(signal.SIGSTOP)  # so that another worker serves the next turn
-        (w1,) = spawn_workers(1, env=FAST, url=server.url)
+        (w1,) = spawn_workers(1, env=FAST, url=server.url + query)
         await collect(client, "web", {await client.send(_m("r", "three"))}, timeout_s=30)
         w1.kill()
         w0.signal(signal.SIGCONT)
