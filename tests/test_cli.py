@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -19,6 +21,21 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         timeout=60,
         env={**os.environ, **(env or {})},
     )
+
+
+def _main(*args: str) -> subprocess.CompletedProcess[str]:
+    """The same command line run in this process (``worker.cli.main.main``, what the entry
+    point calls): for tests of many commands in a row, each of which would otherwise pay
+    for an interpreter's start. The tests above run it as a process."""
+    from worker.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's refusals
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def test_bad_configuration_is_one_line() -> None:
@@ -91,19 +108,19 @@ def test_acl_prints_the_lines_for_one_channel() -> None:
 
 @pytest.mark.real_redis
 def test_status_and_sessions_against_a_real_server(redis_server) -> None:  # type: ignore[no-untyped-def]
-    res = _run("status", "--redis-url", redis_server.url)
+    res = _main("status", "--redis-url", redis_server.url)
     assert res.returncode == 0, res.stderr
     assert "redis: up" in res.stdout
-    res = _run("memory", "set", "remember the milk", "--redis-url", redis_server.url)
+    res = _main("memory", "set", "remember the milk", "--redis-url", redis_server.url)
     assert res.returncode == 0
     assert (
-        _run("memory", "show", "--redis-url", redis_server.url).stdout.strip()
+        _main("memory", "show", "--redis-url", redis_server.url).stdout.strip()
         == "remember the milk"
     )
-    empty = _run("memory", "set", "--redis-url", redis_server.url)  # no TEXT: refused
+    empty = _main("memory", "set", "--redis-url", redis_server.url)  # no TEXT: refused
     assert empty.returncode == 2
     assert "memory clear" in empty.stderr
-    shown = _run("memory", "show", "--redis-url", redis_server.url).stdout.strip()
+    shown = _main("memory", "show", "--redis-url", redis_server.url).stdout.strip()
     assert shown == "remember the milk"
 
 
@@ -131,20 +148,20 @@ def test_dlq_list_show_replay_purge(redis_server) -> None:  # type: ignore[no-un
     }
     entry_id = r.xadd("agent:{web}:dead", {"entry": json.dumps(letter)})
 
-    listed = _run("dlq", "list", "--redis-url", url)
+    listed = _main("dlq", "list", "--redis-url", url)
     assert entry_id in listed.stdout
     assert "too bad" in listed.stdout
-    assert json.loads(_run("dlq", "show", entry_id, "--redis-url", url).stdout)["deliveries"] == 6
-    assert _run("dlq", "replay", entry_id, "--redis-url", url).returncode == 0
+    assert json.loads(_main("dlq", "show", entry_id, "--redis-url", url).stdout)["deliveries"] == 6
+    assert _main("dlq", "replay", entry_id, "--redis-url", url).returncode == 0
     assert r.xlen("agent:{web}:dead") == 0
     assert r.xrange("agent:{web}:in:web:x")[0][1]["payload"] == '{"v":2}'
     r.xadd("agent:{web}:dead", {"entry": json.dumps(letter)})
     private = {k: v for k, v in letter.items() if k != "payload"} | {"private": True}
     kept = r.xadd("agent:{web}:dead", {"entry": json.dumps(private)})
-    refused = _run("dlq", "replay", kept, "--redis-url", url)
+    refused = _main("dlq", "replay", kept, "--redis-url", url)
     assert refused.returncode == 1
     assert "no text of a private payload" in refused.stderr
-    assert "purged 2" in _run("dlq", "purge", "--redis-url", url).stdout
+    assert "purged 2" in _main("dlq", "purge", "--redis-url", url).stdout
     r.close()
 
 
@@ -186,18 +203,18 @@ def test_sessions_and_channels_commands(redis_server) -> None:  # type: ignore[n
 
     asyncio.run(seed())
     url = redis_server.url
-    listed = _run("sessions", "list", "--redis-url", url)
+    listed = _main("sessions", "list", "--redis-url", url)
     assert listed.stdout.startswith("web:x\tweb/sender:u\t1 messages")
-    scoped = _run("sessions", "list", "--scope", "web/sender:other", "--redis-url", url)
+    scoped = _main("sessions", "list", "--scope", "web/sender:other", "--redis-url", url)
     assert scoped.stdout == "(no stored sessions in scope web/sender:other)\n"
-    shown = json.loads(_run("sessions", "show", "web:x", "--redis-url", url).stdout)
+    shown = json.loads(_main("sessions", "show", "web:x", "--redis-url", url).stdout)
     assert shown["messages"][0]["content"] == "hello there"
-    assert _run("sessions", "delete", "web:x", "--redis-url", url).stdout.strip() == "deleted"
-    assert _run("sessions", "show", "web:x", "--redis-url", url).returncode == 1
+    assert _main("sessions", "delete", "web:x", "--redis-url", url).stdout.strip() == "deleted"
+    assert _main("sessions", "show", "web:x", "--redis-url", url).returncode == 1
 
-    assert _run("channels", "add", "tele_gram", "--redis-url", url).returncode == 0
-    assert "tele_gram" in _run("channels", "list", "--redis-url", url).stdout.split()
-    bad = _run("channels", "add", "we:b", "--redis-url", url)
+    assert _main("channels", "add", "tele_gram", "--redis-url", url).returncode == 0
+    assert "tele_gram" in _main("channels", "list", "--redis-url", url).stdout.split()
+    bad = _main("channels", "add", "we:b", "--redis-url", url)
     assert bad.returncode == 2
-    assert _run("channels", "remove", "tele_gram", "--redis-url", url).returncode == 0
-    assert "tele_gram" not in _run("channels", "list", "--redis-url", url).stdout.split()
+    assert _main("channels", "remove", "tele_gram", "--redis-url", url).returncode == 0
+    assert "tele_gram" not in _main("channels", "list", "--redis-url", url).stdout.split()

@@ -662,7 +662,9 @@ async def test_a_failed_drop_is_not_left_behind_by_a_graceful_stop(  # type: ign
 
     await until(left, timeout_s=20)
     assert await redis.hget(K.owner(key), "worker") is None  # leave() retried the drop
-    b = make_loop(answering())
+    # (on fakeredis, A's blocked read of the ready queue may still take the reopening's
+    # notification: B's sweep of stranded streams finds it, each third of B's lease TTL)
+    b = make_loop(answering(), lock_ttl_ms=1500)
     _, again = await client.open_transient("web", "p", session_key=key)
     try:
         await collect(client, "web", {again}, timeout_s=25)
@@ -690,7 +692,9 @@ async def test_a_late_redrop_of_worker_a_keeps_worker_bs_registry_entry(  # type
     await redis.delete(K.owner(key))  # A's record ran out
     a.stop()  # (A's worker goes on as a stalled process would; only its redrop matters)
     a.maintenance.leave = _nothing  # type: ignore[method-assign]
-    b = make_loop(answering())
+    # A took the reopening's notification as a stalled worker would: B's sweep of stranded
+    # streams finds it, each third of B's lease TTL
+    b = make_loop(answering(), lock_ttl_ms=1500)
     _, again = await client.open_transient("web", "p", session_key=key)
     await collect(client, "web", {again}, timeout_s=10)
     assert await redis.hget(K.owner(key), "worker") == b.worker_id

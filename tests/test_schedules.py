@@ -270,7 +270,7 @@ async def test_three_workers_fire_each_firing_once_and_again_after_a_restart(
             if e.is_terminal and e.session_key == f"web:{chat}" and e.reply_to != chat
         ]
 
-    await until(lambda: _count(fired, "every", 3), timeout_s=30)
+    await until(lambda: _count(fired, "every", 2), timeout_s=30)
     await until(lambda: _count(fired, "at", 1), timeout_s=30)
     for w in workers:
         w.kill()
@@ -281,7 +281,7 @@ async def test_three_workers_fire_each_firing_once_and_again_after_a_restart(
     [sid] = await real_redis.smembers(K.crons("web:every"))
     due = int(await real_redis.zscore(K.cron_due("web"), sid))
     # every worker down while more firings come due
-    await until(lambda: time.time() * 1000 > due + 2_500, timeout_s=10)
+    await until(lambda: time.time() * 1000 > due + 1_500, timeout_s=10)
     spawn_workers(1, env=env)
     await until(lambda: _count(fired, "every", len(before) + 2), timeout_s=30)
     after = await fired("every")
@@ -290,7 +290,7 @@ async def test_three_workers_fire_each_firing_once_and_again_after_a_restart(
     assert due in dues  # the overdue firing was delivered once, late ...
     gaps = [b - a for a, b in itertools.pairwise(dues)]
     late = dues.index(due)
-    assert gaps[late] >= 3_000  # ... and the ones missed after it were skipped
+    assert gaps[late] >= 2_000  # ... and the one missed after it was skipped
     assert all(g == 1_000 for i, g in enumerate(gaps) if i != late)
     # operators: list and remove
     cli_env = {"AGENT_REDIS_URL": redis_server.url}
