@@ -6,6 +6,7 @@ import contextlib
 import io
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from servers import free_port
@@ -181,6 +182,25 @@ def test_demo_falls_back_to_an_in_process_server() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     assert "in-process fakeredis" in res.stdout
     assert "Redis keys holding the secret: 0" in res.stdout
+
+
+def test_the_demo_names_its_own_redis_when_it_goes_away(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The demo's embedded Redis is gone: the line names that server, not the configured
+    (default) URL the demo never used."""
+    import worker.cli.demo as demo
+
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+
+    @contextlib.contextmanager
+    def vanished() -> Iterator[tuple[str, str]]:
+        yield gone, "a redis-server that went away"
+
+    monkeypatch.setattr(demo, "embedded_redis", vanished)
+    monkeypatch.setenv("OPENAI_API_KEY", "")
+    res = _main("demo")
+    assert res.returncode == 1
+    assert f"lost its Redis at {gone}" in res.stderr, res.stderr
+    assert "6379" not in res.stderr
 
 
 @pytest.mark.real_redis

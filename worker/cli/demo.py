@@ -10,12 +10,15 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from worker.app import make_loop, make_redis
@@ -230,6 +233,12 @@ async def _demo(args: argparse.Namespace, settings: Settings) -> int:
             await _conversation(script, loops, url)
             if args.keep:
                 await _serve_page(url)
+        except TimeoutError:  # (an OSError: not a Redis that went away)
+            print("agent-worker demo: a turn got no answer in time", file=sys.stderr)
+            return 1
+        except (RedisConnectionError, OSError) as exc:  # its own Redis, not the configured one
+            print(f"agent-worker demo: lost its Redis at {url}: {exc}", file=sys.stderr)
+            return 1
         finally:
             for loop in loops:
                 loop.stop()
