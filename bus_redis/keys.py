@@ -101,6 +101,11 @@ class Keys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{encode_session(worker_id)}:info"
 
+    def worker_jobs(self, worker_id: str) -> str:
+        """Hash: job id -> its name and arguments (JSON), of the background jobs the worker
+        runs now: a survivor that judges it dead runs them again at once."""
+        return f"{self.prefix}:worker:{encode_session(worker_id)}:jobs"
+
     # --- per channel {C} -------------------------------------------------------------
     def ready(self, channel: str) -> str:
         """The channel's queue of session notifications (group ``workers``)."""

@@ -276,3 +276,30 @@ async def test_a_copy_kept_between_turns_forgets_consolidated_rows(redis: aiored
     assert len(stored.messages) == 3002
     assert stored.messages[0]["content"] == "old 0"
     await loop.jobs.aclose()
+
+
+async def test_a_dead_workers_running_jobs_are_claimed_once_and_by_channel(
+    redis: aioredis.Redis,
+) -> None:
+    """The entries a worker keeps of the jobs it runs: of two survivors, one claims each
+    job; one serving other channels leaves it; an entry that ended is gone."""
+    from bus_redis.running_jobs import RunningJobs
+
+    bus = RedisBus(redis)
+    dead = RunningJobs(bus, "w-dead", ttl_ms=60_000)
+    await dead.started("j1", "consolidate", "web", {"key": "web:a", "start": 0, "end": 4})
+    await dead.started("j2", "consolidate", "tg", {"key": "tg:b", "start": 2, "end": 6})
+    await dead.started("j3", "consolidate", "web", {"key": "web:c", "start": 0, "end": 2})
+    await dead.ended("j3")
+    await redis.hset(Keys().worker_jobs("w-dead"), "junk", "not json")
+    survivor = RunningJobs(bus, "w1", ttl_ms=60_000)
+    other = RunningJobs(bus, "w2", ttl_ms=60_000)
+    assert await other.claim("w-dead", {"mail"}) == []
+    got = await survivor.claim("w-dead", {"web"})
+    assert got == [("j1", "consolidate", {"key": "web:a", "start": 0, "end": 4})]
+    assert await other.claim("w-dead", {"web"}) == []  # claimed once
+    assert await other.claim("w-dead", {"web", "tg"}) == [
+        ("j2", "consolidate", {"key": "tg:b", "start": 2, "end": 6})
+    ]
+    assert not await redis.exists(Keys().worker_jobs("w-dead"))  # (the junk went too)
+    await bus.aclose()

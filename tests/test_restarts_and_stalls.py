@@ -132,6 +132,55 @@ async def test_a_subagent_of_a_killed_worker_reports_back_without_arqs_job_timeo
     )
 
 
+async def test_a_consolidation_of_a_killed_worker_runs_again_without_arqs_job_timeout(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """A consolidation job (arq) runs on a worker that is killed -9 mid model call. arq's
+    in-progress key keeps the job from every other worker for 15 minutes, and each later
+    turn's enqueue is refused as a duplicate: the session's memory stays unwritten that
+    long. The survivor that judges the worker dead runs it again at once."""
+    env = {**FAST, "AGENT_CONSOLIDATE_ABOVE_TOKENS": "1"}
+    workers = {w.worker_id: w for w in spawn_workers(2, env=env)}
+    for w in workers:
+        await until(lambda w=w: _beats(real_redis, w), timeout_s=20)
+    client = FrontendClient(real_redis)
+    first = await client.send(_m("cj", "remember: the milk is blue (block)"))
+    assert await asyncio.to_thread(fake_llm.started.wait, 20)
+    fake_llm.release()  # the turn answered; the fold of its rows is held again below
+    await collect(client, "web", {first}, timeout_s=30)
+    fake_llm.rearm()
+    held: list[str] = []
+    fake_llm.on_block = held.append
+    for i in range(4):  # 10 rows: the first two are past the 8 kept as they are
+        sent = await client.send(_m("cj", f"more {i}"))
+        await collect(client, "web", {sent}, timeout_s=30)
+    await until(lambda: any(t.startswith("# Current memory") for t in held), timeout_s=30)
+
+    async def runner() -> str | None:
+        for w in workers:
+            if await real_redis.hlen(K.worker_jobs(w)):
+                return w
+        return None
+
+    await until(runner, timeout_s=20)
+    workers[await runner()].kill()  # type: ignore[index]
+    fake_llm.release()
+    scope = "web/sender:u"
+
+    async def folded() -> bool:
+        return bool(await real_redis.hget(K.memory(scope), "content"))
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not await folded() and loop.time() < deadline:
+        await asyncio.sleep(0.1)  # poll: the fold is written by another process
+    job = "arq:in-progress:agent:consolidate:web:cj"
+    assert await folded(), (
+        f"no memory 30 s after the consolidating worker died; arq's in-progress key "
+        f"still lives {await real_redis.pttl(job)} ms"
+    )
+
+
 class _GatedProxy:
     """A TCP proxy to a redis-server whose forwarding the test can hold (a gate): what
     one worker sends and receives waits while it is closed."""

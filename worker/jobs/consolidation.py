@@ -14,13 +14,19 @@ the other's facts), at most ``FOLD_ATTEMPTS`` times.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from bus_redis.codec import safe
+from bus_redis.keys import channel_of
+from bus_redis.running_jobs import RunningJobs
 from session_store import Session
 from session_store.codec import encode_meta
 from worker.runtime.acquiring import Acquirer
@@ -34,6 +40,7 @@ FOLD_ATTEMPTS = 3
 RAW_MAX_BYTES = 128 * 1024  # about the unconsolidated window (AGENT_CONSOLIDATE_ABOVE_TOKENS)
 RAW_CUT = "(older part cut)\n"  # where a [RAW] entry's transcript starts when it was cut
 JOB_NAME = "consolidate"
+JOB_TTL_MS = 20 * 60_000  # how long an entry of a running job lasts (past arq's 15 minutes)
 PROMPT = (
     "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
     "current memory and a conversation, reply with only a JSON object "
@@ -125,6 +132,12 @@ def bounded(memory: str, budget: int) -> str:
 class Consolidator:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        # the jobs running here, for a survivor should this worker die (JOB_TTL_MS: arq's
+        # job timeout and more: a job that ran longer is gone anyway)
+        self.running = RunningJobs(rt.bus, rt.worker_id, ttl_ms=JOB_TTL_MS)
+
+    def _job_id(self, key: str) -> str:
+        return f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{key}"
 
     async def maybe_consolidate_by_tokens(self, session: Session) -> bool:
         """Queue a consolidation job when the unconsolidated history is over budget
@@ -138,7 +151,7 @@ class Consolidator:
             return False
         return await self.rt.jobs.enqueue(  # rows counted from the hash's first (absolute)
             JOB_NAME,
-            job_id=f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{session.key}",
+            job_id=self._job_id(session.key),
             key=session.key,
             start=session.base + session.last_consolidated,
             end=session.base + end,
@@ -146,7 +159,27 @@ class Consolidator:
 
     async def run_job(self, *, key: str, start: int, end: int) -> None:
         """The job: fold rows ``start:end`` of a stored session (counted from the hash's
-        first row) into its scope's memory."""
+        first row) into its scope's memory. While it runs, this worker's entry names it
+        (a survivor runs it again at once should this worker die: ``rerun_orphans``)."""
+        job_id = self._job_id(key)
+        await self.running.started(
+            job_id, JOB_NAME, channel_of(key), {"key": key, "start": start, "end": end}
+        )
+        try:
+            await self._run(key, start, end)
+        finally:
+            with contextlib.suppress(RedisError):  # (it lives JOB_TTL_MS at most)
+                await self.running.ended(job_id)
+
+    async def rerun_orphans(self, dead: str, channels: Iterable[str]) -> int:
+        """The consolidations worker ``dead`` ran (judged dead) for sessions of
+        ``channels`` run again now, not once the job queue's timeout ran out."""
+        claimed = await self.running.claim(dead, channels)
+        for job_id, name, kwargs in claimed:
+            await self.rt.jobs.orphaned(name, job_id=job_id, **kwargs)
+        return len(claimed)
+
+    async def _run(self, key: str, start: int, end: int) -> None:
         for _ in range(FOLD_ATTEMPTS):
             snapshot = await self.rt.sessions.store.load_recent(key)
             if (

@@ -123,7 +123,7 @@ class AgentLoop:
             set_channels=self._set_channels,
             streams=lambda: list(self._streams),
             periodic=self.schedules.sweep,
-            left_by=self.subagents.rerun_orphans,
+            left_by=self._rerun_left,
         )
         self.liveness = Liveness(
             self.rt,
@@ -131,7 +131,7 @@ class AgentLoop:
             channels=self._served_channels,
             streams=lambda: list(self._streams),
             dispatch=self.dispatch,
-            on_dead=self.subagents.rerun_orphans,
+            on_dead=self._rerun_left,
         )
 
     # --- the in-process surface (README: Embedding) ---------------------------------------------
@@ -240,8 +240,17 @@ class AgentLoop:
         # under the same id before anyone noticed): hand them over at once
         await self.rt.registry.sweeps.takeover(
             self._served_channels(), self.worker_id, dead_after_ms=None
-        )  # ... and the subagents it ran
-        await self.subagents.rerun_orphans(self.worker_id, self._served_channels())
+        )  # ... and the jobs it ran
+        await self._rerun_left(self.worker_id, self._served_channels())
+
+    async def _rerun_left(self, worker: str, channels: set[str]) -> None:
+        """What worker ``worker`` (dead, or this one's former life) left running in
+        ``channels`` runs again now: its subagents and consolidations."""
+        for rerun in (self.subagents.rerun_orphans, self.consolidator.rerun_orphans):
+            try:
+                await rerun(worker, channels)
+            except RedisError as exc:  # the next look (tick, prune) tries again
+                log.warning("re-running what %s left failed: %s", safe(worker), type(exc).__name__)
 
     @property
     def stopping(self) -> bool:
