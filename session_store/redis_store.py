@@ -37,6 +37,7 @@ NON_TURN_HOLDERS = frozenset({ADMIN_HOLDER, PRUNE_HOLDER})
 ROWS_AHEAD = 24  # rows read with the head fields when catching up (one round trip): a dozen
 # two-row turns that ran on other workers
 LOAD_BATCH = 1000  # rows per HMGET of a load: no one command as long as a history
+TAIL_ATTEMPTS = 3  # reads of a tool's tail of a session while it is deleted and started again
 
 
 class SessionBusyError(TimeoutError):
@@ -260,16 +261,29 @@ class RedisSessionStore:
         }
 
     async def _load_tail(self, key: str, last: int) -> Session | None:
+        """The newest ``last`` rows, read without the lease in two round trips: the rows
+        come with the session's generation again, and a session deleted and started anew
+        in between (maybe by a sender of another scope) is read again, so that the rows
+        returned are those of the meta (the scope) returned."""
         hkey = self.keys.session(key)
-        meta, count = await self._hmget(hkey, ["meta", "count"])
-        if meta is None and count is None:
-            return None
-        n = int(text(count) or 0) if count is not None else 0
-        first = max(0, n - max(0, last))
-        raws = await self._hmget(hkey, [f"m:{i}" for i in range(first, n)]) if n > first else []
-        session = Session(key=key, messages=readable_rows(text(r) for r in raws))
-        apply_meta(session, decode_meta(text(meta) if meta is not None else None))
-        return session
+        for _ in range(TAIL_ATTEMPTS):
+            meta, count, gen = await self._hmget(hkey, ["meta", "count", "gen"])
+            if meta is None and count is None:
+                return None
+            n = int(text(count) or 0) if count is not None else 0
+            first = max(0, n - max(0, last))
+            if n <= first:
+                raws: list[Any] = []
+            else:
+                *raws, gen_after = await self._hmget(
+                    hkey, [*(f"m:{i}" for i in range(first, n)), "gen"]
+                )
+                if gen_after != gen:
+                    continue  # another session under this key now: read it from its start
+            session = Session(key=key, messages=readable_rows(text(r) for r in raws))
+            apply_meta(session, decode_meta(text(meta) if meta is not None else None))
+            return session
+        return None  # deleted and started again each time: nothing to be sure of
 
     async def read_metadata(self, key: str) -> dict[str, Any] | None:
         raw = await self.redis.hget(self.keys.session(key), "meta")  # type: ignore[misc]
