@@ -53,6 +53,7 @@ ENQUEUE_BATCH = 1000  # upcoming firings a worker queues as jobs per channel and
 MAX_MESSAGE_CHARS = 2000
 MAX_EVERY_S = 366 * 86_400
 MAX_AHEAD_MS = MAX_EVERY_S * 1000  # an `at` this far ahead at most
+GAP_FIRINGS = 64  # firings of a new cron expression looked at for its shortest repeat
 HORIZON_MS = 120_000  # firings due within this are arq jobs; later ones wait in Redis only
 ENQUEUED_MEMO = 10_000  # firings this worker enqueued (not enqueued again)
 
@@ -147,10 +148,31 @@ def parse_schedule(
         return Schedule(kind="every", every_s=_every(args["every_seconds"], min_every_s), **base)
     expr = str(args["cron_expr"])
     try:
-        cron_after(expr, str(tz), now)
+        if len(expr.split()) != 5:  # (cronsim also reads a sixth field: seconds)
+            raise ValueError(expr)
+        gap = closest_firings(expr, str(tz), now)
     except (CronSimError, ValueError, StopIteration):
-        raise ScheduleError(f"'cron_expr' {expr!r} is not a cron expression (5 fields)") from None
+        raise ScheduleError(
+            f"'cron_expr' {expr!r} is not a cron expression (5 fields: minute hour day month "
+            "weekday)"
+        ) from None
+    if gap < min_every_s * 1000:
+        raise ScheduleError(
+            f"'cron_expr' {expr!r} fires {gap // 1000} s apart; at least {min_every_s} s apart"
+        )
     return Schedule(kind="cron", cron_expr=expr, **base)
+
+
+def closest_firings(expr: str, tz: str, now: int) -> int:
+    """The shortest time (ms) between two of the next ``GAP_FIRINGS`` firings of ``expr``:
+    a sample (its firings in a day are the same every day it fires, so that the closest
+    come early, in its first day or across a midnight, unless a day has more than that
+    many; five fields never fire more often than once a minute)."""
+    shortest, at = MAX_AHEAD_MS, cron_after(expr, tz, now)
+    for _ in range(GAP_FIRINGS - 1):
+        nxt = cron_after(expr, tz, at)
+        shortest, at = min(shortest, nxt - at), nxt
+    return shortest
 
 
 def _at(text: str, zone: ZoneInfo, tz: str, now: int) -> int:
@@ -319,7 +341,7 @@ class Schedules:
                 for sid, due in await self.store.due(channel, now, limit=SWEEP_BATCH):
                     try:  # one schedule's failure (its session's keys) skips that one only
                         fired += await self.fire(channel=channel, sid=sid, due_ms=due)
-                    except ResponseError as exc:
+                    except (ResponseError, ValueError) as exc:  # (ValueError: its times)
                         log.warning("schedule %s of %s not fired: %s", safe(sid), safe(channel),
                                     safe(str(exc)))  # fmt: skip
                 upcoming = await self.store.due_between(
