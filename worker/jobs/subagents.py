@@ -86,7 +86,7 @@ class Subagents:
         if not task.strip():
             return "Error: 'task' is empty"
         sid = hashlib.sha256(ctx.call_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
-        label = (label or task).strip().splitlines()[0][:60]
+        label = (label.strip() or task.strip()).splitlines()[0][:60]
         doc = {
             "id": sid,
             "session": origin.member,
@@ -96,6 +96,7 @@ class Subagents:
             "label": label,
             "task": task[:MAX_TASK_CHARS],
             "state": "queued",
+            "by": self.rt.worker_id,  # queues its job (a survivor does, should it die first)
             "created_ms": int(time.time() * 1000),
             "after": origin.entry_id,  # controls of the session after this entry abort it
         }
@@ -116,8 +117,14 @@ class Subagents:
         # drops its tool round) takes the subagent with it, as it takes a schedule
         fence = (origin.lease_key or origin.member, origin.token)
         ctx.undo.append((ctx.round, lambda: self._undo(origin.member, sid, fence)))
-        job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
-        await self.rt.jobs.enqueue(JOB_NAME, job_id=job_id, session=origin.member, sid=sid)
+        try:
+            await self.rt.jobs.enqueue(
+                JOB_NAME, job_id=self._job_id(sid), session=origin.member, sid=sid
+            )
+        except Exception:  # not queued: no job would ever run it, nor free its slot
+            with contextlib.suppress(RedisError):
+                await self.store.drop(origin.member, sid, lease_key=fence[0], token=fence[1])
+            raise
         return (
             f"Subagent {sid} ({label}) started; its result will arrive in this conversation "
             "as a system message. Do not wait for it in this turn."
@@ -260,13 +267,23 @@ class Subagents:
         again = 0
         for channel in channels:
             for session in await self.store.sessions(channel, limit=limit):
-                for sid in await self.store.of_session(session):
+                for sid, raw in (await self.store.of_session(session)).items():
+                    if _queued_by(raw) == dead:  # its job may never have been queued: queue
+                        # it (a job queued already keeps its place: one per id)
+                        await self.rt.jobs.enqueue(
+                            JOB_NAME, job_id=self._job_id(sid), session=session, sid=sid
+                        )
+                        continue
                     if not await self.store.claim_orphan(session, sid, dead, self.rt.worker_id):
                         continue  # not the dead worker's, or another survivor took it
-                    job_id = f"{self.rt.bus.keys.prefix}:subagent:{sid}"
-                    await self.rt.jobs.orphaned(JOB_NAME, job_id=job_id, session=session, sid=sid)
+                    await self.rt.jobs.orphaned(
+                        JOB_NAME, job_id=self._job_id(sid), session=session, sid=sid
+                    )
                     again += 1
         return again
+
+    def _job_id(self, sid: str) -> str:
+        return f"{self.rt.bus.keys.prefix}:subagent:{sid}"
 
     # --- aborting -----------------------------------------------------------------------
     def on_control(self, control: ControlMessage) -> None:
@@ -310,6 +327,18 @@ class Subagents:
                     await self.store.drop(session, sid)
         except RedisError as exc:
             log.warning("subagents of %s not unregistered: %s", safe(session), type(exc).__name__)
+
+
+def _queued_by(raw: str) -> str | None:
+    """The worker that registered a subagent not started yet (None once it runs)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("state") != "queued":
+        return None
+    by = doc.get("by")
+    return by if isinstance(by, str) else None
 
 
 async def _nowhere(_text: str) -> None:
