@@ -29,12 +29,16 @@ from bus_redis.keys import channel_of
 from bus_redis.running_jobs import RunningJobs
 from session_store import Session
 from session_store.codec import encode_meta
+from session_store.models import estimate_tokens
 from worker.runtime.acquiring import Acquirer
 from worker.runtime.context import Runtime
 
 log = logging.getLogger(__name__)
 KEEP_RECENT = 8
 FOLD_ATTEMPTS = 3
+MAX_PARTS = 8  # folds (model calls) of one job at most
+MIN_PART_TOKENS = 4_000  # a part's transcript is cut at 4 characters a token of the larger
+# of this and the consolidation threshold
 # a [RAW] archive entry at most, in UTF-8 bytes (a long conversation's newest rows): well
 # under the compose file's proto-max-bulk-len of 1 MB, which a script argument must meet
 RAW_MAX_BYTES = 128 * 1024  # about the unconsolidated window (AGENT_CONSOLIDATE_ABOVE_TOKENS)
@@ -58,13 +62,18 @@ class Fold:
     memory_version: int  # the memory it was made from
 
 
-async def fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
+async def fold(
+    rt: Runtime, scope: str, rows: list[dict[str, Any]], *, max_chars: int | None = None
+) -> Fold:
     """Ask the model for the scope's updated memory given ``rows`` (raises what the
-    provider raises)."""
+    provider raises); with ``max_chars``, a transcript longer than that (one row longer
+    than a part) keeps its first ``max_chars`` characters."""
     budget = rt.config.memory_max_chars
     current = await rt.memory.read_memory(scope)
     version = rt.memory.version(scope)
     text = _transcript(rows)
+    if max_chars is not None and len(text) > max_chars:
+        text = text[:max_chars] + "\n(the rest cut)"
     user = f"# Current memory\n{current or '(empty)'}\n\n# Conversation\n{text}"
     reply = await rt.provider.chat_with_retry(
         messages=[
@@ -94,6 +103,16 @@ async def raw_fold(rt: Runtime, scope: str, rows: list[dict[str, Any]]) -> Fold:
         room -= len(RAW_CUT.encode())
         text = RAW_CUT + raw[-room:].decode(errors="ignore")
     return Fold(current or "", head + text, version)
+
+
+def _part(rows: list[dict[str, Any]], budget_tokens: int) -> list[dict[str, Any]]:
+    """The first rows within ``budget_tokens`` (estimated; at least one row)."""
+    used = 0
+    for n, row in enumerate(rows):
+        used += estimate_tokens(row)
+        if used > budget_tokens and n > 0:
+            return rows[:n]
+    return rows
 
 
 def _transcript(rows: list[dict[str, Any]]) -> str:
@@ -180,19 +199,38 @@ class Consolidator:
         return len(claimed)
 
     async def _run(self, key: str, start: int, end: int) -> None:
+        """Rows ``start:end`` folded part by part (``_part``: about the consolidation
+        threshold each, so that no request outgrows the model's context however far
+        behind the folds fell), at most ``MAX_PARTS`` a job: a backlog left over is
+        taken up by the job the next turn queues."""
+        for _ in range(MAX_PARTS):
+            reached = await self._fold_part(key, start, end)
+            if reached is None or reached >= end:
+                return
+            start = reached
+
+    async def _fold_part(self, key: str, start: int, end: int) -> int | None:
+        """Fold the first part of rows ``start:end`` not consolidated yet (a part of this
+        job that ran before, maybe on a worker that died, stays done): where the
+        consolidated rows end now, or None when there is nothing (more) to do here."""
         for _ in range(FOLD_ATTEMPTS):
             snapshot = await self.rt.sessions.store.load_recent(key)
-            if (
-                snapshot is None
-                or snapshot.base + snapshot.last_consolidated != start
-                or not snapshot.scope
-            ):
-                return  # gone, transient (never stored), or consolidated meanwhile
-            rows = snapshot.messages[start - snapshot.base : end - snapshot.base]
-            folded = await fold(self.rt, snapshot.scope, rows)
-            if await self._commit(snapshot, start, end, folded) != "memory_moved":
-                return
+            if snapshot is None or not snapshot.scope:
+                return None  # gone, or transient (never stored)
+            at = snapshot.base + snapshot.last_consolidated
+            if not start <= at < end:
+                return None  # consolidated meanwhile
+            budget = self.rt.config.consolidate_above_tokens
+            part = _part(snapshot.messages[at - snapshot.base : end - snapshot.base], budget)
+            cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row longer than a part)
+            folded = await fold(self.rt, snapshot.scope, part, max_chars=cap)
+            result = await self._commit(snapshot, at, at + len(part), folded)
+            if result == "ok":
+                return at + len(part)
+            if result != "memory_moved":
+                return None
         log.warning("consolidation of %s gave up: its memory kept changing", safe(key))
+        return None
 
     async def _commit(self, folded_from: Session, start: int, end: int, folded: Fold) -> str:
         """Under the lease: write ``folded`` if the stored session is still the one it
