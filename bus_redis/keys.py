@@ -204,6 +204,11 @@ class Keys:
         """Sorted set: session key -> when it last spawned a subagent (``status`` lists)."""
         return f"{self.prefix}:{{{channel}}}:subagents"
 
+    def subagent_scopes(self, channel: str) -> str:
+        """Hash: session key -> its scope, of the sessions in ``subagents`` (the share of
+        one scope is counted from these)."""
+        return f"{self.prefix}:{{{channel}}}:subagents:scopes"
+
     # --- per scope (lives in the slot of its channel) -------------------------------------
     def scope_sessions(self, scope: str) -> str:
         """Sorted set of the durable sessions of one scope (session tools read only these)."""
@@ -291,6 +296,7 @@ class Keys:
             self.cron_due(channel),
             self.spawned(session_key),
             self.subagents(channel),
+            self.subagent_scopes(channel),
         ]
 
     def attempts(self, session_key: str) -> str:

@@ -25,13 +25,16 @@ class SubagentStore:
 
     async def add(
         self, lease_key: str, token: str, session: str, sid: str, doc: str, *, limit: int,
-        channel_limit: int,
+        channel_limit: int, scope: str, scope_limit: int,
     ) -> int:  # fmt: skip
         """1 added, 2 added already, 0 ``limit`` run in the session, -2 ``channel_limit``
-        sessions of the channel have some running, -1 lease lost."""
-        k = self.keys
-        keys = [k.lease(lease_key), k.spawned(session), k.subagents(channel_of(session))]
+        sessions of the channel have some running, -3 ``scope_limit`` of them are of
+        ``scope``, -1 lease lost."""
+        k, channel = self.keys, channel_of(session)
+        keys = [k.lease(lease_key), k.spawned(session), k.subagents(channel)]
+        keys.append(k.subagent_scopes(channel))
         args = [token, sid, doc, limit, REGISTRATION_TTL_MS, session, channel_limit]
+        args += [scope, scope_limit]
         return int(text(await self.bus.scripts.call("spawn_add", keys, args)))
 
     async def _done(
@@ -48,6 +51,7 @@ class SubagentStore:
         keys = [k.spawned(session), k.subagents(channel), k.inbound(session)]
         keys += [k.queued(channel), k.ready(channel)]
         keys.append(k.lease(lease_key) if token else keys[0])
+        keys.append(k.subagent_scopes(channel))
         args = [sid, op, doc, session, READY_MAXLEN, token]
         return int(text(await self.bus.scripts.call("spawn_done", keys, args))) == 1
 

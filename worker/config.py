@@ -69,6 +69,8 @@ class LoopConfig(BaseModel):
     cron_min_every_s: int = Field(default=60, ge=1)  # the shortest repeat a schedule may have
     subagents_per_session: int = Field(default=2, ge=1, le=100)  # running at once
     subagent_sessions_per_channel: int = Field(default=8, ge=1)  # sessions running some
+    # ... of one scope (a user): one user cannot take every session slot of the channel
+    subagent_sessions_per_scope: int = Field(default=2, ge=1)
     subagent_max_iterations: int = Field(default=8, ge=1)  # a subagent's tool rounds
     # a subagent's time, at most (below the job queue's own limit, JOB_TIMEOUT_S = 900 s,
     # with room for its start's and its result's retries)

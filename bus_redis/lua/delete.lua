@@ -4,7 +4,7 @@
 -- KEYS[4] scope index of the session ('' scope: KEYS[3] again)  KEYS[5] the session's events
 -- KEYS[6] its tool journal  KEYS[7] its schedules (set of ids)  KEYS[8] the channel's
 -- schedule definitions  KEYS[9] the channel's due index  KEYS[10] its running subagents
--- KEYS[11] the channel's index of sessions with subagents
+-- KEYS[11] the channel's index of sessions with subagents  KEYS[12] their scopes
 -- ARGV[1] token  ARGV[2] the session key  ARGV[3] the delete marker's id: of the events,
 -- only the error answers written after it stay (the cancelled answers of the messages it
 -- covers; no text of the conversation, not even an answer that ended after the marker);
@@ -25,4 +25,5 @@ else
 end
 redis.call('DEL', KEYS[6], KEYS[7], KEYS[10])
 redis.call('ZREM', KEYS[11], ARGV[2])
+redis.call('HDEL', KEYS[12], ARGV[2])
 return redis.call('DEL', KEYS[2])

@@ -4,6 +4,7 @@
 -- KEYS[1] the session's subagents  KEYS[2] the channel's index of sessions with subagents
 -- KEYS[3] the session's inbound stream  KEYS[4] channel's queued index  KEYS[5] its ready queue
 -- KEYS[6] the lease of the turn dropping it (an undo; else KEYS[1])
+-- KEYS[7] the scopes of the channel's sessions with subagents (hash)
 -- ARGV[1] subagent id  ARGV[2] 'running' (ARGV[3]: what it does now, JSON), 'done'
 -- (ARGV[3]: the result message, JSON) or 'drop'  ARGV[4] session key  ARGV[5] ready MAXLEN
 -- ARGV[6] that turn's lease token ('': not fenced)
@@ -31,5 +32,8 @@ if ARGV[2] == 'done' then
   end
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('ZREM', KEYS[2], ARGV[4]) end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('ZREM', KEYS[2], ARGV[4])
+  redis.call('HDEL', KEYS[7], ARGV[4])
+end
 return 1

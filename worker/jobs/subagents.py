@@ -104,12 +104,18 @@ class Subagents:
         limit = cfg.subagents_per_session
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, json.dumps(doc), limit=limit,
-            channel_limit=cfg.subagent_sessions_per_channel,
+            channel_limit=cfg.subagent_sessions_per_channel, scope=ctx.session.scope,
+            scope_limit=cfg.subagent_sessions_per_scope,
         )  # fmt: skip
         if added == -1:
             raise TurnAbortedError("lease_lost")
         if added == -2:
             return "Error: too many subagents are running in this service; try again later"
+        if added == -3:
+            return (
+                f"Error: subagents are running in {cfg.subagent_sessions_per_scope} of this "
+                "user's conversations; wait for one to finish"
+            )
         if added == 0:
             return f"Error: {limit} subagents of this conversation are running; wait for one"
         self._remember(origin.member)
