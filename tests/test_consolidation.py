@@ -239,7 +239,8 @@ async def test_a_consolidation_of_a_partly_loaded_session_folds_the_right_rows(
         folded.append(user.split("# Conversation\n", 1)[1])
         return LLMResponse(content=json.dumps({"memory": "m", "history": "h"}))
 
-    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=summarise), config=LOW)
+    one_part = LoopConfig(consolidate_above_tokens=100_000, read_block_ms=100)  # (one fold)
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=summarise), config=one_part)
     await loop.sessions.store.save(_seeded(3000, 2000))
     await loop.consolidator.run_job(key="web:long", start=2000, end=2100)
     assert "old 2000" in folded[0]

@@ -66,7 +66,7 @@ async def test_two_survivors_rerun_a_dead_workers_subagent_only_once(redis) -> N
     doc = {"id": "s1", "session": "web:d", "channel": "web", "chat_id": "d", "scope": "web/u",
            "label": "s1", "task": "look it up", "after": "1-0", "state": "queued"}  # fmt: skip
     assert await store.add("web:d", "n|wd", "web:d", "s1", json.dumps(doc), limit=3,
-                           channel_limit=8) == 1  # fmt: skip
+                           channel_limit=8, scope="web/u", scope_limit=2) == 1  # fmt: skip
     doc |= {"state": "running", "worker": "wd"}  # as wd's run_job recorded it
     assert await store.running("web:d", "s1", json.dumps(doc))
     try:
@@ -201,7 +201,7 @@ async def _dead_worker_left(redis: Any, *, silent_ms: int) -> tuple[Any, _SubMod
     doc = {"id": "s1", "session": "web:d", "channel": "web", "chat_id": "d", "scope": "web/u",
            "label": "s1", "task": "look it up", "after": "1-0", "state": "queued"}  # fmt: skip
     assert await store.add("web:d", "n|wd", "web:d", "s1", json.dumps(doc), limit=3,
-                           channel_limit=8) == 1  # fmt: skip
+                           channel_limit=8, scope="web/u", scope_limit=2) == 1  # fmt: skip
     doc |= {"state": "running", "worker": "wd"}
     assert await store.running("web:d", "s1", json.dumps(doc))
     await redis.delete(K.lease("web:d"))  # (its lease ran out meanwhile)

@@ -115,7 +115,7 @@ async def test_a_subagent_whose_start_meets_a_full_redis_still_reports_back(real
     doc = {"id": "sa", "session": session, "channel": "web", "chat_id": "oom",
            "scope": "web/sender:u", "label": "r", "task": "find it", "after": "1-0"}  # fmt: skip
     assert await store.add(session, "n|w", session, "sa", json.dumps(doc), limit=2,
-                           channel_limit=8) == 1  # fmt: skip
+                           channel_limit=8, scope="web/u", scope_limit=2) == 1  # fmt: skip
     before = await _oom_errors(real_redis)
     await real_redis.config_set("maxmemory", "1")
     try:
