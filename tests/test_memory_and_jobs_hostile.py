@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -190,16 +191,7 @@ async def test_a_spawn_whose_job_was_not_queued_leaves_no_registration_behind(
     the conversation can spawn again at once."""
     loop = make_loop(ScriptedProvider(handler=Spawner()), followup_mode="queue",
                      subagents_per_session=1)  # fmt: skip
-    jobs = loop.rt.jobs
-    real_enqueue, failed = jobs.enqueue, []
-
-    async def flaky(name: str, **kw: Any) -> bool:
-        if name == "subagent" and not failed:
-            failed.append(kw["job_id"])
-            raise RedisConnectionError("Connection reset by peer")
-        return await real_enqueue(name, **kw)
-
-    jobs.enqueue = flaky
+    failed = _first_subagent_enqueue(loop.rt.jobs, _connection_reset)
     client = FrontendClient(redis)
     await client.send(_msg("sp", "research one", "q1"))
     await collect(client, "web", {"q1"}, timeout_s=10)
@@ -222,16 +214,7 @@ async def test_a_spawn_whose_worker_died_before_queueing_its_job_runs_once_taken
     takes over what it left (a survivor, or itself restarted) queues the job, and the
     result comes back (it used to hold the session's slot for an hour, never run)."""
     loop = make_loop(ScriptedProvider(handler=Spawner()), followup_mode="queue")
-    jobs = loop.rt.jobs
-    real_enqueue, lost = jobs.enqueue, []
-
-    async def dies_first(name: str, **kw: Any) -> bool:
-        if name == "subagent" and not lost:
-            lost.append(kw["job_id"])
-            return True  # (the process was gone before this reached Redis)
-        return await real_enqueue(name, **kw)
-
-    jobs.enqueue = dies_first
+    lost = _first_subagent_enqueue(loop.rt.jobs, _never_sent)
     client = FrontendClient(redis)
     await client.send(_msg("sq", "research one", "q1"))
     await collect(client, "web", {"q1"}, timeout_s=10)
@@ -240,6 +223,28 @@ async def test_a_spawn_whose_worker_died_before_queueing_its_job_runs_once_taken
     await loop.subagents.rerun_orphans(loop.worker_id, {"web"})
     await until(lambda: _has_spawn_reply(client, "web:sq"), timeout_s=10)
     assert len(await _spawn_replies(client, "web:sq")) == 1
+
+
+def _first_subagent_enqueue(jobs: Any, instead: Callable[[], Awaitable[bool]]) -> list[str]:
+    """The first subagent job's enqueue does ``instead()``; the job ids it was asked for."""
+    real, first = jobs.enqueue, []
+
+    async def enqueue(name: str, **kw: Any) -> bool:
+        if name == "subagent" and not first:
+            first.append(kw["job_id"])
+            return await instead()
+        return bool(await real(name, **kw))
+
+    jobs.enqueue = enqueue
+    return first
+
+
+async def _connection_reset() -> bool:
+    raise RedisConnectionError("Connection reset by peer")
+
+
+async def _never_sent() -> bool:
+    return True  # (the process was gone before this reached Redis)
 
 
 async def _has_spawn_reply(client: FrontendClient, session: str) -> bool:
