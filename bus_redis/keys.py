@@ -200,6 +200,15 @@ class Keys:
         """Sorted set: schedule id -> its next firing (ms)."""
         return f"{self.prefix}:{{{channel}}}:cron:due"
 
+    def cron_scope_of(self, channel: str) -> str:
+        """Hash: schedule id -> the scope of its session."""
+        return f"{self.prefix}:{{{channel}}}:cron:scope-of"
+
+    def cron_per_scope(self, channel: str) -> str:
+        """Hash: scope -> how many schedules its sessions hold (at most
+        ``AGENT_CRON_MAX_PER_SCOPE``)."""
+        return f"{self.prefix}:{{{channel}}}:cron:per-scope"
+
     def subagents(self, channel: str) -> str:
         """Sorted set: session key -> when it last spawned a subagent (``status`` lists)."""
         return f"{self.prefix}:{{{channel}}}:subagents"
@@ -297,6 +306,8 @@ class Keys:
             self.spawned(session_key),
             self.subagents(channel),
             self.subagent_scopes(channel),
+            self.cron_scope_of(channel),
+            self.cron_per_scope(channel),
         ]
 
     def attempts(self, session_key: str) -> str:

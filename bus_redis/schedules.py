@@ -21,13 +21,15 @@ class ScheduleStore:
 
     async def add(
         self, lease_key: str, token: str, session: str, sid: str, doc: str, first_ms: int,
-        *, limit: int, channel_limit: int,
+        *, limit: int, channel_limit: int, scope: str, scope_limit: int,
     ) -> int:  # fmt: skip
         """1 added, 2 added already, 0 the session has ``limit`` schedules, -2 the channel
-        has ``channel_limit``, -1 lease lost."""
+        has ``channel_limit``, -3 the sessions of ``scope`` have ``scope_limit``, -1 lease
+        lost."""
         k, channel = self.keys, channel_of(session)
         keys = [k.lease(lease_key), k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
-        args = [token, sid, doc, first_ms, limit, channel_limit]
+        keys += [k.cron_scope_of(channel), k.cron_per_scope(channel)]
+        args = [token, sid, doc, first_ms, limit, channel_limit, scope, scope_limit]
         return int(text(await self.bus.scripts.call("cron_add", keys, args)))
 
     async def remove(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> bool:
@@ -36,15 +38,16 @@ class ScheduleStore:
         k, channel = self.keys, channel_of(session)
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
         keys.append(k.lease(lease_key) if token else keys[2])
-        reply = await self.bus.scripts.call("cron_remove", keys, [sid, token])
+        keys += [k.cron_scope_of(channel), k.cron_per_scope(channel)]
+        reply = await self.bus.scripts.call("cron_remove", keys, [sid, token, ""])
         return int(text(reply)) == 1
 
     async def purge(self, channel: str, sid: str) -> None:
         """Drop an unreadable definition (its session's set keeps the id until deleted)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hdel(self.keys.cron_defs(channel), sid)
-            pipe.zrem(self.keys.cron_due(channel), sid)
-            await pipe.execute()
+        k = self.keys
+        keys = [k.cron_defs(channel), k.cron_due(channel), k.cron_defs(channel)]
+        keys += [k.cron_defs(channel), k.cron_scope_of(channel), k.cron_per_scope(channel)]
+        await self.bus.scripts.call("cron_remove", keys, [sid, "", "1"])
 
     async def fire(
         self, session: str, key: str, sid: str, due_ms: int, payload: str, next_ms: int | None
@@ -57,6 +60,7 @@ class ScheduleStore:
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
         keys += [k.inbound(session), k.queued(channel), k.ready(channel)]
         keys += [k.session(key), k.lease(key), k.journal(key)]
+        keys += [k.cron_scope_of(channel), k.cron_per_scope(channel)]
         nxt = "" if next_ms is None else next_ms
         args = [sid, due_ms, payload, nxt, session, READY_MAXLEN]
         return int(text(await self.bus.scripts.call("cron_fire", keys, args)))

@@ -20,6 +20,7 @@ from bus_redis.mux import Multiplexed
 
 _WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers", "release"})
 _WITH_EVENTS = frozenset({"owner_lost", "delete"})  # _events.lua: ending a session's events
+_WITH_CRONS = frozenset({"cron_remove", "cron_fire", "delete"})  # _crons.lua: a scope's count
 SCRIPT_NAMES = (
     "acquire",
     "next",
@@ -57,6 +58,8 @@ def script_source(name: str) -> str:
     body = (folder / f"{name}.lua").read_text(encoding="utf-8")
     if name in _WITH_PRELUDE:
         return (folder / "_common.lua").read_text(encoding="utf-8") + "\n" + body
+    if name in _WITH_CRONS:
+        body = (folder / "_crons.lua").read_text(encoding="utf-8") + "\n" + body
     if name in _WITH_EVENTS:
         return (folder / "_events.lua").read_text(encoding="utf-8") + "\n" + body
     return body

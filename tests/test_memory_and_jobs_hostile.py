@@ -85,6 +85,39 @@ async def test_a_cron_expression_cannot_fire_more_often_than_the_minimum_repeat(
     assert not stored
 
 
+async def test_one_user_cannot_take_every_schedule_of_the_channel(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """The other half of the subagent-slot finding: schedules were bounded per session
+    (10) and per channel (10,000) only, and a session with schedules is never pruned, so a
+    user with many chats (500 behind the gateway) could fill the channel's for good. A
+    scope holds at most ``AGENT_CRON_MAX_PER_SCOPE``; another user still adds, and a
+    schedule removed, fired for the last time or deleted with its chat frees its place."""
+    loop = make_loop(ScriptedProvider(handler=CronAdder({"every_seconds": 3600, "message": "m"})),
+                     cron_max_per_scope=2)  # fmt: skip
+    client = FrontendClient(redis)
+
+    async def add(user: str, chat: str) -> str:
+        msg = InboundMessage(id=f"{chat}-{user}-{time.monotonic_ns()}", channel="web",
+                             chat_id=chat, sender_id=user, scope=user, content="schedule it")  # fmt: skip
+        await client.send(msg)
+        await collect(client, "web", {msg.id}, timeout_s=10)
+        return [r for r in await _rows(redis, f"web:{chat}") if r.get("role") == "tool"][-1][
+            "content"
+        ]
+
+    assert (await add("mallory", "m0")).startswith("Scheduled")
+    assert (await add("mallory", "m1")).startswith("Scheduled")
+    refused = await add("mallory", "m2")
+    assert refused.startswith("Error: this user's conversations hold 2 schedules"), refused
+    assert (await add("alice", "a0")).startswith("Scheduled")
+    assert await loop.sessions.delete_session("web:m0")  # its schedule goes with it
+    assert (await add("mallory", "m2")).startswith("Scheduled")
+    [sid] = await redis.smembers(K.crons("web:m1"))
+    assert await loop.schedules.store.remove("web:m1", sid)
+    assert (await add("mallory", "m3")).startswith("Scheduled")
+    counts = await redis.hgetall(K.cron_per_scope("web"))
+    assert counts == {"web/scope:mallory": "2", "web/scope:alice": "1"}, counts
+
+
 def test_a_five_field_cron_expression_is_held_to_the_operators_minimum_repeat() -> None:
     """Defect: an operator who raises ``AGENT_CRON_MIN_EVERY_S`` to an hour still gets
     a schedule every minute through ``cron_expr`` (``* * * * *``). Expected: refused with

@@ -102,7 +102,8 @@ async def _add(
     )  # fmt: skip
     await redis.set(K.lease(session), "n|w", px=10_000)
     due = int(time.time() * 1000) - 1  # due now
-    doc, caps = sched.model_dump_json(), {"limit": 3, "channel_limit": 9}
+    doc = sched.model_dump_json()
+    caps = {"limit": 3, "channel_limit": 9, "scope": "web/u", "scope_limit": 9}
     assert await store.add(session, "n|w", session, sid, doc, due, **caps) == 1
     assert await store.add(session, "n|w", session, sid, doc, due, **caps) == 2  # same call
     assert await store.add(session, "x|zombie", session, "zombie", doc, due, **caps) == -1

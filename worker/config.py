@@ -66,6 +66,7 @@ class LoopConfig(BaseModel):
     tools_deny: list[str] = Field(default_factory=list)  # never these tools
     cron_max_per_session: int = Field(default=10, ge=1, le=1000)  # schedules a session keeps
     cron_max_per_channel: int = Field(default=10_000, ge=1)  # and all sessions of a channel
+    cron_max_per_scope: int = Field(default=100, ge=1)  # ... of one scope (a user's chats)
     cron_min_every_s: int = Field(default=60, ge=1)  # the shortest repeat a schedule may have
     subagents_per_session: int = Field(default=2, ge=1, le=100)  # running at once
     subagent_sessions_per_channel: int = Field(default=8, ge=1)  # sessions running some

@@ -6,6 +6,7 @@
 -- session's schedules  KEYS[4] the session's inbound stream  KEYS[5] channel's queued
 -- index  KEYS[6] channel's ready queue  KEYS[7] the session hash (of its effective key)
 -- KEYS[8] the lease of its effective key  KEYS[9] the tool journal of its effective key
+-- KEYS[10] channel's schedule id -> scope  KEYS[11] channel's scope -> schedules it holds
 -- ARGV[1] schedule id  ARGV[2] the firing (ms: its score in the due index)
 -- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms, later than ARGV[2]; '' when
 -- this is the last)  ARGV[5] session key  ARGV[6] MAXLEN of the ready queue
@@ -23,6 +24,7 @@ local function drop()
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('SREM', KEYS[3], ARGV[1])
+  forget_cron_scope(KEYS[10], KEYS[11], ARGV[1])
 end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
   redis.call('ZREM', KEYS[2], ARGV[1])

@@ -5,6 +5,7 @@
 -- KEYS[6] its tool journal  KEYS[7] its schedules (set of ids)  KEYS[8] the channel's
 -- schedule definitions  KEYS[9] the channel's due index  KEYS[10] its running subagents
 -- KEYS[11] the channel's index of sessions with subagents  KEYS[12] their scopes
+-- KEYS[13] channel's schedule id -> scope  KEYS[14] channel's scope -> schedules it holds
 -- ARGV[1] token  ARGV[2] the session key  ARGV[3] the delete marker's id: of the events,
 -- only the error answers written after it stay (the cancelled answers of the messages it
 -- covers; no text of the conversation, not even an answer that ended after the marker);
@@ -17,6 +18,7 @@ redis.call('ZREM', KEYS[4], ARGV[2])
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[7])) do
   redis.call('HDEL', KEYS[8], id)
   redis.call('ZREM', KEYS[9], id)
+  forget_cron_scope(KEYS[13], KEYS[14], id)
 end
 if ARGV[3] and ARGV[3] ~= '' and keep_error_events(KEYS[5], ARGV[3]) then
   if redis.call('XLEN', KEYS[5]) == 0 then redis.call('DEL', KEYS[5]) end  -- none: no stream

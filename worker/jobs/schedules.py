@@ -251,11 +251,17 @@ class Schedules:
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, schedule.model_dump_json(),
             first, limit=cfg.cron_max_per_session, channel_limit=cfg.cron_max_per_channel,
+            scope=ctx.session.scope, scope_limit=cfg.cron_max_per_scope,
         )  # fmt: skip
         if added == -1:
             raise TurnAbortedError("lease_lost")
         if added == -2:
             return "Error: this service holds as many schedules as it may; try again later"
+        if added == -3:
+            return (
+                f"Error: this user's conversations hold {cfg.cron_max_per_scope} schedules "
+                "already; remove one first"
+            )
         if added == 0:
             return f"Error: this conversation has {cfg.cron_max_per_session} schedules already; remove one first"
         if added == 1:
