@@ -52,7 +52,7 @@ class SubagentStore:
         keys += [k.queued(channel), k.ready(channel)]
         keys.append(k.lease(lease_key) if token else keys[0])
         keys.append(k.subagent_scopes(channel))
-        args = [sid, op, doc, session, READY_MAXLEN, token]
+        args = [sid, op, doc, session, READY_MAXLEN, token, REGISTRATION_TTL_MS]
         return int(text(await self.bus.scripts.call("spawn_done", keys, args))) == 1
 
     async def running(self, session: str, sid: str, doc: str) -> bool:

@@ -402,3 +402,22 @@ async def test_a_users_share_of_subagent_slots_frees_when_their_subagent_ends(
         assert tool_row["content"].startswith("Subagent "), tool_row["content"]
         await until(lambda c=chat: _has_spawn_reply(client, f"web:{c}"), timeout_s=10)
     assert not await redis.hlen(K.subagent_scopes("web"))
+
+
+async def test_a_subagents_start_renews_its_registration(redis) -> None:  # type: ignore[no-untyped-def]
+    """A minor finding of the review: the registration's TTL (an hour) ran from the spawn;
+    a job that started late (a busy queue) could lose its registration mid-run and then
+    publish nothing. Its start renews it."""
+    from bus_redis.subagents import REGISTRATION_TTL_MS, SubagentStore
+
+    bus = RedisBus(redis)
+    store = SubagentStore(bus)
+    await redis.set(K.lease("web:t"), "n|w", px=10_000)
+    doc = json.dumps({"id": "s1", "session": "web:t", "state": "queued"})
+    added = await store.add("web:t", "n|w", "web:t", "s1", doc, limit=2, channel_limit=8,
+                            scope="web/scope:u", scope_limit=2)  # fmt: skip
+    assert added == 1
+    await redis.pexpire(K.spawned("web:t"), 1_000)  # the hour almost over when it starts
+    assert await store.running("web:t", "s1", doc)
+    assert await redis.pttl(K.spawned("web:t")) > REGISTRATION_TTL_MS - 60_000
+    await bus.aclose()

@@ -7,13 +7,15 @@
 -- KEYS[7] the scopes of the channel's sessions with subagents (hash)
 -- ARGV[1] subagent id  ARGV[2] 'running' (ARGV[3]: what it does now, JSON), 'done'
 -- (ARGV[3]: the result message, JSON) or 'drop'  ARGV[4] session key  ARGV[5] ready MAXLEN
--- ARGV[6] that turn's lease token ('': not fenced)
+-- ARGV[6] that turn's lease token ('': not fenced)  ARGV[7] the registrations' TTL (ms):
+-- a start renews it (a job that starts late must not outlive its registration)
 -- returns 1 done, 0 not registered (aborted, or done already), -1 the dropping turn's
 -- lease is lost (a stalled worker's cut turn must not undo what the holder after it kept)
 if ARGV[6] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[6] then return -1 end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
 if ARGV[2] == 'running' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], ARGV[7])
   return 1
 end
 if ARGV[2] == 'done' then

@@ -193,6 +193,7 @@ class Subagents:
                 f"[{name} failed: {exc if isinstance(exc, ProviderError) else type(exc).__name__}]"
             )
         finally:
+            self.aborted.discard(sid)  # (an abort that came as the task ended: not needed)
             tasks = self.running.get(session, {})
             tasks.pop(sid, None)
             if not tasks:
