@@ -15,21 +15,24 @@ if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 2 end
 if redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[4]) then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local CHUNK = 1000  -- members passed to one command (Lua unpacks a few thousand at most)
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[5]))
-if #expired > 0 then
-  redis.call('ZREM', KEYS[3], unpack(expired))
-  redis.call('HDEL', KEYS[4], unpack(expired))
+for i = 1, #expired, CHUNK do
+  local part = {unpack(expired, i, math.min(i + CHUNK - 1, #expired))}
+  redis.call('ZREM', KEYS[3], unpack(part))
+  redis.call('HDEL', KEYS[4], unpack(part))
 end
 if not redis.call('ZSCORE', KEYS[3], ARGV[6]) then
-  local members = redis.call('ZRANGE', KEYS[3], 0, -1)
-  if #members >= tonumber(ARGV[7]) then return -2 end
-  if #members > 0 then
-    local mine = 0
+  if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[7]) then return -2 end
+  local mine = 0
+  for i = 0, tonumber(ARGV[7]) - 1, CHUNK do
+    local members = redis.call('ZRANGE', KEYS[3], i, i + CHUNK - 1)
+    if #members == 0 then break end
     for _, scope in ipairs(redis.call('HMGET', KEYS[4], unpack(members))) do
       if scope == ARGV[8] then mine = mine + 1 end
     end
-    if mine >= tonumber(ARGV[9]) then return -3 end
   end
+  if mine >= tonumber(ARGV[9]) then return -3 end
 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])

@@ -275,9 +275,9 @@ class Subagents:
         for channel in channels:
             for session in await self.store.sessions(channel, limit=limit):
                 for sid, raw in (await self.store.of_session(session)).items():
-                    if _queued_by(raw) == dead:  # its job may never have been queued: queue
-                        # it (a job queued already keeps its place: one per id)
-                        await self.rt.jobs.enqueue(
+                    if _queued_by(raw) == dead:  # its job may never have been queued, or was
+                        # taken by the dead worker before it started: queued (again) now
+                        await self.rt.jobs.orphaned(
                             JOB_NAME, job_id=self._job_id(sid), session=session, sid=sid
                         )
                         continue
