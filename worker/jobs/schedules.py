@@ -26,11 +26,12 @@ are skipped, not replayed one after another. A one-shot ``at`` in the past fires
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
 import time
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -53,7 +54,6 @@ ENQUEUE_BATCH = 1000  # upcoming firings a worker queues as jobs per channel and
 MAX_MESSAGE_CHARS = 2000
 MAX_EVERY_S = 366 * 86_400
 MAX_AHEAD_MS = MAX_EVERY_S * 1000  # an `at` this far ahead at most
-GAP_FIRINGS = 64  # firings of a new cron expression looked at for its shortest repeat
 HORIZON_MS = 120_000  # firings due within this are arq jobs; later ones wait in Redis only
 ENQUEUED_MEMO = 10_000  # firings this worker enqueued (not enqueued again)
 
@@ -150,7 +150,8 @@ def parse_schedule(
     try:
         if len(expr.split()) != 5:  # (cronsim also reads a sixth field: seconds)
             raise ValueError(expr)
-        gap = closest_firings(expr, str(tz), now)
+        cron_after(expr, str(tz), now)  # (it names a time to come)
+        gap = closest_firings(expr)
     except (CronSimError, ValueError, StopIteration):
         raise ScheduleError(
             f"'cron_expr' {expr!r} is not a cron expression (5 fields: minute hour day month "
@@ -163,16 +164,19 @@ def parse_schedule(
     return Schedule(kind="cron", cron_expr=expr, **base)
 
 
-def closest_firings(expr: str, tz: str, now: int) -> int:
-    """The shortest time (ms) between two of the next ``GAP_FIRINGS`` firings of ``expr``:
-    a sample (its firings in a day are the same every day it fires, so that the closest
-    come early, in its first day or across a midnight, unless a day has more than that
-    many; five fields never fire more often than once a minute)."""
-    shortest, at = MAX_AHEAD_MS, cron_after(expr, tz, now)
-    for _ in range(GAP_FIRINGS - 1):
-        nxt = cron_after(expr, tz, at)
-        shortest, at = min(shortest, nxt - at), nxt
-    return shortest
+def closest_firings(expr: str) -> int:
+    """The shortest time (ms) between two firings of ``expr`` in a day, or across a
+    midnight (taken as possible: most expressions fire on consecutive days). A day's
+    times are the same every day it fires: its minute and hour fields, at most 1,440."""
+    minute, hour = expr.split()[:2]
+    day = datetime(2000, 1, 1, tzinfo=UTC)
+    times: list[int] = []  # minutes after midnight
+    for at in CronSim(f"{minute} {hour} * * *", day - timedelta(minutes=1)):
+        if at.date() != day.date():
+            break
+        times.append(at.hour * 60 + at.minute)
+    gaps = [b - a for a, b in itertools.pairwise(times)] + [times[0] + 1440 - times[-1]]
+    return min(gaps) * 60_000
 
 
 def _at(text: str, zone: ZoneInfo, tz: str, now: int) -> int:
@@ -347,7 +351,12 @@ class Schedules:
                 for sid, due in await self.store.due(channel, now, limit=SWEEP_BATCH):
                     try:  # one schedule's failure (its session's keys) skips that one only
                         fired += await self.fire(channel=channel, sid=sid, due_ms=due)
-                    except (ResponseError, ValueError) as exc:  # (ValueError: its times)
+                    except (
+                        ResponseError,
+                        ValueError,
+                        KeyError,
+                        CronSimError,
+                    ) as exc:  # (its times)
                         log.warning("schedule %s of %s not fired: %s", safe(sid), safe(channel),
                                     safe(str(exc)))  # fmt: skip
                 upcoming = await self.store.due_between(
