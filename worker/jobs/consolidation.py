@@ -181,9 +181,10 @@ class Consolidator:
         first row) into its scope's memory. While it runs, this worker's entry names it
         (a survivor runs it again at once should this worker die: ``rerun_orphans``)."""
         job_id = self._job_id(key)
-        await self.running.started(
-            job_id, JOB_NAME, channel_of(key), {"key": key, "start": start, "end": end}
-        )
+        with contextlib.suppress(RedisError):  # (a job not named runs all the same)
+            await self.running.started(
+                job_id, JOB_NAME, channel_of(key), {"key": key, "start": start, "end": end}
+            )
         try:
             await self._run(key, start, end)
         finally:
@@ -222,6 +223,8 @@ class Consolidator:
                 return None  # consolidated meanwhile
             budget = self.rt.config.consolidate_above_tokens
             part = _part(snapshot.messages[at - snapshot.base : end - snapshot.base], budget)
+            if not part:
+                return None  # (rows the load left out: nothing to fold here)
             cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row longer than a part)
             folded = await fold(self.rt, snapshot.scope, part, max_chars=cap)
             result = await self._commit(snapshot, at, at + len(part), folded)
