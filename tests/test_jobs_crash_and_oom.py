@@ -46,7 +46,8 @@ async def test_a_schedule_made_by_a_crashed_first_turn_survives_until_the_turn_i
         1, env={"AGENT_FAULT_POINTS": "tool_recorded", "AGENT_LOCK_TTL_MS": "1000"}
     )
     client = FrontendClient(real_redis)
-    at = datetime.fromtimestamp(time.time(), UTC).isoformat()  # due at once
+    # due soon (an `at` more than a second past is refused: the worker's start may take that)
+    at = datetime.fromtimestamp(time.time() + 5, UTC).isoformat()
     add = json.dumps({"action": "add", "at": at, "message": "take the cake out"})
     await client.send(
         InboundMessage(id="m1", channel="web", chat_id="cake", sender_id="u",

@@ -152,7 +152,7 @@ async def test_a_firing_is_not_added_twice_when_the_ready_queue_refuses(
                      kind="every", every_s=3600, created_ms=0)  # fmt: skip
     await redis.set(K.lease(session), "n|w", px=10_000)
     due = int(time.time() * 1000) - 1
-    caps = {"limit": 3, "channel_limit": 9}
+    caps = {"limit": 3, "channel_limit": 9, "scope": "web/u", "scope_limit": 9}
     assert await store.add(session, "n|w", session, "s1", sched.model_dump_json(), due, **caps) == 1
     await redis.delete(K.lease(session))
     await redis.hset(K.session(session), "count", 0)
