@@ -132,3 +132,27 @@ def hold_opening_commit(loop: Any) -> Gate:
     held = Gate(loop.bus.commit, when=opening_commit)
     loop.bus.commit = held
     return held
+
+
+class Spawner:
+    """A model that spawns on "research ..." (the rest of the text is the task); a
+    subagent (its prompt starts with "Task") answers "found: 42"."""
+
+    def __init__(self, label: str = "r") -> None:
+        self.label = label
+        self.spawns = 0
+        self.subagent_runs = 0
+
+    async def __call__(self, **kw: Any) -> LLMResponse:
+        from worker.agent.providers import ToolCallRequest
+
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"].startswith("research"):
+            self.spawns += 1
+            task = last["content"].removeprefix("research").strip()
+            args = {"task": task, "label": self.label}
+            return LLMResponse(tool_calls=[ToolCallRequest(f"c{self.spawns}", "spawn", args)])
+        if last["role"] == "user" and last["content"].startswith("Task"):
+            self.subagent_runs += 1
+            return LLMResponse(content="found: 42")
+        return LLMResponse(content=f"re: {last['content']}")

@@ -75,3 +75,12 @@ async def open_private(client: FrontendClient, chat: str, *, channel: str = "web
     key, opened = await client.open_transient(channel, chat, session_key=f"{channel}:{chat}")
     await collect(client, channel, {opened})
     return key
+
+
+async def spawn_replies(client: FrontendClient, session: str) -> list[str]:
+    """The ids (``spawn:<sid>``) of the subagent results answered in ``session``."""
+    return [
+        e.reply_to or ""
+        for e in await channel_events(client, "web")
+        if (e.reply_to or "").startswith("spawn:") and e.session_key == session and e.is_terminal
+    ]

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from helpers import Gate, ScriptedProvider
+from helpers import Gate, ScriptedProvider, Spawner
 from redis.exceptions import ConnectionError as RedisConnectionError
-from replies import channel_events, collect, until
+from replies import collect, spawn_replies, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from session_store import Session
@@ -184,33 +184,6 @@ async def test_a_consolidation_backlog_larger_than_the_models_context_is_folded_
 # --- subagents --------------------------------------------------------------------------
 
 
-class Spawner:
-    """Spawns on "research ..."; a subagent (its prompt starts with "Task") answers."""
-
-    def __init__(self, label: str = "r") -> None:
-        self.label = label
-        self.spawns = 0
-
-    async def __call__(self, **kw: Any) -> LLMResponse:
-        last = kw["messages"][-1]
-        if last["role"] == "user" and last["content"].startswith("research"):
-            self.spawns += 1
-            task = last["content"].removeprefix("research").strip()
-            args = {"task": task, "label": self.label}
-            return LLMResponse(tool_calls=[ToolCallRequest(f"c{self.spawns}", "spawn", args)])
-        if last["role"] == "user" and last["content"].startswith("Task"):
-            return LLMResponse(content="found: 42")
-        return LLMResponse(content=f"re: {last['content']}")
-
-
-async def _spawn_replies(client: FrontendClient, session: str) -> list[str]:
-    return [
-        e.reply_to or ""
-        for e in await channel_events(client, "web")
-        if (e.reply_to or "").startswith("spawn:") and e.session_key == session and e.is_terminal
-    ]
-
-
 async def test_a_spawn_whose_job_was_not_queued_leaves_no_registration_behind(
     redis, make_loop
 ) -> None:  # type: ignore[no-untyped-def]
@@ -252,10 +225,10 @@ async def test_a_spawn_whose_worker_died_before_queueing_its_job_runs_once_taken
     await client.send(_msg("sq", "research one", "q1"))
     await collect(client, "web", {"q1"}, timeout_s=10)
     assert lost
-    assert not await _spawn_replies(client, "web:sq")
+    assert not await spawn_replies(client, "web:sq")
     await loop.subagents.rerun_orphans(loop.worker_id, {"web"})
     await until(lambda: _has_spawn_reply(client, "web:sq"), timeout_s=10)
-    assert len(await _spawn_replies(client, "web:sq")) == 1
+    assert len(await spawn_replies(client, "web:sq")) == 1
 
 
 def _first_subagent_enqueue(jobs: Any, instead: Callable[[], Awaitable[bool]]) -> list[str]:
@@ -281,7 +254,7 @@ async def _never_sent() -> bool:
 
 
 async def _has_spawn_reply(client: FrontendClient, session: str) -> bool:
-    return bool(await _spawn_replies(client, session))
+    return bool(await spawn_replies(client, session))
 
 
 async def test_a_blank_spawn_label_falls_back_to_the_task(redis, make_loop) -> None:  # type: ignore[no-untyped-def]

@@ -14,44 +14,16 @@ import pytest
 import redis.asyncio as aioredis
 from arq.constants import in_progress_key_prefix
 from cronsim import CronSim
-from helpers import ScriptedProvider
-from replies import channel_events, collect
+from helpers import ScriptedProvider, Spawner
+from replies import collect, spawn_replies
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.subagents import SubagentStore
 from worker import AgentLoop, LoopConfig
-from worker.agent.providers import LLMResponse, ToolCallRequest
 from worker.jobs.arq_queue import JOB_TIMEOUT_S, ArqJobQueue
 from worker.jobs.schedules import ScheduleError, parse_schedule
 
 K = Keys()
-
-
-class Spawner:
-    """Spawns on "research ..."; a subagent (its prompt starts with "Task") answers."""
-
-    def __init__(self) -> None:
-        self.spawns = 0
-        self.subagent_runs = 0
-
-    async def __call__(self, **kw: Any) -> LLMResponse:
-        last = kw["messages"][-1]
-        if last["role"] == "user" and last["content"].startswith("research"):
-            self.spawns += 1
-            args = {"task": last["content"].removeprefix("research").strip(), "label": "r"}
-            return LLMResponse(tool_calls=[ToolCallRequest(f"c{self.spawns}", "spawn", args)])
-        if last["role"] == "user" and last["content"].startswith("Task"):
-            self.subagent_runs += 1
-            return LLMResponse(content="found: 42")
-        return LLMResponse(content=f"re: {last['content']}")
-
-
-async def _spawn_replies(client: FrontendClient, session: str) -> list[str]:
-    return [
-        e.reply_to or ""
-        for e in await channel_events(client, "web")
-        if (e.reply_to or "").startswith("spawn:") and e.session_key == session and e.is_terminal
-    ]
 
 
 # --- 1. a subagent left 'queued' by a dead worker whose own job queue had taken it ------
@@ -100,17 +72,17 @@ async def test_a_queued_subagent_whose_dead_worker_had_taken_its_job_runs_once_t
         await client.send(msg)
         await collect(client, "web", {"q1"}, timeout_s=10)
         assert taken, "no subagent job was queued"
-        assert not await _spawn_replies(client, "web:held")
+        assert not await spawn_replies(client, "web:held")
         # what a restart under this id (or a survivor judging it dead) does
         await loop._rerun_left(loop.worker_id, {"web"})
         deadline = asyncio.get_running_loop().time() + 6
-        while not await _spawn_replies(client, "web:held"):
+        while not await spawn_replies(client, "web:held"):
             if asyncio.get_running_loop().time() > deadline:
                 break
             await asyncio.sleep(0.05)  # poll: arq runs the job in its own task
         left = await real_redis.pttl(in_progress_key_prefix + taken[0])
         registered = await real_redis.hgetall(K.spawned("web:held"))
-        assert await _spawn_replies(client, "web:held"), (
+        assert await spawn_replies(client, "web:held"), (
             f"no subagent result after the takeover: arq still holds the job for {left} ms, "
             f"the registration stays {registered}"
         )
