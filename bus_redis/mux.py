@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -40,6 +40,7 @@ from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus_redis.link import _detect_dead_peers, _Link, _pack
+from bus_redis.server_watch import ServerWatch, run_id
 
 
 class Multiplexed:
@@ -67,12 +68,9 @@ class Multiplexed:
         self._link: _Link | None = None
         self._connecting: asyncio.Task[_Link] | None = None
         self._epoch = 0  # aclose() moves it on: a connect begun before is not kept
-        # called when a (re)connect finds another server than before (its ``run_id``: a
-        # restart, a failover), before any command of the new connection is answered: a
-        # server that came back from an older snapshot may hold the same versions with
-        # other contents, so the caller's copies of what it held go (the worker's caches)
-        self.on_new_server: Callable[[], None] | None = None
-        self._server = ""
+        # told which server each (re)connect reaches, before any command of the new
+        # connection is answered (``bus_redis.server_watch``)
+        self.server_watch: ServerWatch | None = None
 
     @classmethod
     def for_client(cls, redis: Redis) -> Multiplexed | None:
@@ -215,14 +213,12 @@ class Multiplexed:
                 await link.call(_pack(("CLIENT", "SETNAME", self.client_name)))
             if self.db:
                 await link.call(_pack(("SELECT", self.db)))
-            if self.on_new_server is not None:
+            if self.server_watch is not None:
                 try:
-                    server = _run_id(await link.call(_pack(("INFO", "server"))))
+                    server = run_id(await link.call(_pack(("INFO", "server"))))
                 except ResponseError:  # no INFO (fakeredis, a user without +info): not
                     server = ""  # told apart this time; the last id known stays
-                if server and self._server and server != self._server:
-                    self.on_new_server()
-                self._server = server or self._server
+                self.server_watch.seen(server)
         except BaseException:
             link.close()
             raise
@@ -230,14 +226,6 @@ class Multiplexed:
 
 
 _loop = asyncio.get_running_loop
-
-
-def _run_id(info: Any) -> str:
-    text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
-    for line in text.splitlines():
-        if line.startswith("run_id:"):
-            return line[7:].strip()
-    return ""
 
 
 def _retrieved(task: asyncio.Task[_Link]) -> None:

@@ -153,12 +153,13 @@ async def test_a_connect_whose_info_was_refused_does_not_blind_the_next_server_c
     (a restart from an older snapshot) is taken as the first connect and drops nothing,
     so the worker keeps copies the new server contradicts."""
     from bus_redis.mux import Multiplexed
+    from bus_redis.server_watch import ServerWatch
 
     fake = _FakeRedis([_info("A" * 40), b"-NOPERM no INFO for you\r\n", _info("B" * 40)])
     port = await fake.start()
     mux = Multiplexed(host="127.0.0.1", port=port)
     told: list[int] = []
-    mux.on_new_server = lambda: told.append(fake.conns)
+    mux.server_watch = ServerWatch(lambda: told.append(fake.conns))
     try:
         for conn in (1, 2, 3):  # server A; A again (INFO refused); then server B
             await until(lambda: _pinged(mux), timeout_s=10)

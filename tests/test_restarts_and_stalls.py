@@ -38,10 +38,12 @@ async def _users(redis: aioredis.Redis, key: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "query", ["", "?socket_timeout=30"], ids=["multiplexed", "redis-py connection"]
+    ("query", "ttl_ms"),
+    [("", "1000"), ("?socket_timeout=30", "1000"), ("?socket_timeout=30", "60000")],
+    ids=["multiplexed", "redis-py connection", "redis-py connection, no tick meanwhile"],
 )
 async def test_a_cached_session_is_not_taken_as_current_after_redis_came_back_older(
-    spawn_workers, fake_llm, query: str
+    spawn_workers, fake_llm, query: str, ttl_ms: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Redis comes back from an RDB snapshot (the same holds for AOF ``everysec`` or a
     failover to a replica that lagged): the session hash is one turn older than the copy
@@ -51,10 +53,14 @@ async def test_a_cached_session_is_not_taken_as_current_after_redis_came_back_ol
     and generation), so the model is shown a message the store does not hold and not the
     one it does, and that worker keeps the diverged copy for every later turn. With
     ``socket_timeout`` in its URL (as TLS, Sentinel, RESP3 or a credential provider) the
-    worker has no multiplexed connection: its maintenance tick must tell instead."""
+    worker has no multiplexed connection: each connection of its pool must tell when it
+    connects, before it answers a command. A maintenance tick that looks (every third of
+    the lease TTL) came too late when none ran between the restart and the turn: the
+    third case (a 60 s TTL) failed on that code, and the second once under load."""
     server = RedisServer(aof=False).start()
+    env = FAST | {"AGENT_LOCK_TTL_MS": ttl_ms, "AGENT_OWNER_TTL_MS": ttl_ms}
     try:
-        (w0,) = spawn_workers(1, env=FAST, url=server.url + query)
+        (w0,) = spawn_workers(1, env=env, url=server.url + query)
         redis = aioredis.from_url(server.url, decode_responses=True)
         client = FrontendClient(redis)
         await collect(client, "web", {await client.send(_m("r", "one"))}, timeout_s=20)
@@ -68,7 +74,7 @@ async def test_a_cached_session_is_not_taken_as_current_after_redis_came_back_ol
         assert await _users(redis, "web:r") == ["one"]
 
         w0.signal(signal.SIGSTOP)  # so that another worker serves the next turn
-        (w1,) = spawn_workers(1, env=FAST, url=server.url + query)
+        (w1,) = spawn_workers(1, env=env, url=server.url + query)
         await collect(client, "web", {await client.send(_m("r", "three"))}, timeout_s=30)
         w1.kill()
         w0.signal(signal.SIGCONT)

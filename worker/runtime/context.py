@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from bus_redis import RedisBus
 from bus_redis.registry import Registry
+from bus_redis.server_watch import ServerWatch
 from session_store import OWNER_SCOPE, MemoryStore, RedisSessionStore, Session, SessionManager
 from worker.agent.prompt import IDENTITY, ContextBuilder
 from worker.agent.providers import LLMProvider
@@ -97,8 +98,12 @@ class Runtime:
             model=model,
             turns=TurnRegistry(),
         )
-        if bus.fast is not None:  # a restart or failover may bring back older contents
-            bus.fast.on_new_server = rt.forget_copies
+        # a restart or failover may bring back older contents: every connection that
+        # reaches another server drops the copies before it answers anything
+        watch = ServerWatch(rt.forget_copies)
+        watch.watch(bus.redis.connection_pool)
+        if bus.fast is not None:
+            bus.fast.server_watch = watch
         return rt
 
     def forget_copies(self) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from bus_redis import OutboundMessage
@@ -55,7 +55,6 @@ class Maintenance:
         self.channels: set[str] = set()
         self.started_ms = int(time.time() * 1000)
         self.ticks = 0
-        self.server = ""  # the Redis server's run_id last seen (a restart, a failover)
 
     @property
     def every_s(self) -> float:
@@ -96,7 +95,6 @@ class Maintenance:
         # unexpected type, a bug) must not skip the others, tick after tick; Redis out of
         # reach ends the tick (every step would fail)
         steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
-            ("server identity", self.check_server),
             ("heartbeat", self.heartbeat),
             ("queue observation", self.observe_queues),
             ("channel refresh", self.refresh_channels),
@@ -117,19 +115,6 @@ class Maintenance:
                 raise
             except Exception:
                 log.exception("maintenance step failed: %s", name)
-
-    async def check_server(self) -> None:
-        """Another Redis server than before (restarted from an older snapshot, a replica
-        promoted): cached sessions and memories go. The turn path's own connection tells
-        at once when it reconnects; this look covers workers without it (TLS, Sentinel,
-        RESP3) within a tick. A server without INFO is not told apart."""
-        try:
-            server = str((await self.rt.bus.raw.info("server")).get("run_id") or "")
-        except ResponseError:
-            return
-        if server and self.server and server != self.server:
-            self.rt.forget_copies()
-        self.server = server or self.server
 
     async def _leases(self) -> None:
         rt = self.rt
