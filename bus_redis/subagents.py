@@ -46,31 +46,42 @@ class SubagentStore:
         *,
         lease_key: str = "",
         token: str = "",
+        run: str = "",
     ) -> bool:
         k, channel = self.keys, channel_of(session)
         keys = [k.spawned(session), k.subagents(channel), k.inbound(session)]
         keys += [k.queued(channel), k.ready(channel)]
         keys.append(k.lease(lease_key) if token else keys[0])
         keys.append(k.subagent_scopes(channel))
-        args = [sid, op, doc, session, READY_MAXLEN, token, REGISTRATION_TTL_MS]
+        args = [sid, op, doc, session, READY_MAXLEN, token, REGISTRATION_TTL_MS, run]
         return int(text(await self.bus.scripts.call("spawn_done", keys, args))) == 1
 
     async def running(self, session: str, sid: str, doc: str) -> bool:
         """Record who runs it; False when it was aborted before it started."""
         return await self._done(session, sid, "running", doc)
 
-    async def finish(self, session: str, sid: str, payload: str) -> bool:
-        """Publish the result message; False when it was aborted (nothing published)."""
-        return await self._done(session, sid, "done", payload)
+    async def finish(self, session: str, sid: str, payload: str, *, run: str = "") -> bool:
+        """Publish the result message; False when it was aborted, or when ``run`` is given
+        and the registration names another run (nothing published)."""
+        return await self._done(session, sid, "done", payload, run=run)
 
     async def drop(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> bool:
         """Unregister it; with ``token``, only while the turn dropping it still holds the
         lease of ``lease_key`` (False otherwise)."""
         return await self._done(session, sid, "drop", lease_key=lease_key, token=token)
 
-    async def registered(self, session: str, sid: str) -> bool:
-        """Whether the subagent is still registered (a cut turn's undo, anywhere, drops it)."""
-        return bool(await self.redis.hexists(self.keys.spawned(session), sid))  # type: ignore[misc]
+    async def run_of(self, session: str, sid: str) -> str | None:
+        """The run a registered subagent names ('' when none: not started, or claimed by a
+        survivor and not started again yet); None when it is not registered."""
+        raw = await self.redis.hget(self.keys.spawned(session), sid)  # type: ignore[misc]
+        if raw is None:
+            return None
+        try:
+            spec = json.loads(text(raw))
+        except ValueError:
+            return ""
+        run = spec.get("run") if isinstance(spec, dict) else None
+        return run if isinstance(run, str) else ""
 
     async def claim_orphan(self, session: str, sid: str, dead: str, me: str) -> bool:
         """Take a subagent registered as running on worker ``dead`` over for ``me``, at most
@@ -90,7 +101,9 @@ class SubagentStore:
                 if spec.get("state") != "running":
                     return False
                 pipe.multi()
-                pipe.hset(key, sid, json.dumps({**spec, "worker": me}))
+                # the run goes: the dead worker's, should it wake up, ends at its next look
+                claimed = {k: v for k, v in spec.items() if k != "run"} | {"worker": me}
+                pipe.hset(key, sid, json.dumps(claimed))
                 await pipe.execute()
             except WatchError:
                 return False

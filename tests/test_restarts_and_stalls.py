@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -136,6 +137,64 @@ async def test_a_subagent_of_a_killed_worker_reports_back_without_arqs_job_timeo
         f"no result of subagent {sid} 45 s after its worker died; "
         f"arq's in-progress key still lives {in_progress} ms"
     )
+
+
+async def test_a_stalled_workers_subagent_run_again_elsewhere_ends_when_it_wakes(
+    real_redis, spawn_workers, fake_llm
+) -> None:  # type: ignore[no-untyped-def]
+    """A subagent's worker stalls (SIGSTOP) mid model call; a survivor judges it dead and
+    runs the subagent again. When the stalled worker wakes, its run went on (the
+    registration was only looked at for existing): a second model call paid for the same
+    task, and whichever run finished first published. Now the registration names its run,
+    and the woken worker's run ends at its next look: it hangs up its model call (the
+    fake model counts the hang-up) and publishes nothing; the survivor's run publishes."""
+    workers = {w.worker_id: w for w in spawn_workers(2, env=FAST)}
+    for w in workers:
+        await until(lambda w=w: _beats(real_redis, w), timeout_s=20)
+    held: list[str] = []
+    fake_llm.on_block = held.append  # every model call of the subagent is held
+    client = FrontendClient(real_redis)
+    args = '{"task": "bl\\u006fck sub", "label": "sub"}'  # "block" escaped in the parent's text
+    first = await client.send(_m("ss", f"toolcall:spawn{args}"))
+    await collect(client, "web", {first}, timeout_s=30)
+
+    async def running() -> tuple[str, str] | None:
+        for sid, raw in (await real_redis.hgetall(K.spawned("web:ss"))).items():
+            doc = json.loads(raw)
+            if doc.get("state") == "running":
+                return sid, doc["worker"]
+        return None
+
+    await until(running, timeout_s=20)
+    sid, stalled = await running()  # type: ignore[misc]
+    await until(lambda: len(held) >= 1, timeout_s=20)
+    workers[stalled].signal(signal.SIGSTOP)
+
+    async def rerun() -> bool:
+        now = await running()
+        return now is not None and now[1] != stalled
+
+    await until(rerun, timeout_s=30)  # a survivor claimed it ...
+    await until(lambda: len(held) >= 2, timeout_s=20)  # ... and runs it: its call, held too
+    workers[stalled].signal(signal.SIGCONT)
+    # the woken run hangs up its held model call (it would wait for its answer, then go on)
+    await until(lambda: fake_llm.hangups >= 1, timeout_s=20)
+    fake_llm.release()
+
+    async def results() -> list[str]:
+        return [
+            e.metadata.get("worker") or ""
+            for e in await channel_events(client, "web")
+            if e.reply_to == f"spawn:{sid}" and e.is_terminal
+        ]
+
+    await until(lambda: _nonempty(results), timeout_s=30)
+    assert len(await results()) == 1
+    assert not await real_redis.exists(K.spawned("web:ss"))  # done: nothing left registered
+
+
+async def _nonempty(get: Any) -> bool:
+    return bool(await get())
 
 
 async def test_a_consolidation_of_a_killed_worker_runs_again_without_arqs_job_timeout(

@@ -338,3 +338,26 @@ async def test_a_subagent_unregistered_elsewhere_stops_running(  # type: ignore[
     await until(lambda: model.cancelled == 1, timeout_s=10)
     await until(lambda: not loop.subagents.running, timeout_s=10)
     assert await _spawn_replies(client, "web") == []
+
+
+async def test_only_the_run_a_registration_names_publishes_its_result(redis) -> None:  # type: ignore[no-untyped-def]
+    """A claim by a survivor takes the run out of the registration; the survivor's start
+    names its own. A stalled worker's run that finishes after that publishes nothing,
+    the run named publishes once."""
+    from bus_redis import RedisBus
+    from bus_redis.subagents import SubagentStore
+
+    store = SubagentStore(RedisBus(redis))
+    session = "web:r"
+    doc = {"id": "s1", "state": "running", "worker": "w0", "run": "old"}
+    await redis.hset(K.spawned(session), "s1", json.dumps(doc))
+    assert await store.run_of(session, "s1") == "old"
+    assert await store.claim_orphan(session, "s1", "w0", "w1")
+    assert await store.run_of(session, "s1") == ""  # claimed: no run until it starts again
+    assert await store.running(session, "s1", json.dumps(doc | {"worker": "w1", "run": "new"}))
+    payload = _m("r", "result", "spawn:s1").model_dump_json()
+    assert not await store.finish(session, "s1", payload, run="old")
+    assert not await redis.exists(K.inbound(session))
+    assert await store.finish(session, "s1", payload, run="new")
+    assert await redis.xlen(K.inbound(session)) == 1
+    assert await store.run_of(session, "s1") is None  # done: unregistered

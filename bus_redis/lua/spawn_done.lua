@@ -9,10 +9,18 @@
 -- (ARGV[3]: the result message, JSON) or 'drop'  ARGV[4] session key  ARGV[5] ready MAXLEN
 -- ARGV[6] that turn's lease token ('': not fenced)  ARGV[7] the registrations' TTL (ms):
 -- a start renews it (a job that starts late must not outlive its registration)
--- returns 1 done, 0 not registered (aborted, or done already), -1 the dropping turn's
--- lease is lost (a stalled worker's cut turn must not undo what the holder after it kept)
+-- ARGV[8] 'done': the run publishing it ('' or absent: any); a run superseded (its worker
+-- stalled, judged dead, the subagent re-run by a survivor) publishes nothing
+-- returns 1 done, 0 not registered (aborted, done already, or superseded), -1 the
+-- dropping turn's lease is lost (a stalled worker's cut turn must not undo what the
+-- holder after it kept)
 if ARGV[6] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[6] then return -1 end
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+local doc = redis.call('HGET', KEYS[1], ARGV[1])
+if not doc then return 0 end
+if ARGV[2] == 'done' and ARGV[8] and ARGV[8] ~= '' then
+  local ok, spec = pcall(cjson.decode, doc)
+  if not ok or type(spec) ~= 'table' or spec['run'] ~= ARGV[8] then return 0 end
+end
 if ARGV[2] == 'running' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[7])

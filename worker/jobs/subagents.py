@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -51,7 +52,7 @@ FINISH_ATTEMPTS = 7  # starting a subagent, publishing its result: tried for abo
 T = TypeVar("T")
 SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
 # how often a running subagent's registration is looked at: a cut turn on another worker
-# undoes it there (one HEXISTS per running subagent, bounded by the slots)
+# undoes it there (one HGET per running subagent, bounded by the slots)
 WATCH_S = 2.0
 IDENTITY = (
     "You are a subagent of redis-agent-worker: you work on one task for a conversation "
@@ -160,7 +161,8 @@ class Subagents:
         if self._stopped_after(spec):
             await self.store.drop(session, sid)
             return
-        spec |= {"state": "running", "worker": self.rt.worker_id}
+        run = secrets.token_hex(8)  # this run: a survivor's re-run supersedes it
+        spec |= {"state": "running", "worker": self.rt.worker_id, "run": run}
         spec["started_ms"] = int(time.time() * 1000)
         name = f"subagent {sid} ({spec['label']})"
         try:
@@ -175,8 +177,11 @@ class Subagents:
         task = asyncio.create_task(self._work(spec), name=f"subagent:{sid}")
         self.running.setdefault(session, {})[sid] = (task, spec)
         try:
-            result = await self._watched(task, session, sid)
+            result = await self._watched(task, session, sid, run)
             text = f"[{name} finished]\n{result[: self.max_chars]}"
+        except _SupersededError:
+            log.info("subagent %s of %s runs again elsewhere: this run ends", sid, safe(session))
+            return
         except TimeoutError:
             task.cancel()
             text = f"[{name} gave up: it ran out of time]"
@@ -201,13 +206,15 @@ class Subagents:
         if self._stopped_after(spec):
             await self.store.drop(session, sid)
             return
-        await self._publish(session, sid, self._message(spec, text))
+        await self._publish(session, sid, self._message(spec, text), run)
 
-    async def _watched(self, task: asyncio.Task[str], session: str, sid: str) -> str:
+    async def _watched(self, task: asyncio.Task[str], session: str, sid: str, run: str) -> str:
         """``task``'s result within the subagent timeout (else TimeoutError). A subagent
         unregistered meanwhile (a cut turn undid it, maybe on another worker, which
         cannot cancel it) is cancelled as aborted: it would run on to its end for
-        nothing, since its result is never published."""
+        nothing, since its result is never published. One whose registration names
+        another run (this worker stalled, was judged dead, and a survivor runs it again)
+        is cancelled too (``_SupersededError``): its model calls would be paid twice."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.rt.config.subagent_timeout_s
         while (left := deadline - loop.time()) > 0:
@@ -215,21 +222,25 @@ class Subagents:
             if done:
                 return task.result()
             try:
-                gone = not await self.store.registered(session, sid)
+                now = await self.store.run_of(session, sid)
             except RedisError:  # not known: it runs on
-                gone = False
-            if gone:
+                now = run
+            if now is None:
                 self.aborted.add(sid)
                 task.cancel()
                 raise asyncio.CancelledError
+            if now != run:
+                task.cancel()
+                raise _SupersededError
         raise TimeoutError
 
-    async def _publish(self, session: str, sid: str, payload: str) -> None:
-        """The result into the session's stream; Redis refusing it (full) is tried again
-        for about a minute, then the registration is dropped (its slots freed)."""
+    async def _publish(self, session: str, sid: str, payload: str, run: str = "") -> None:
+        """The result into the session's stream (by ``run`` only, when given); Redis
+        refusing it (full) is tried again for about a minute, then the registration is
+        dropped (its slots freed)."""
         what = f"result of subagent {sid}"
         try:
-            if await _retried(what, lambda: self.store.finish(session, sid, payload)):
+            if await _retried(what, lambda: self.store.finish(session, sid, payload, run=run)):
                 log.info("subagent %s of %s ended", sid, safe(session))
             return
         except RedisError:
@@ -334,6 +345,10 @@ class Subagents:
                     await self.store.drop(session, sid)
         except RedisError as exc:
             log.warning("subagents of %s not unregistered: %s", safe(session), type(exc).__name__)
+
+
+class _SupersededError(Exception):
+    """The registration names another run of the subagent than this one."""
 
 
 def _queued_by(raw: str) -> str | None:
