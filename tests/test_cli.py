@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import redis
 from servers import free_port
 
 
@@ -112,17 +113,30 @@ def test_status_and_sessions_against_a_real_server(redis_server) -> None:  # typ
     res = _main("status", "--redis-url", redis_server.url)
     assert res.returncode == 0, res.stderr
     assert "redis: up" in res.stdout
-    res = _main("memory", "set", "remember the milk", "--redis-url", redis_server.url)
+    url, scope = ("--redis-url", redis_server.url), ("--scope", "web/sender:u1")
+    res = _main("memory", "set", "remember the milk", *url, *scope)
     assert res.returncode == 0
-    assert (
-        _main("memory", "show", "--redis-url", redis_server.url).stdout.strip()
-        == "remember the milk"
-    )
-    empty = _main("memory", "set", "--redis-url", redis_server.url)  # no TEXT: refused
+    assert _main("memory", "show", *url, *scope).stdout.strip() == "remember the milk"
+    empty = _main("memory", "set", *url, *scope)  # no TEXT: refused
     assert empty.returncode == 2
     assert "memory clear" in empty.stderr
-    shown = _main("memory", "show", "--redis-url", redis_server.url).stdout.strip()
-    assert shown == "remember the milk"
+    assert _main("memory", "show", *url, *scope).stdout.strip() == "remember the milk"
+    # per-session mode (no worker yet: this process's settings say so): a set or clear
+    # without --scope would write unified/owner, a memory no session reads; refused
+    for action in (("set", "the owner's fact"), ("clear",)):
+        unscoped = _main("memory", *action, *url)
+        assert unscoped.returncode == 2
+        assert "needs --scope" in unscoped.stderr
+    sync = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        assert sync.set("agent:mode", "per-session", nx=True)  # the workers' mode says so too
+        assert _main("memory", "clear", *url).returncode == 2
+        sync.set("agent:mode", "single-owner")  # one memory: the default scope is it
+        assert _main("memory", "set", "the owner's fact", *url).returncode == 0
+        assert _main("memory", "show", *url).stdout.strip() == "the owner's fact"
+    finally:
+        sync.delete("agent:mode")
+        sync.close()
 
 
 def test_status_reports_an_outage() -> None:

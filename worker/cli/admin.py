@@ -41,7 +41,11 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     common(p)
     p.add_argument("action", choices=["show", "set", "clear"])
     p.add_argument("text", nargs="?")
-    p.add_argument("--scope", default=OWNER_SCOPE, help=f"CHANNEL/NAME (default {OWNER_SCOPE})")
+    p.add_argument(
+        "--scope",
+        help=f"CHANNEL/NAME (default {OWNER_SCOPE}, the one memory of single-owner and unified "
+        "modes; set and clear need it in per-session mode)",
+    )
     p.set_defaults(handler=memory)
 
     p = sub.add_parser("dlq", help="dead letters: list | show ID | replay ID | purge")
@@ -152,6 +156,26 @@ async def sessions(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def memory(args: argparse.Namespace, settings: Settings) -> int:
+    redis = make_redis(settings.redis_url)
+    try:
+        if args.scope is None:
+            mode = await redis.get(Keys(settings.key_prefix).mode)
+            owner = mode in ("unified", "single-owner") if mode else settings.owner_mode
+            if args.action != "show" and not owner:
+                print(
+                    f"agent-worker: memory {args.action} needs --scope CHANNEL/NAME: the "
+                    f"workers keep one memory per scope here ({mode or 'per-session'} mode; "
+                    f"'sessions list' shows each session's scope)",
+                    file=sys.stderr,
+                )
+                return 2
+            args.scope = OWNER_SCOPE
+        return await _memory(args, MemoryStore(redis, Keys(settings.key_prefix)))
+    finally:
+        await redis.aclose()
+
+
+async def _memory(args: argparse.Namespace, store: MemoryStore) -> int:
     channel, sep, name = args.scope.partition("/")
     if not sep or not name or not (valid_channel(channel) or channel == "unified"):
         print(
@@ -160,32 +184,27 @@ async def memory(args: argparse.Namespace, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
-    redis = make_redis(settings.redis_url)
-    store = MemoryStore(redis, Keys(settings.key_prefix))
-    try:
-        if args.action == "show":
-            memory_text = await store.read_memory(args.scope)
-            if memory_text:
-                print(f"(long-term memory of scope {args.scope})", file=sys.stderr)
-                print(memory_text)
-            else:
-                print(
-                    f"(no long-term memory in scope {args.scope}; a session's scope is "
-                    f"CHANNEL/sender:ID, CHANNEL/scope:NAME or {OWNER_SCOPE}: see "
-                    f"'sessions list', then --scope)"
-                )
-        elif args.action == "set" and not args.text:
-            print(
-                "agent-worker: memory set needs TEXT (use 'memory clear' to empty it)",
-                file=sys.stderr,
-            )
-            return 2
+    if args.action == "show":
+        memory_text = await store.read_memory(args.scope)
+        if memory_text:
+            print(f"(long-term memory of scope {args.scope})", file=sys.stderr)
+            print(memory_text)
         else:
-            version = await store.write_memory(args.text or "", args.scope)
-            print(f"memory of {args.scope} {'set' if args.text else 'cleared'} (version {version})")
-        return 0
-    finally:
-        await redis.aclose()
+            print(
+                f"(no long-term memory in scope {args.scope}; a session's scope is "
+                f"CHANNEL/sender:ID, CHANNEL/scope:NAME or {OWNER_SCOPE}: see "
+                f"'sessions list', then --scope)"
+            )
+    elif args.action == "set" and not args.text:
+        print(
+            "agent-worker: memory set needs TEXT (use 'memory clear' to empty it)",
+            file=sys.stderr,
+        )
+        return 2
+    else:
+        version = await store.write_memory(args.text or "", args.scope)
+        print(f"memory of {args.scope} {'set' if args.text else 'cleared'} (version {version})")
+    return 0
 
 
 async def dlq(args: argparse.Namespace, settings: Settings) -> int:
