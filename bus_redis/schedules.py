@@ -35,12 +35,16 @@ class ScheduleStore:
     async def remove(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> bool:
         """Remove a schedule of ``session``; with ``token``, only while the turn removing
         it still holds the lease of ``lease_key`` (False otherwise)."""
+        return await self.removed(session, sid, lease_key=lease_key, token=token) == 1
+
+    async def removed(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> int:
+        """``remove``'s script reply: 1 removed, 0 no such schedule, -1 lease lost."""
         k, channel = self.keys, channel_of(session)
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
         keys.append(k.lease(lease_key) if token else keys[2])
         keys += [k.cron_scope_of(channel), k.cron_per_scope(channel)]
         reply = await self.bus.scripts.call("cron_remove", keys, [sid, token, ""])
-        return int(text(reply)) == 1
+        return int(text(reply))
 
     async def purge(self, channel: str, sid: str) -> None:
         """Drop an unreadable definition (its session's set keeps the id until deleted)."""

@@ -404,6 +404,54 @@ async def test_a_discarded_turn_takes_its_schedule_with_it(redis, make_loop) -> 
     release.set()
 
 
+async def test_a_discarded_turn_gives_back_the_schedule_it_removed(redis, make_loop) -> None:  # type: ignore[no-untyped-def]
+    """The first turn adds a schedule; the second removes it and is discarded while its
+    model answers: the turn never happened, so the schedule is back as it was (its next
+    firing, its session's set, its scope's count). It used to stay removed, and the
+    remove was not fenced by the turn's lease either."""
+    release = asyncio.Event()
+    holding = asyncio.Event()
+    sid: list[str] = []
+
+    async def model(**kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == "add":
+            args = {"action": "add", "every_seconds": 3600, "message": "x"}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        if last["role"] == "user" and last["content"] == "remove":
+            args = {"action": "remove", "id": sid[0]}
+            return LLMResponse(tool_calls=[ToolCallRequest("c2", "cron", args)])
+        if last["role"] == "tool" and str(last["content"]).startswith("Removed"):
+            holding.set()
+            await release.wait()
+        return LLMResponse(content="done")
+
+    make_loop(ScriptedProvider(handler=model))
+    client = FrontendClient(redis)
+    msg = {"channel": "web", "chat_id": "rc", "sender_id": "u"}
+    await client.send(InboundMessage(id="r1", content="add", **msg))
+    await collect(client, "web", {"r1"}, timeout_s=10)
+    sid.extend(await redis.smembers(K.crons("web:rc")))
+    before = await redis.zscore(K.cron_due("web"), sid[0])
+    defs = await redis.hget(K.cron_defs("web"), sid[0])
+    counts = await redis.hgetall(K.cron_per_scope("web"))
+    await client.send(InboundMessage(id="r2", content="remove", **msg))
+    await asyncio.wait_for(holding.wait(), 10)
+    assert await redis.scard(K.crons("web:rc")) == 0  # removed while the turn runs
+    await client.discard("web:rc")
+    got = await collect(client, "web", {"r2"}, timeout_s=10)
+    assert [e.code for e in got["r2"] if e.is_terminal] == ["cancelled"]
+    await until(lambda: _schedules_are(redis, "web:rc", 1), timeout_s=10)
+    assert await redis.zscore(K.cron_due("web"), sid[0]) == before
+    assert await redis.hget(K.cron_defs("web"), sid[0]) == defs
+    assert await redis.hgetall(K.cron_per_scope("web")) == counts
+    release.set()
+
+
+async def _schedules_are(redis: aioredis.Redis, session: str, n: int) -> bool:
+    return await redis.scard(K.crons(session)) == n
+
+
 async def _no_schedules(redis: aioredis.Redis, session: str) -> bool:
     return await redis.scard(K.crons(session)) == 0
 

@@ -229,14 +229,41 @@ class Schedules:
                 else "No schedules"
             )
         if action == "remove":
-            sid = str(args.get("id") or "")
-            removed = bool(sid) and await self.store.remove(origin.member, sid)
-            return (
-                f"Removed schedule {sid}"
-                if removed
-                else f"Error: no schedule {sid!r} in this conversation"
-            )
+            return await self._remove(ctx, str(args.get("id") or ""))
         return "Error: action must be add, list or remove"
+
+    async def _remove(self, ctx: ToolContext, sid: str) -> str:
+        """Remove one of the session's schedules, fenced by the turn's lease (a stalled
+        worker's turn removes nothing), and undone with the turn (a discard, or a cut
+        that drops this call's round): the schedule comes back as it was, its next
+        firing included."""
+        origin, cfg = ctx.origin, self.rt.config
+        assert origin is not None
+        rows = await self.store.of_session(origin.member) if sid else []
+        kept = next(((doc, due) for s, doc, due in rows if s == sid), None)
+        fence = {"lease_key": origin.lease_key or origin.member, "token": origin.token}
+        removed = await self.store.removed(origin.member, sid, **fence) if kept else 0
+        if removed == -1:
+            raise TurnAbortedError("lease_lost")
+        if removed != 1 or kept is None:
+            return f"Error: no schedule {sid!r} in this conversation"
+        doc, due = kept
+        due = now_ms() if due is None else due  # (none: about to fire; once, now)
+
+        async def undo() -> None:
+            added = await self.store.add(
+                fence["lease_key"], fence["token"], origin.member, sid, doc, due,
+                limit=cfg.cron_max_per_session, channel_limit=cfg.cron_max_per_channel,
+                scope=ctx.session.scope, scope_limit=cfg.cron_max_per_scope,
+            )  # fmt: skip
+            if added == 1:  # its firing job may have run meanwhile and found nothing
+                self._enqueued.pop((sid, due), None)
+                await self.enqueue(channel_of(origin.member), sid, due)
+            elif added != 2:
+                log.warning("schedule %s of a cut turn not restored (%d)", safe(sid), added)
+
+        ctx.undo.append((ctx.round, undo))
+        return f"Removed schedule {sid}"
 
     async def _add(self, ctx: ToolContext, args: dict[str, Any]) -> str:
         origin, cfg = ctx.origin, self.rt.config
