@@ -119,6 +119,40 @@ async def test_new_folds_the_conversation_into_memory_then_starts_afresh(  # typ
     assert await redis.hget(K.session("web:n"), "count") == "2"
 
 
+async def test_new_folds_a_backlog_larger_than_a_part_in_parts(  # type: ignore[no-untyped-def]
+    redis_factory, make_loop
+) -> None:
+    """`new` sent the whole backlog in one request: one larger than the model's context
+    failed every time, and the conversation went to the archive as raw rows instead of
+    into memory. It now folds parts of about the consolidation threshold, each committed."""
+    summaries: list[str] = []
+
+    async def answer(**kw: object) -> LLMResponse:
+        messages = kw["messages"]
+        if "Summarise" in str(messages[0]["content"]):  # type: ignore[index]
+            text = str(messages[1]["content"])  # type: ignore[index]
+            if text.count("fact number") > 2:
+                raise RuntimeError("context length exceeded")  # more than a part: too long
+            summaries.append(text)
+            return LLMResponse(content=f"summary {len(summaries)}")
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=answer), consolidate_above_tokens=250)
+    redis = redis_factory()
+    client = FrontendClient(redis)
+    for i in range(3):  # 6 rows of about 100 tokens each (8 are kept by the jobs)
+        fact = f"fact number {i}: " + "x" * 400
+        assert (await client.ask(_msg("parts", fact), timeout_s=10)).content == "ok"
+    await client.new("web:parts")
+    assert (await client.ask(_msg("parts", "after"), timeout_s=10)).content == "ok"
+    assert [s.count("fact number") for s in summaries] == [2, 1]  # parts of <= 250 tokens
+    assert await redis.hget(K.memory("web/scope:team"), "content") == "summary 1\nsummary 2"
+    archive = [f["entry"] for _, f in await redis.xrange(K.memory_history("web/scope:team"))]
+    assert len(archive) == 2
+    assert not any("[RAW]" in e for e in archive)
+    assert await redis.hget(K.session("web:parts"), "count") == "2"
+
+
 async def test_new_in_unified_mode_starts_the_shared_conversation_afresh(  # type: ignore[no-untyped-def]
     redis_factory, make_loop
 ) -> None:

@@ -275,28 +275,38 @@ class Consolidator:
 async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> str:
     """``new`` (nanobot's ``/new``): the rows of stored session ``member`` not consolidated
     yet are folded into its scope's long-term memory, fenced by the lease of ``key`` the
-    caller holds, before the session is deleted; when the summary fails, the rows are
-    archived as they are (``raw_fold``, nanobot's raw archive). ``'ok'`` (nothing to fold
-    counts), ``'failed'`` (nothing could be written: keep the session) or ``'lost'``."""
-    for _ in range(FOLD_ATTEMPTS):
+    caller holds, before the session is deleted: in parts of about the consolidation
+    threshold each (a backlog larger than the model's context is folded all the same),
+    each part committed as it is folded, ``MAX_PARTS`` at most, then the rest in one. When
+    a summary fails, the rows left are archived as they are (``raw_fold``, nanobot's raw
+    archive). ``'ok'`` (nothing to fold counts), ``'failed'`` (nothing could be written:
+    keep the session) or ``'lost'``."""
+    budget = rt.config.consolidate_above_tokens
+    cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row longer than a part)
+    moved = parts = 0
+    while moved < FOLD_ATTEMPTS:
         session = await rt.sessions.store.load_recent(member)
         if session is None or not session.scope:
             return "ok"  # nothing stored: a fresh conversation already
         rows = session.messages[session.last_consolidated :]
         if not rows:
             return "ok"
+        part = _part(rows, budget) if parts < MAX_PARTS else rows
         try:
-            folded = await fold(rt, session.scope, rows)
+            folded = await fold(
+                rt, session.scope, part, max_chars=cap if part is not rows else None
+            )
         except Exception as exc:  # nanobot's raw archive: the rows as they are, not lost
             log.warning("new conversation in %s: summary failed (%s); its rows are archived "
                         "as they are", safe(member), type(exc).__name__)  # fmt: skip
+            part = rows
             try:
                 folded = await raw_fold(rt, session.scope, rows)
             except Exception as raw_exc:
                 log.warning("new conversation in %s: archiving failed (%s); session kept",
                             safe(member), type(raw_exc).__name__)  # fmt: skip
                 return "failed"
-        session.last_consolidated = len(session.messages)
+        session.last_consolidated += len(part)
         result = await rt.bus.consolidate(
             key,
             token,
@@ -307,6 +317,12 @@ async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> st
             memory_version=folded.memory_version,
             history=folded.history,
         )
-        if result != "memory_moved":
-            return result if result in ("ok", "lost") else "failed"
+        if result == "memory_moved":
+            moved += 1
+            continue
+        if result != "ok":
+            return result if result == "lost" else "failed"
+        if len(part) == len(rows):
+            return "ok"
+        parts += 1
     return "failed"
