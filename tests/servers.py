@@ -31,6 +31,7 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server is not installed")
         self.binary = binary
+        self.fixed_port = port is not None
         self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="raw-redis-"))
         self.aof = aof
@@ -60,18 +61,35 @@ class RedisServer:
             str(self.dir / "redis.log"),
             *self.extra,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._wait_ready()
-        return self
+        for _ in range(5):
+            log = self.dir / "redis.log"
+            since = log.stat().st_size if log.exists() else 0
+            args[2] = str(self.port)
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                self._wait_ready(since)
+                return self
+            except _PortTaken:  # another test process's server took it (pytest-xdist)
+                if self.fixed_port:
+                    raise
+                self.port = free_port()
+        raise RuntimeError("redis-server found no free port in 5 tries")
 
-    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+    def _wait_ready(self, since: int = 0, timeout_s: float = 10.0) -> None:
+        """Up once its own log (from ``since``) says it accepts connections and it answers:
+        a PING alone may reach another process's server that holds the port."""
         deadline = time.monotonic() + timeout_s
+        log = self.dir / "redis.log"
         while time.monotonic() < deadline:
             assert self.proc is not None
+            text = log.read_bytes()[since:].decode(errors="replace") if log.exists() else ""
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited: {(self.dir / 'redis.log').read_text()[-500:]}"
-                )
+                if "already in use" in text:
+                    raise _PortTaken(text[-300:])
+                raise RuntimeError(f"redis-server exited: {text[-500:]}")
+            if "Ready to accept connections" not in text:
+                time.sleep(0.02)
+                continue
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
@@ -95,6 +113,10 @@ class RedisServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _PortTaken(RuntimeError):
+    """The server could not bind its port."""
 
 
 def in_ci() -> bool:
