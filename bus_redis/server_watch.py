@@ -5,8 +5,11 @@ server may hold the same versions with other contents, so copies of what the old
 held must go (the worker's session and memory caches) before anything read from the new
 one is compared with them.
 
-``ServerWatch.watch(pool)`` does this for a redis-py pool's connections (the multiplexed
-connection, ``bus_redis.mux``, checks its own with the same ``ServerWatch.seen``).
+``ServerWatch.of(pool)`` does this for a redis-py pool's connections (the multiplexed
+connection, ``bus_redis.mux``, checks its own with the same ``ServerWatch.seen``). It must
+be attached before the pool's first connection (``worker.app.make_redis`` does): a
+connection made before it is never asked, and the first one asked tells the watch which
+server is the current one.
 """
 
 from __future__ import annotations
@@ -27,13 +30,22 @@ def run_id(info: Any) -> str:
 
 
 class ServerWatch:
-    def __init__(self, on_new_server: Callable[[], None]) -> None:
-        self.on_new_server = on_new_server
+    def __init__(self, on_new_server: Callable[[], None] | None = None) -> None:
+        self.on_new_server = on_new_server  # set once there is something to drop
         self.server = ""  # the last run_id seen ('' before any, or without INFO)
+
+    @classmethod
+    def of(cls, pool: Any) -> ServerWatch:
+        """The watch of ``pool``'s connections, attached now if it has none yet."""
+        watch = getattr(pool, "_server_watch", None)
+        if not isinstance(watch, ServerWatch):
+            watch = cls()
+            watch.watch(pool)
+        return watch
 
     def seen(self, server: str) -> None:
         """A connection reached ``server`` ('' when it could not tell)."""
-        if server and self.server and server != self.server:
+        if server and self.server and server != self.server and self.on_new_server:
             self.on_new_server()
         self.server = server or self.server
 

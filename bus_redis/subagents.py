@@ -65,10 +65,13 @@ class SubagentStore:
         and the registration names another run (nothing published)."""
         return await self._done(session, sid, "done", payload, run=run)
 
-    async def drop(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> bool:
+    async def drop(
+        self, session: str, sid: str, *, lease_key: str = "", token: str = "", run: str = ""
+    ) -> bool:
         """Unregister it; with ``token``, only while the turn dropping it still holds the
-        lease of ``lease_key`` (False otherwise)."""
-        return await self._done(session, sid, "drop", lease_key=lease_key, token=token)
+        lease of ``lease_key``, with ``run`` only while it names that run (False
+        otherwise)."""
+        return await self._done(session, sid, "drop", lease_key=lease_key, token=token, run=run)
 
     async def run_of(self, session: str, sid: str) -> str | None:
         """The run a registered subagent names ('' when none: not started, or claimed by a

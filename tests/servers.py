@@ -69,7 +69,7 @@ class RedisServer:
             try:
                 self._wait_ready(since)
                 return self
-            except _PortTaken:  # another test process's server took it (pytest-xdist)
+            except _PortTakenError:  # another test process's server took it (pytest-xdist)
                 if self.fixed_port:
                     raise
                 self.port = free_port()
@@ -85,7 +85,7 @@ class RedisServer:
             text = log.read_bytes()[since:].decode(errors="replace") if log.exists() else ""
             if self.proc.poll() is not None:
                 if "already in use" in text:
-                    raise _PortTaken(text[-300:])
+                    raise _PortTakenError(text[-300:])
                 raise RuntimeError(f"redis-server exited: {text[-500:]}")
             if "Ready to accept connections" not in text:
                 time.sleep(0.02)
@@ -115,7 +115,7 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class _PortTaken(RuntimeError):
+class _PortTakenError(RuntimeError):
     """The server could not bind its port."""
 
 

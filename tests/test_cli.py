@@ -121,21 +121,25 @@ def test_status_and_sessions_against_a_real_server(redis_server) -> None:  # typ
     assert empty.returncode == 2
     assert "memory clear" in empty.stderr
     assert _main("memory", "show", *url, *scope).stdout.strip() == "remember the milk"
-    # per-session mode (no worker yet: this process's settings say so): a set or clear
+    # per-session mode (this process's settings, or the workers' mode): a set or clear
     # without --scope would write unified/owner, a memory no session reads; refused
     for action in (("set", "the owner's fact"), ("clear",)):
         unscoped = _main("memory", *action, *url)
         assert unscoped.returncode == 2
         assert "needs --scope" in unscoped.stderr
     sync = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    before = sync.get("agent:mode")  # (the session's server: other tests' workers set it)
     try:
-        assert sync.set("agent:mode", "per-session", nx=True)  # the workers' mode says so too
+        sync.set("agent:mode", "per-session")  # the workers' mode says so too
         assert _main("memory", "clear", *url).returncode == 2
         sync.set("agent:mode", "single-owner")  # one memory: the default scope is it
         assert _main("memory", "set", "the owner's fact", *url).returncode == 0
         assert _main("memory", "show", *url).stdout.strip() == "the owner's fact"
     finally:
-        sync.delete("agent:mode")
+        if before is None:
+            sync.delete("agent:mode")
+        else:
+            sync.set("agent:mode", before)
         sync.close()
 
 

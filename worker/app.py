@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 from redis import Redis as SyncRedis
 
 from bus_redis import RedisBus
+from bus_redis.server_watch import ServerWatch
 from worker.agent.providers import EchoProvider, GenerationSettings, LLMProvider, OpenAIProvider
 from worker.ops.metrics import MeteredProvider, WorkerMetrics
 from worker.runtime.loop import AgentLoop
@@ -29,6 +30,8 @@ def make_redis(url: str) -> aioredis.Redis:
         health_check_interval=10,
         socket_connect_timeout=2,
     )
+    # before its first connection: every one of them tells which server it reached
+    ServerWatch.of(client.connection_pool)
     return use_hiredis_packing(client)
 
 

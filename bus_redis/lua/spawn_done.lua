@@ -9,15 +9,16 @@
 -- (ARGV[3]: the result message, JSON) or 'drop'  ARGV[4] session key  ARGV[5] ready MAXLEN
 -- ARGV[6] that turn's lease token ('': not fenced)  ARGV[7] the registrations' TTL (ms):
 -- a start renews it (a job that starts late must not outlive its registration)
--- ARGV[8] 'done': the run publishing it ('' or absent: any); a run superseded (its worker
--- stalled, judged dead, the subagent re-run by a survivor) publishes nothing
+-- ARGV[8] 'done', 'drop': the run publishing or dropping it ('' or absent: any); a run
+-- superseded (its worker stalled, judged dead, the subagent re-run by a survivor)
+-- publishes and drops nothing
 -- returns 1 done, 0 not registered (aborted, done already, or superseded), -1 the
 -- dropping turn's lease is lost (a stalled worker's cut turn must not undo what the
 -- holder after it kept)
 if ARGV[6] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[6] then return -1 end
 local doc = redis.call('HGET', KEYS[1], ARGV[1])
 if not doc then return 0 end
-if ARGV[2] == 'done' and ARGV[8] and ARGV[8] ~= '' then
+if ARGV[2] ~= 'running' and ARGV[8] and ARGV[8] ~= '' then
   local ok, spec = pcall(cjson.decode, doc)
   if not ok or type(spec) ~= 'table' or spec['run'] ~= ARGV[8] then return 0 end
 end

@@ -54,6 +54,7 @@ SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
 # how often a running subagent's registration is looked at: a cut turn on another worker
 # undoes it there (one HGET per running subagent, bounded by the slots)
 WATCH_S = 2.0
+RERUN_WAIT_S = 120.0  # how long a superseded run waits for the re-run to start
 IDENTITY = (
     "You are a subagent of redis-agent-worker: you work on one task for a conversation "
     "and reply with its result only, complete and self-contained. Use tools when they help "
@@ -181,6 +182,7 @@ class Subagents:
             text = f"[{name} finished]\n{result[: self.max_chars]}"
         except _SupersededError:
             log.info("subagent %s of %s runs again elsewhere: this run ends", sid, safe(session))
+            await self._until_rerun(session, sid)
             return
         except TimeoutError:
             task.cancel()
@@ -198,11 +200,7 @@ class Subagents:
                 f"[{name} failed: {exc if isinstance(exc, ProviderError) else type(exc).__name__}]"
             )
         finally:
-            self.aborted.discard(sid)  # (an abort that came as the task ended: not needed)
-            tasks = self.running.get(session, {})
-            tasks.pop(sid, None)
-            if not tasks:
-                self.running.pop(session, None)
+            self._ended(session, sid, task)
         if self._stopped_after(spec):
             await self.store.drop(session, sid)
             return
@@ -234,6 +232,30 @@ class Subagents:
                 raise _SupersededError
         raise TimeoutError
 
+    def _ended(self, session: str, sid: str, task: asyncio.Task[str]) -> None:
+        self.aborted.discard(sid)  # (an abort that came as the task ended: not needed)
+        tasks = self.running.get(session, {})
+        if tasks.get(sid, (None, None))[0] is task:  # (not a re-run's, started here)
+            del tasks[sid]
+        if not tasks:
+            self.running.pop(session, None)
+
+    async def _until_rerun(self, session: str, sid: str) -> None:
+        """A superseded run ends only once the re-run started (the registration names a
+        run again) or the subagent ended, ``RERUN_WAIT_S`` at most: the job queue drops a
+        job whose run returns, and the survivor's re-run is the same job, queued again
+        and maybe not taken yet."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RERUN_WAIT_S
+        while loop.time() < deadline:
+            try:
+                if await self.store.run_of(session, sid) != "":
+                    return
+            except RedisError:
+                pass
+            await asyncio.sleep(WATCH_S)
+        log.warning("subagent %s of %s: its re-run did not start", sid, safe(session))
+
     async def _publish(self, session: str, sid: str, payload: str, run: str = "") -> None:
         """The result into the session's stream (by ``run`` only, when given); Redis
         refusing it (full) is tried again for about a minute, then the registration is
@@ -247,7 +269,7 @@ class Subagents:
             log.error("result of subagent %s of %s lost: Redis kept refusing it", sid,
                       safe(session))  # fmt: skip
         with contextlib.suppress(RedisError):
-            await self.store.drop(session, sid)
+            await self.store.drop(session, sid, run=run)
 
     async def _work(self, spec: dict[str, Any]) -> str:
         policy = SessionPolicy(persist=False, log_content=True)

@@ -100,8 +100,8 @@ class Runtime:
         )
         # a restart or failover may bring back older contents: every connection that
         # reaches another server drops the copies before it answers anything
-        watch = ServerWatch(rt.forget_copies)
-        watch.watch(bus.redis.connection_pool)
+        watch = ServerWatch.of(bus.redis.connection_pool)  # (make_redis attached it)
+        watch.on_new_server = rt.forget_copies
         if bus.fast is not None:
             bus.fast.server_watch = watch
         return rt
