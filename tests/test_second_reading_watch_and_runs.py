@@ -50,8 +50,8 @@ async def test_the_startup_pings_connection_reaches_a_new_server_without_telling
         told: list[int] = []
         watch.on_new_server = lambda: told.append(1)
         # two commands at once: the startup ping's connection and a new (watched) one
-        first = await pool.get_connection("PING")
-        second = await pool.get_connection("PING")
+        first = await pool.get_connection()
+        second = await pool.get_connection()
         assert watch.server  # the new one told which server this is
         await pool.release(second)
         await pool.release(first)  # the next command takes this one (the pool is LIFO)
