@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 KEEP_RECENT = 8
 FOLD_ATTEMPTS = 3
 MAX_PARTS = 8  # folds (model calls) of one job at most
+NEW_MAX_PARTS = 32  # of a `new` (the rest: the raw archive), each about the threshold
 MIN_PART_TOKENS = 4_000  # a part's transcript is cut at 4 characters a token of the larger
 # of this and the consolidation threshold
 # a [RAW] archive entry at most, in UTF-8 bytes (a long conversation's newest rows): well
@@ -277,9 +278,9 @@ async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> st
     yet are folded into its scope's long-term memory, fenced by the lease of ``key`` the
     caller holds, before the session is deleted: in parts of about the consolidation
     threshold each (a backlog larger than the model's context is folded all the same),
-    each part committed as it is folded, ``MAX_PARTS`` at most, then the rest in one. When
-    a summary fails, the rows left are archived as they are (``raw_fold``, nanobot's raw
-    archive). ``'ok'`` (nothing to fold counts), ``'failed'`` (nothing could be written:
+    each part committed as it is folded, ``NEW_MAX_PARTS`` at most. When a summary fails,
+    or past that many parts, the rows left are archived as they are (``raw_fold``,
+    nanobot's raw archive: the newest ``RAW_MAX_BYTES``). ``'ok'`` (nothing to fold counts), ``'failed'`` (nothing could be written:
     keep the session) or ``'lost'``."""
     budget = rt.config.consolidate_above_tokens
     cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row longer than a part)
@@ -291,11 +292,11 @@ async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> st
         rows = session.messages[session.last_consolidated :]
         if not rows:
             return "ok"
-        part = _part(rows, budget) if parts < MAX_PARTS else rows
         try:
-            folded = await fold(
-                rt, session.scope, part, max_chars=cap if part is not rows else None
-            )
+            if parts >= NEW_MAX_PARTS:
+                raise RuntimeError(f"more than {NEW_MAX_PARTS} parts")
+            part = _part(rows, budget)
+            folded = await fold(rt, session.scope, part, max_chars=cap)
         except Exception as exc:  # nanobot's raw archive: the rows as they are, not lost
             log.warning("new conversation in %s: summary failed (%s); its rows are archived "
                         "as they are", safe(member), type(exc).__name__)  # fmt: skip
@@ -318,11 +319,11 @@ async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> st
             history=folded.history,
         )
         if result == "memory_moved":
-            moved += 1
+            moved += 1  # (another writer of the scope's memory: this part again)
             continue
         if result != "ok":
             return result if result == "lost" else "failed"
         if len(part) == len(rows):
             return "ok"
-        parts += 1
+        parts, moved = parts + 1, 0
     return "failed"

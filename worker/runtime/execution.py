@@ -350,8 +350,10 @@ class TurnExecution:
 
 async def _undo(ctx: ToolContext, kept_rounds: int) -> None:
     """Undo the outside effects of the calls of the rounds after the first ``kept_rounds``
-    (what a cut turn keeps is whole rounds: ``legal_prefix``)."""
-    for round_, undo in ctx.undo:
+    (what a cut turn keeps is whole rounds: ``legal_prefix``), the newest first: an add
+    then a remove of one schedule is undone as a re-add then a remove, and a remove then
+    an add at the session's limit frees the slot before the first comes back."""
+    for round_, undo in reversed(ctx.undo):
         if round_ <= kept_rounds:
             continue
         try:
