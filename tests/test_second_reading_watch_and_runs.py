@@ -169,6 +169,22 @@ async def _spec(real_redis: aioredis.Redis) -> dict[str, Any] | None:
     return None if raw is None else json.loads(raw)
 
 
+def _workers(url: str, model: Any) -> tuple[Any, Any]:
+    return tuple(  # type: ignore[return-value]
+        _Worker(w, aioredis.from_url(url, decode_responses=True), url, model) for w in ("w0", "w1")
+    )
+
+
+async def _started_on_w0(redis: aioredis.Redis, w0: Any, w1: Any) -> tuple[str, Any]:
+    """Both workers up, the subagent registered by w0 and its job taken by w0's arq."""
+    await w0.start()
+    await w1.start()
+    job_id = await _registered(redis, w0)
+    stale = await w0.poll(job_id)
+    assert stale is not None
+    return job_id, stale
+
+
 @pytest.mark.real_redis
 async def test_a_superseded_run_ending_takes_the_survivors_requeued_job_with_it(
     real_redis, redis_server, monkeypatch
@@ -183,16 +199,9 @@ async def test_a_superseded_run_ending_takes_the_survivors_requeued_job_with_it(
     woken run went on and published.)"""
     monkeypatch.setattr("worker.jobs.subagents.WATCH_S", 0.05)
     model = Model()
-    w0 = _Worker("w0", aioredis.from_url(redis_server.url, decode_responses=True),
-                 redis_server.url, model)  # fmt: skip
-    w1 = _Worker("w1", aioredis.from_url(redis_server.url, decode_responses=True),
-                 redis_server.url, model)  # fmt: skip
+    w0, w1 = _workers(redis_server.url, model)
     try:
-        await w0.start()
-        await w1.start()
-        job_id = await _registered(real_redis, w0)
-        stale = await w0.poll(job_id)
-        assert stale is not None
+        job_id, stale = await _started_on_w0(real_redis, w0, w1)
         await until(lambda: model.calls == 1, timeout_s=10)  # run 1, on w0, held
         # w0 judged dead (stalled): w1 claims its subagent and queues the job again
         assert await w1.loop.subagents.rerun_orphans("w0", ["web"]) == 1
@@ -222,10 +231,7 @@ async def test_the_stale_run_ending_unbooks_the_rerun_on_the_same_worker(
     of the session heard by w0 then does not cancel the new run (its model call runs to
     its end), though every worker is to cancel the subagents it runs."""
     model = Model()
-    w0 = _Worker("w0", aioredis.from_url(redis_server.url, decode_responses=True),
-                 redis_server.url, model)  # fmt: skip
-    w1 = _Worker("w1", aioredis.from_url(redis_server.url, decode_responses=True),
-                 redis_server.url, model)  # fmt: skip
+    w0, w1 = _workers(redis_server.url, model)
     subagents = w0.loop.subagents
     gate = asyncio.Event()  # the stale run's look waits here: it comes after the re-run
     look = subagents.store.run_of
@@ -236,11 +242,7 @@ async def test_the_stale_run_ending_unbooks_the_rerun_on_the_same_worker(
 
     subagents.store.run_of = gated  # type: ignore[method-assign]
     try:
-        await w0.start()
-        await w1.start()
-        job_id = await _registered(real_redis, w0)
-        stale = await w0.poll(job_id)
-        assert stale is not None
+        job_id, stale = await _started_on_w0(real_redis, w0, w1)
         await until(lambda: model.calls == 1, timeout_s=10)
         assert await w1.loop.subagents.rerun_orphans("w0", ["web"]) == 1
         again = await w0.poll(job_id)  # w0 woke: its arq polls first
