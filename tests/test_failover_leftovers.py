@@ -11,11 +11,14 @@ import asyncio
 import json
 from typing import Any
 
+import redis.asyncio as aioredis
 from helpers import ScriptedProvider
+from redis.exceptions import ConnectionError as RedisConnectionError
 from replies import until
 
 from bus_redis import Keys
 from worker.agent.providers import LLMResponse
+from worker.jobs.local import LocalJobQueue
 
 K = Keys()
 
@@ -252,3 +255,48 @@ async def test_a_subagent_of_a_worker_silent_for_over_a_minute_runs_again(redis)
     finally:
         model.release.set()
         await wa.rt.jobs.aclose()
+
+
+# --- 4. a claimed job that could not be queued again -----------------------------------
+class _RefusingJobs(LocalJobQueue):
+    """A job queue whose ``orphaned`` fails ``fail`` times (Redis refusing it)."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.fail = fail
+        self.orphans: list[str] = []
+
+    async def orphaned(self, name: str, *, job_id: str, **kwargs: Any) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise RedisConnectionError("refused")
+        self.orphans.append(job_id)
+
+
+async def test_a_claimed_job_that_could_not_be_queued_again_is_claimed_again_later(
+    redis: aioredis.Redis,
+) -> None:
+    """A survivor claims a dead worker's running jobs (each entry once among all
+    survivors) and then queues them again. When queueing fails (Redis refusing it), the
+    claimed entries go back, so that the next look at the dead worker (the prune of its
+    record) queues them; before, they waited out the job queue's timeout (15 minutes)."""
+    from bus_redis import RedisBus
+    from bus_redis.running_jobs import RUNNING_TTL_MS, RunningJobs
+    from worker import AgentLoop, LoopConfig
+
+    bus = RedisBus(redis)
+    dead = RunningJobs(bus, "w-dead", ttl_ms=60_000)
+    await dead.started("j1", "consolidate", "web", {"key": "web:a", "start": 0, "end": 4})
+    await dead.started("j2", "consolidate", "web", {"key": "web:b", "start": 2, "end": 6})
+    await dead.started("j3", "subagent", "web", {"session": "web:c", "sid": "s3"})
+    await redis.hset(K.spawned("web:c"), "s3", json.dumps({"state": "queued", "by": "w-x"}))
+    jobs = _RefusingJobs(fail=2)
+    loop = AgentLoop(bus, ScriptedProvider(), jobs=jobs, config=LoopConfig(worker_id="w1"))
+    await loop._rerun_left("w-dead", {"web"})  # both kinds refused once: logged
+    assert jobs.orphans == []
+    left = await redis.hgetall(K.worker_jobs("w-dead"))
+    assert set(left) == {"j1", "j2", "j3"}, left
+    assert 0 < await redis.pttl(K.worker_jobs("w-dead")) <= RUNNING_TTL_MS  # (not for ever)
+    await loop._rerun_left("w-dead", {"web"})  # the next look
+    assert sorted(jobs.orphans) == ["j1", "j2", "j3"]
+    assert not await redis.exists(K.worker_jobs("w-dead"))

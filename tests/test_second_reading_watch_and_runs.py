@@ -264,3 +264,41 @@ async def test_the_stale_run_ending_unbooks_the_rerun_on_the_same_worker(
         model.release.set()
         await w0.close()
         await w1.close()
+
+
+@pytest.mark.real_redis
+async def test_a_job_taken_by_a_worker_that_died_before_starting_it_runs_again_at_once(
+    real_redis, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """w0 registered the subagent (``queued`` by w0, alive); w1's arq took its job (arq's
+    in-progress mark, 15 minutes) and w1 stalled, then died, before the job marked the
+    registration ``running``. No registration names w1, so when w0 judges w1 dead only
+    w1's entry of the jobs it runs, written as the job's first step, tells w0 to run it
+    again; before, the job waited out arq's mark."""
+    model = Model()
+    w0, w1 = _workers(redis_server.url, model)
+    stalled = asyncio.Event()
+
+    async def stall(*_a: Any) -> bool:
+        stalled.set()
+        await asyncio.Event().wait()  # w1 never goes on
+        return False
+
+    w1.loop.subagents.store.running = stall  # type: ignore[method-assign]
+    try:
+        await w0.start()
+        await w1.start()
+        job_id = await _registered(real_redis, w0)
+        assert await w1.poll(job_id) is not None
+        await asyncio.wait_for(stalled.wait(), 10)
+        assert (await _spec(real_redis) or {}).get("state") == "queued"
+        assert await w0.poll(job_id) is None  # arq's mark holds it
+        await w0.loop._rerun_left("w1", {"web"})  # w0's liveness watch judged w1 dead
+        rerun = await w0.poll(job_id)
+        assert rerun is not None, "the job w1 took waits out arq's in-progress mark"
+        await until(lambda: model.calls == 1, timeout_s=10)  # the re-run, on w0
+        assert (await _spec(real_redis) or {}).get("worker") == "w0"
+    finally:
+        model.release.set()
+        await w0.close()
+        await w1.close()

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from bus_redis.codec import safe
 from bus_redis.keys import channel_of
-from bus_redis.running_jobs import RunningJobs
+from bus_redis.running_jobs import RUNNING_TTL_MS, RunningJobs
 from session_store import Session
 from session_store.codec import encode_meta
 from session_store.models import estimate_tokens
@@ -45,7 +45,6 @@ MIN_PART_TOKENS = 4_000  # a part's transcript is cut at 4 characters a token of
 RAW_MAX_BYTES = 128 * 1024  # about the unconsolidated window (AGENT_CONSOLIDATE_ABOVE_TOKENS)
 RAW_CUT = "(older part cut)\n"  # where a [RAW] entry's transcript starts when it was cut
 JOB_NAME = "consolidate"
-JOB_TTL_MS = 20 * 60_000  # how long an entry of a running job lasts (past arq's 15 minutes)
 PROMPT = (
     "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
     "current memory and a conversation, reply with only a JSON object "
@@ -152,9 +151,8 @@ def bounded(memory: str, budget: int) -> str:
 class Consolidator:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        # the jobs running here, for a survivor should this worker die (JOB_TTL_MS: arq's
-        # job timeout and more: a job that ran longer is gone anyway)
-        self.running = RunningJobs(rt.bus, rt.worker_id, ttl_ms=JOB_TTL_MS)
+        # the jobs running here, for a survivor should this worker die
+        self.running = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS)
 
     def _job_id(self, key: str) -> str:
         return f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{key}"
@@ -189,15 +187,23 @@ class Consolidator:
         try:
             await self._run(key, start, end)
         finally:
-            with contextlib.suppress(RedisError):  # (it lives JOB_TTL_MS at most)
+            with contextlib.suppress(RedisError):  # (it lives RUNNING_TTL_MS at most)
                 await self.running.ended(job_id)
 
     async def rerun_orphans(self, dead: str, channels: Iterable[str]) -> int:
         """The consolidations worker ``dead`` ran (judged dead) for sessions of
         ``channels`` run again now, not once the job queue's timeout ran out."""
-        claimed = await self.running.claim(dead, channels)
-        for job_id, name, kwargs in claimed:
-            await self.rt.jobs.orphaned(name, job_id=job_id, **kwargs)
+        claimed = await self.running.claim(dead, channels, name=JOB_NAME)
+        for at, (job_id, name, kwargs) in enumerate(claimed):
+            try:
+                await self.rt.jobs.orphaned(name, job_id=job_id, **kwargs)
+            except Exception:  # the rest back in the dead worker's hash: claimed again later
+                for back_id, _, back in claimed[at:]:
+                    with contextlib.suppress(RedisError):
+                        await self.running.give_back(
+                            dead, back_id, JOB_NAME, channel_of(str(back.get("key"))), back
+                        )
+                raise
         return len(claimed)
 
     async def _run(self, key: str, start: int, end: int) -> None:

@@ -33,6 +33,8 @@ from redis.exceptions import RedisError
 
 from bus_redis import ControlMessage, InboundMessage
 from bus_redis.codec import parse_stream_id, safe
+from bus_redis.keys import channel_of
+from bus_redis.running_jobs import RUNNING_TTL_MS, RunningJobs
 from bus_redis.subagents import SubagentStore
 from session_store import Session
 from session_store.models import SessionPolicy, now_iso
@@ -72,6 +74,7 @@ class Subagents:
         self.runner = TurnRunner(
             rt.provider, self.tools, context, rt.model, rt.config.subagent_max_iterations
         )
+        self.here = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS)  # jobs run here
         # session -> id -> (task, what it does)
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
@@ -150,10 +153,24 @@ class Subagents:
     # --- the job ------------------------------------------------------------------------
     async def run_job(self, *, session: str, sid: str) -> None:
         """Run a registered subagent and publish its result (or why there is none) into
-        its session. Redis refusing the start (full, a blip) is tried again for about a
-        minute like the publish, and a start still refused then publishes a failure note
-        (arq never runs a job that raised again). Only a registration that cannot even
-        be read for that minute fails the job; it runs out with its TTL (an hour)."""
+        its session. While it runs, this worker's entry of running jobs names it, from
+        the job's first step: should this worker die before the registration names it
+        (``running``), a survivor still runs it again at once (``rerun_orphans``)."""
+        job_id = self._job_id(sid)
+        kwargs = {"session": session, "sid": sid}
+        with contextlib.suppress(RedisError):  # (a job not named runs all the same)
+            await self.here.started(job_id, JOB_NAME, channel_of(session), kwargs)
+        try:
+            await self._run_job(session, sid)
+        finally:
+            with contextlib.suppress(RedisError):  # (it lives RUNNING_TTL_MS at most)
+                await self.here.ended(job_id)
+
+    async def _run_job(self, session: str, sid: str) -> None:
+        """Redis refusing the start (full, a blip) is tried again for about a minute like
+        the publish, and a start still refused then publishes a failure note (arq never
+        runs a job that raised again). Only a registration that cannot even be read for
+        that minute fails the job; it runs out with its TTL (an hour)."""
         docs = await _retried(f"start of subagent {sid}", lambda: self.store.of_session(session))
         doc = docs.get(sid)
         if doc is None:
@@ -303,11 +320,14 @@ class Subagents:
         the sessions of a channel running subagents are at most
         ``AGENT_SUBAGENT_SESSIONS_PER_CHANNEL``, each with at most
         ``AGENT_SUBAGENTS_PER_SESSION``."""
+        taken = await self._rerun_taken(dead, channels)
+        again = len(taken)
         limit = self.rt.config.subagent_sessions_per_channel
-        again = 0
         for channel in channels:
             for session in await self.store.sessions(channel, limit=limit):
                 for sid, raw in (await self.store.of_session(session)).items():
+                    if sid in taken:
+                        continue  # queued again above
                     if _queued_by(raw) == dead:  # its job may never have been queued, or was
                         # taken by the dead worker before it started: queued (again) now
                         await self.rt.jobs.orphaned(
@@ -320,6 +340,34 @@ class Subagents:
                         JOB_NAME, job_id=self._job_id(sid), session=session, sid=sid
                     )
                     again += 1
+        return again
+
+    async def _rerun_taken(self, dead: str, channels: Iterable[str]) -> set[str]:
+        """The subagent jobs worker ``dead`` had taken (its entries of running jobs, which
+        this caller claimed): each still registered runs again, whether it had started
+        (claimed from its registration too, as below) or not (still ``queued`` by a live
+        worker: no registration names the dead one)."""
+        claimed = await self.here.claim(dead, channels, name=JOB_NAME)
+        again: set[str] = set()
+        for at, (job_id, _, kwargs) in enumerate(claimed):
+            session, sid = str(kwargs.get("session")), str(kwargs.get("sid"))
+            try:
+                raw = (await self.store.of_session(session)).get(sid)
+                state, worker = _state(raw)
+                if state == "running" and worker == dead:
+                    if not await self.store.claim_orphan(session, sid, dead, self.rt.worker_id):
+                        continue  # (another survivor took it from the registration)
+                elif state != "queued":
+                    continue  # ended, or running again elsewhere
+                await self.rt.jobs.orphaned(JOB_NAME, job_id=job_id, session=session, sid=sid)
+                again.add(sid)
+            except Exception:  # the rest back in the dead worker's hash: claimed again later
+                for back_id, _, back in claimed[at:]:
+                    with contextlib.suppress(RedisError):
+                        await self.here.give_back(
+                            dead, back_id, JOB_NAME, channel_of(str(back.get("session"))), back
+                        )
+                raise
         return again
 
     def _job_id(self, sid: str) -> str:
@@ -375,14 +423,22 @@ class _SupersededError(Exception):
 
 def _queued_by(raw: str) -> str | None:
     """The worker that registered a subagent not started yet (None once it runs)."""
+    state, by = _state(raw)
+    return by if state == "queued" else None
+
+
+def _state(raw: str | None) -> tuple[str, str | None]:
+    """A registration's state and its worker (the registering one while ``queued``, the
+    running one once ``running``); ``("", None)`` when gone or unreadable."""
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw) if raw is not None else None
     except ValueError:
-        return None
-    if not isinstance(doc, dict) or doc.get("state") != "queued":
-        return None
-    by = doc.get("by")
-    return by if isinstance(by, str) else None
+        return "", None
+    if not isinstance(doc, dict):
+        return "", None
+    state = doc.get("state")
+    worker = doc.get("by" if state == "queued" else "worker")
+    return (state if isinstance(state, str) else ""), (worker if isinstance(worker, str) else None)
 
 
 async def _nowhere(_text: str) -> None:
