@@ -47,7 +47,8 @@ class ScheduleStore:
         return int(text(reply))
 
     async def purge(self, channel: str, sid: str) -> None:
-        """Drop an unreadable definition (its session's set keeps the id until deleted)."""
+        """Drop an unreadable definition (its session's set keeps the id until an add finds
+        the set full: ``cron_add.lua`` drops ids without a definition then)."""
         k = self.keys
         keys = [k.cron_defs(channel), k.cron_due(channel), k.cron_defs(channel)]
         keys += [k.cron_defs(channel), k.cron_scope_of(channel), k.cron_per_scope(channel)]

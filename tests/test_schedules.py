@@ -540,3 +540,24 @@ async def test_a_stream_that_takes_no_entry_skips_its_own_schedule_only(redis) -
     assert len(await redis.xrange(K.inbound("web:fine"))) == 1  # fired
     assert await redis.zscore(K.cron_due("web"), "s1") == junk + 3_600_000  # moved on
     await loop.jobs.aclose()
+
+
+async def test_an_unreadable_schedule_purged_frees_its_sessions_place(redis) -> None:  # type: ignore[no-untyped-def]
+    """A definition that cannot be read is purged by whoever meets it (its session is
+    not known then, so the id stays in the session's set). The session's next add at its
+    limit drops such ids instead of refusing: the purged schedule held a place for ever."""
+    from bus_redis import RedisBus
+    from bus_redis.schedules import ScheduleStore
+
+    store = ScheduleStore(RedisBus(redis))
+    await redis.set(K.lease("web:u"), "n|w", px=60_000)
+
+    async def add(sid: str) -> int:
+        return await store.add("web:u", "n|w", "web:u", sid, "{}", 10**13, limit=2,
+                               channel_limit=10, scope="web/u", scope_limit=10)  # fmt: skip
+
+    assert [await add("a"), await add("b"), await add("c")] == [1, 1, 0]
+    await store.purge("web", "a")  # as ``fire`` does with an unreadable definition
+    assert await add("c") == 1
+    assert await redis.smembers(K.crons("web:u")) == {"b", "c"}
+    assert await add("d") == 0  # the limit still holds

@@ -9,7 +9,14 @@
 -- -2 the channel is, -3 the scope is, -1 lease lost
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 2 end
-if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[5]) then return 0 end
+if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[5]) then
+  -- ids whose definition went (purged as unreadable: its session was not known) are
+  -- dropped here (at most the session's limit of ids, all its set holds)
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    if redis.call('HEXISTS', KEYS[2], id) == 0 then redis.call('SREM', KEYS[4], id) end
+  end
+  if redis.call('SCARD', KEYS[4]) >= tonumber(ARGV[5]) then return 0 end
+end
 if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[6]) then return -2 end
 if tonumber(redis.call('HGET', KEYS[6], ARGV[7]) or 0) >= tonumber(ARGV[8]) then return -3 end
 redis.call('HSET', KEYS[5], ARGV[2], ARGV[7])
