@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import redis
 from helpers import run_cli
 
 from bus_redis import FrontendClient, Keys
@@ -113,8 +114,22 @@ def test_other_commands_end_with_one_line(redis_server) -> None:  # type: ignore
     assert "session_key_override must start with 'cli:'" in bad.stderr
     empty = _cli("dlq", "list", "--redis-url", redis_server.url)
     assert empty.stdout.strip() == "(no dead letters in any channel)"
-    memory = _cli("memory", "show", "--redis-url", redis_server.url)
-    assert memory.stdout.startswith("(no long-term memory in scope unified/owner;")
+    sync = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    before = sync.set("agent:mode", "per-session", get=True)  # (shared: other tests' workers)
+    try:
+        memory = _cli("memory", "show", "--redis-url", redis_server.url)
+    finally:
+        if before is None:
+            sync.delete("agent:mode")
+        else:
+            sync.set("agent:mode", before)
+        sync.close()
+    assert memory.returncode == 2
+    assert memory.stderr.strip().count("\n") == 0
+    assert "memory show needs --scope CHANNEL/NAME" in memory.stderr
+    memory = _cli("memory", "show", "--scope", "web/sender:nobody", "--redis-url",
+                  redis_server.url)  # fmt: skip
+    assert memory.stdout.startswith("(no long-term memory in scope web/sender:nobody;")
 
 
 def test_a_reader_that_goes_away_is_no_error(redis_server) -> None:  # type: ignore[no-untyped-def]

@@ -121,9 +121,10 @@ def test_status_and_sessions_against_a_real_server(redis_server) -> None:  # typ
     assert empty.returncode == 2
     assert "memory clear" in empty.stderr
     assert _main("memory", "show", *url, *scope).stdout.strip() == "remember the milk"
-    # per-session mode (this process's settings, or the workers' mode): a set or clear
-    # without --scope would write unified/owner, a memory no session reads; refused
-    for action in (("set", "the owner's fact"), ("clear",)):
+    # per-session mode (this process's settings, or the workers' mode): a show, set or
+    # clear without --scope would read or write unified/owner, a memory no session reads;
+    # refused
+    for action in (("set", "the owner's fact"), ("clear",), ("show",)):
         unscoped = _main("memory", *action, *url)
         assert unscoped.returncode == 2
         assert "needs --scope" in unscoped.stderr

@@ -44,7 +44,7 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
     p.add_argument(
         "--scope",
         help=f"CHANNEL/NAME (default {OWNER_SCOPE}, the one memory of single-owner and unified "
-        "modes; set and clear need it in per-session mode)",
+        "modes; needed in per-session mode)",
     )
     p.set_defaults(handler=memory)
 
@@ -161,7 +161,7 @@ async def memory(args: argparse.Namespace, settings: Settings) -> int:
         if args.scope is None:
             mode = await redis.get(Keys(settings.key_prefix).mode)
             owner = mode in ("unified", "single-owner") if mode else settings.owner_mode
-            if args.action != "show" and not owner:
+            if not owner:  # (unified/owner: a memory no session reads here)
                 print(
                     f"agent-worker: memory {args.action} needs --scope CHANNEL/NAME: the "
                     f"workers keep one memory per scope here ({mode or 'per-session'} mode; "
