@@ -8,6 +8,8 @@ one step, so a firing is delivered once whichever worker comes first.
 
 from __future__ import annotations
 
+from typing import Any
+
 from bus_redis.codec import text
 from bus_redis.keys import channel_of
 from bus_redis.streams import READY_MAXLEN, RedisBus
@@ -35,16 +37,25 @@ class ScheduleStore:
     async def remove(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> bool:
         """Remove a schedule of ``session``; with ``token``, only while the turn removing
         it still holds the lease of ``lease_key`` (False otherwise)."""
-        return await self.removed(session, sid, lease_key=lease_key, token=token) == 1
+        return int(text(await self._remove(session, sid, lease_key, token, ""))) == 1
 
-    async def removed(self, session: str, sid: str, *, lease_key: str = "", token: str = "") -> int:
-        """``remove``'s script reply: 1 removed, 0 no such schedule, -1 lease lost."""
+    async def take(
+        self, session: str, sid: str, *, lease_key: str = "", token: str = ""
+    ) -> tuple[int, str, int | None]:
+        """``remove``, with what it removed: ``(1, definition, next firing ms or None)``,
+        ``(0, "", None)`` no such schedule, ``(-1, "", None)`` lease lost."""
+        reply = await self._remove(session, sid, lease_key, token, "1")
+        if not isinstance(reply, list):
+            return int(text(reply)), "", None
+        due = text(reply[2])
+        return int(text(reply[0])), text(reply[1]), int(float(due)) if due else None
+
+    async def _remove(self, session: str, sid: str, lease_key: str, token: str, taken: str) -> Any:
         k, channel = self.keys, channel_of(session)
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
         keys.append(k.lease(lease_key) if token else keys[2])
         keys += [k.cron_scope_of(channel), k.cron_per_scope(channel)]
-        reply = await self.bus.scripts.call("cron_remove", keys, [sid, token, ""])
-        return int(text(reply))
+        return await self.bus.scripts.call("cron_remove", keys, [sid, token, "", taken])
 
     async def purge(self, channel: str, sid: str) -> None:
         """Drop an unreadable definition (its session's set keeps the id until an add finds
@@ -52,7 +63,7 @@ class ScheduleStore:
         k = self.keys
         keys = [k.cron_defs(channel), k.cron_due(channel), k.cron_defs(channel)]
         keys += [k.cron_defs(channel), k.cron_scope_of(channel), k.cron_per_scope(channel)]
-        await self.bus.scripts.call("cron_remove", keys, [sid, "", "1"])
+        await self.bus.scripts.call("cron_remove", keys, [sid, "", "1", ""])
 
     async def fire(
         self, session: str, key: str, sid: str, due_ms: int, payload: str, next_ms: int | None

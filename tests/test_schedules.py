@@ -448,6 +448,54 @@ async def test_a_discarded_turn_gives_back_the_schedule_it_removed(redis, make_l
     release.set()
 
 
+async def test_a_removed_schedule_comes_back_with_the_firing_it_had_when_removed(
+    redis, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """A firing moves the schedule on just before the cut turn's remove: the remove takes
+    the definition and next firing in its own step, so the discard puts back the next
+    firing it removed. It used to read them first and restore the firing already
+    delivered (fired again, caught only by the message id)."""
+    release = asyncio.Event()
+    holding = asyncio.Event()
+    sid: list[str] = []
+
+    async def model(**kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == "add":
+            args = {"action": "add", "every_seconds": 3600, "message": "x"}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        if last["role"] == "user" and last["content"] == "remove":
+            args = {"action": "remove", "id": sid[0]}
+            return LLMResponse(tool_calls=[ToolCallRequest("c2", "cron", args)])
+        if last["role"] == "tool" and str(last["content"]).startswith("Removed"):
+            holding.set()
+            await release.wait()
+        return LLMResponse(content="done")
+
+    loop = make_loop(ScriptedProvider(handler=model))
+    client = FrontendClient(redis)
+    msg = {"channel": "web", "chat_id": "rf", "sender_id": "u"}
+    await client.send(InboundMessage(id="f1", content="add", **msg))
+    await collect(client, "web", {"f1"}, timeout_s=10)
+    sid.extend(await redis.smembers(K.crons("web:rf")))
+    later = int(await redis.zscore(K.cron_due("web"), sid[0])) + 3_600_000
+    call = loop.bus.scripts.call
+
+    async def fired_first(name: str, keys: Any, args: Any, **kw: Any) -> Any:
+        if name == "cron_remove":  # a firing landed first: it moved the schedule on
+            await redis.zadd(K.cron_due("web"), {sid[0]: later}, xx=True)
+        return await call(name, keys, args, **kw)
+
+    loop.bus.scripts.call = fired_first
+    await client.send(InboundMessage(id="f2", content="remove", **msg))
+    await asyncio.wait_for(holding.wait(), 10)
+    await client.discard("web:rf")
+    await collect(client, "web", {"f2"}, timeout_s=10)
+    await until(lambda: _schedules_are(redis, "web:rf", 1), timeout_s=10)
+    assert await redis.zscore(K.cron_due("web"), sid[0]) == later
+    release.set()
+
+
 async def _schedules_are(redis: aioredis.Redis, session: str, n: int) -> bool:
     return await redis.scard(K.crons(session)) == n
 

@@ -239,15 +239,14 @@ class Schedules:
         firing included."""
         origin, cfg = ctx.origin, self.rt.config
         assert origin is not None
-        rows = await self.store.of_session(origin.member) if sid else []
-        kept = next(((doc, due) for s, doc, due in rows if s == sid), None)
         fence = {"lease_key": origin.lease_key or origin.member, "token": origin.token}
-        removed = await self.store.removed(origin.member, sid, **fence) if kept else 0
+        removed, doc, due = (
+            await self.store.take(origin.member, sid, **fence) if sid else (0, "", None)
+        )
         if removed == -1:
             raise TurnAbortedError("lease_lost")
-        if removed != 1 or kept is None:
+        if removed != 1 or not doc:
             return f"Error: no schedule {sid!r} in this conversation"
-        doc, due = kept
         due = now_ms() if due is None else due  # (none: about to fire; once, now)
 
         async def undo() -> None:
