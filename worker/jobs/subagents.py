@@ -42,6 +42,7 @@ from worker.agent.prompt import ContextBuilder
 from worker.agent.providers import ProviderError
 from worker.agent.runner import TurnRunner, TurnState
 from worker.agent.tools import ToolContext, ToolRegistry
+from worker.jobs.subagent_orphans import Orphans
 from worker.runtime.context import Runtime
 from worker.runtime.outcomes import TurnAbortedError
 
@@ -75,6 +76,7 @@ class Subagents:
             rt.provider, self.tools, context, rt.model, rt.config.subagent_max_iterations
         )
         self.here = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS)  # jobs run here
+        self.orphans = Orphans(rt, self.store, self.here, JOB_NAME, self._job_id)
         # session -> id -> (task, what it does)
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
@@ -315,60 +317,9 @@ class Subagents:
         return msg.model_dump_json(exclude_none=True)
 
     async def rerun_orphans(self, dead: str, channels: Iterable[str]) -> int:
-        """The subagents that ran on worker ``dead`` (judged dead: their leases were taken
-        over) run again, at once, instead of once the job queue's timeout ran out. Bounded:
-        the sessions of a channel running subagents are at most
-        ``AGENT_SUBAGENT_SESSIONS_PER_CHANNEL``, each with at most
-        ``AGENT_SUBAGENTS_PER_SESSION``."""
-        taken = await self._rerun_taken(dead, channels)
-        again = len(taken)
-        limit = self.rt.config.subagent_sessions_per_channel
-        for channel in channels:
-            for session in await self.store.sessions(channel, limit=limit):
-                for sid, raw in (await self.store.of_session(session)).items():
-                    if sid in taken:
-                        continue  # queued again above
-                    if _queued_by(raw) == dead:  # its job may never have been queued, or was
-                        # taken by the dead worker before it started: queued (again) now
-                        await self.rt.jobs.orphaned(
-                            JOB_NAME, job_id=self._job_id(sid), session=session, sid=sid
-                        )
-                        continue
-                    if not await self.store.claim_orphan(session, sid, dead, self.rt.worker_id):
-                        continue  # not the dead worker's, or another survivor took it
-                    await self.rt.jobs.orphaned(
-                        JOB_NAME, job_id=self._job_id(sid), session=session, sid=sid
-                    )
-                    again += 1
-        return again
-
-    async def _rerun_taken(self, dead: str, channels: Iterable[str]) -> set[str]:
-        """The subagent jobs worker ``dead`` had taken (its entries of running jobs, which
-        this caller claimed): each still registered runs again, whether it had started
-        (claimed from its registration too, as below) or not (still ``queued`` by a live
-        worker: no registration names the dead one)."""
-        claimed = await self.here.claim(dead, channels, name=JOB_NAME)
-        again: set[str] = set()
-        for at, (job_id, _, kwargs) in enumerate(claimed):
-            session, sid = str(kwargs.get("session")), str(kwargs.get("sid"))
-            try:
-                raw = (await self.store.of_session(session)).get(sid)
-                state, worker = _state(raw)
-                if state == "running" and worker == dead:
-                    if not await self.store.claim_orphan(session, sid, dead, self.rt.worker_id):
-                        continue  # (another survivor took it from the registration)
-                elif state != "queued":
-                    continue  # ended, or running again elsewhere
-                await self.rt.jobs.orphaned(JOB_NAME, job_id=job_id, session=session, sid=sid)
-                again.add(sid)
-            except Exception:  # the rest back in the dead worker's hash: claimed again later
-                for back_id, _, back in claimed[at:]:
-                    with contextlib.suppress(RedisError):
-                        await self.here.give_back(
-                            dead, back_id, JOB_NAME, channel_of(str(back.get("session"))), back
-                        )
-                raise
-        return again
+        """What worker ``dead`` (judged dead) left of its subagents runs again at once
+        (``subagent_orphans``); how many."""
+        return await self.orphans.rerun(dead, channels)
 
     def _job_id(self, sid: str) -> str:
         return f"{self.rt.bus.keys.prefix}:subagent:{sid}"
@@ -419,26 +370,6 @@ class Subagents:
 
 class _SupersededError(Exception):
     """The registration names another run of the subagent than this one."""
-
-
-def _queued_by(raw: str) -> str | None:
-    """The worker that registered a subagent not started yet (None once it runs)."""
-    state, by = _state(raw)
-    return by if state == "queued" else None
-
-
-def _state(raw: str | None) -> tuple[str, str | None]:
-    """A registration's state and its worker (the registering one while ``queued``, the
-    running one once ``running``); ``("", None)`` when gone or unreadable."""
-    try:
-        doc = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return "", None
-    if not isinstance(doc, dict):
-        return "", None
-    state = doc.get("state")
-    worker = doc.get("by" if state == "queued" else "worker")
-    return (state if isinstance(state, str) else ""), (worker if isinstance(worker, str) else None)
 
 
 async def _nowhere(_text: str) -> None:

@@ -1,0 +1,110 @@
+"""What a dead worker left of its subagents runs again at once, instead of once the job
+queue's timeout (arq: 15 minutes) ran out.
+
+Three cases, each claimed once among the survivors that judged the worker dead:
+
+- a subagent it registered whose job it may never have queued (``queued`` by it):
+  queued again (the job queue drops a second copy of a queued job id);
+- a job it had taken (named in its hash of running jobs, ``RunningJobs``, the job's first
+  step) whatever the registration says: ``queued`` by a live worker (it died before the
+  job marked it ``running``) or ``running`` on it;
+- a subagent ``running`` on it whose job it did not name (an older worker): claimed from
+  the registration (``SubagentStore.claim_orphan``, ``WATCH``ed), which also ends the
+  run there should the worker only have stalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterable
+
+from redis.exceptions import RedisError
+
+from bus_redis.keys import channel_of
+from bus_redis.running_jobs import RunningJobs
+from bus_redis.subagents import SubagentStore
+from worker.runtime.context import Runtime
+
+
+class Orphans:
+    def __init__(
+        self, rt: Runtime, store: SubagentStore, here: RunningJobs, job: str,
+        job_id: Callable[[str], str],
+    ) -> None:  # fmt: skip
+        self.rt = rt
+        self.store = store
+        self.here = here  # this worker's running jobs (a dead worker's: claimed here)
+        self.job = job  # the subagent job's name
+        self.job_id = job_id  # a subagent id's job id
+
+    async def rerun(self, dead: str, channels: Iterable[str]) -> int:
+        """The subagents worker ``dead`` left, in sessions of ``channels``, run again;
+        how many. Bounded: the sessions of a channel running subagents are at most
+        ``AGENT_SUBAGENT_SESSIONS_PER_CHANNEL``, each with at most
+        ``AGENT_SUBAGENTS_PER_SESSION``; the dead worker's running jobs by its job slots."""
+        channels = set(channels)
+        taken = await self._taken(dead, channels)
+        again = len(taken)
+        limit = self.rt.config.subagent_sessions_per_channel
+        for channel in channels:
+            for session in await self.store.sessions(channel, limit=limit):
+                for sid, raw in (await self.store.of_session(session)).items():
+                    if sid in taken:
+                        continue  # queued again above
+                    state, worker = registration_state(raw)
+                    if worker != dead:
+                        continue
+                    if state == "running":
+                        me = self.rt.worker_id
+                        if not await self.store.claim_orphan(session, sid, dead, me):
+                            continue  # another survivor took it
+                        again += 1
+                    elif state != "queued":
+                        continue
+                    await self._queue(session, sid)
+        return again
+
+    async def _taken(self, dead: str, channels: set[str]) -> set[str]:
+        """The subagent jobs worker ``dead`` had taken (its entries of running jobs that
+        this caller claimed): each still registered runs again, started or not."""
+        claimed = await self.here.claim(dead, channels, name=self.job)
+        again: set[str] = set()
+        for at, (job_id, _, kwargs) in enumerate(claimed):
+            session, sid = str(kwargs.get("session")), str(kwargs.get("sid"))
+            try:
+                state, worker = registration_state((await self.store.of_session(session)).get(sid))
+                if state == "running" and worker == dead:
+                    me = self.rt.worker_id
+                    if not await self.store.claim_orphan(session, sid, dead, me):
+                        continue  # (another survivor took it from the registration)
+                elif state != "queued":
+                    continue  # ended, or running again elsewhere
+                await self._queue(session, sid, job_id)
+                again.add(sid)
+            except Exception:  # the rest back in the dead worker's hash: claimed again later
+                for back_id, _, back in claimed[at:]:
+                    with contextlib.suppress(RedisError):
+                        await self.here.give_back(
+                            dead, back_id, self.job, channel_of(str(back.get("session"))), back
+                        )
+                raise
+        return again
+
+    async def _queue(self, session: str, sid: str, job_id: str = "") -> None:
+        job_id = job_id or self.job_id(sid)
+        await self.rt.jobs.orphaned(self.job, job_id=job_id, session=session, sid=sid)
+
+
+def registration_state(raw: str | None) -> tuple[str, str | None]:
+    """A registration's state and its worker (the registering one while ``queued``, the
+    running one once ``running``); ``("", None)`` when gone or unreadable."""
+    try:
+        doc = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return "", None
+    if not isinstance(doc, dict):
+        return "", None
+    state = doc.get("state")
+    worker = doc.get("by" if state == "queued" else "worker")
+    return (state if isinstance(state, str) else ""), (worker if isinstance(worker, str) else None)
