@@ -219,6 +219,35 @@ async def test_a_worker_whose_own_beat_fails_takes_over_no_one(
     await until(lambda: _gone(redis, K.lease("web:held")))
 
 
+async def test_after_redis_became_another_server_no_one_is_judged_until_beats_landed_there(
+    redis: aioredis.Redis, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """Redis restarted from an older snapshot between two of this worker's beats (or a
+    failover to a lagging replica that the client reached by retrying): none of its
+    beats failed, yet every other worker's beat on the new server is old. Judged at once,
+    every live worker's leases would be taken over and their turns done again. A
+    connection that finds another server restarts the streak: others are judged only
+    once this worker's beats have landed there for a liveness period."""
+    from bus_redis.server_watch import ServerWatch
+    from worker.agent.providers import EchoProvider
+
+    loop = make_loop(EchoProvider(), liveness_ms=800)
+    await until(lambda: loop.liveness.beat_ok_at > float("-inf"))  # running, beating
+    loop.liveness.beat_ok_since -= 3600  # its beats have landed for long
+    secs, micros = await redis.time()
+    now_ms = secs * 1000 + micros // 1000
+    await redis.set(K.lease("web:held"), "n1|other", px=60_000)
+    await redis.zadd(K.leases("web"), {"web:held": now_ms + 60_000})  # (its expiry)
+    await redis.zadd(K.alive, {"other": now_ms - 5_000})  # (the old server's copy)
+    watch = ServerWatch.of(loop.bus.redis.connection_pool)
+    watch.server = "the-server-before"
+    watch.seen("the-server-now")  # a connection reached another server
+    assert await loop.liveness.watch_once() == []
+    assert await redis.get(K.lease("web:held")) == "n1|other"  # not taken
+    # once its beats landed for a liveness period, the silent one is taken over
+    await until(lambda: _gone(redis, K.lease("web:held")))
+
+
 async def _gone(redis: aioredis.Redis, key: str) -> bool:
     return await redis.get(key) is None
 

@@ -53,6 +53,8 @@ class Runtime:
     services: Services | None = None  # subagents and schedules (worker.jobs)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    # more to do when Redis is another server than before (the liveness watch's streak)
+    on_new_server: list[Callable[[], None]] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -101,18 +103,21 @@ class Runtime:
         # a restart or failover may bring back older contents: every connection that
         # reaches another server drops the copies before it answers anything
         watch = ServerWatch.of(bus.redis.connection_pool)  # (make_redis attached it)
-        watch.on_new_server = rt.forget_copies
+        watch.on_new_server = rt.new_server
         if bus.fast is not None:
             bus.fast.server_watch = watch
         return rt
 
-    def forget_copies(self) -> None:
+    def new_server(self) -> None:
         """Redis came back as another server (restarted, failed over): what it holds may be
         older than what this worker saw, at the same versions. Copies of stored sessions and
-        memories go; the next turns read them again."""
+        memories go (the next turns read them again), and so does what else was registered
+        in ``on_new_server``."""
         log.warning("Redis is another server than before: cached sessions and memory dropped")
         self.sessions.forget_stored()
         self.memory.forget_cached()
+        for hook in self.on_new_server:
+            hook()
 
     @property
     def tools(self) -> ToolRegistry:

@@ -77,6 +77,15 @@ class Liveness:
     def enabled(self) -> bool:
         return self.liveness_ms > 0
 
+    def new_server(self) -> None:
+        """Redis is another server than before (a restart from an older snapshot, a
+        failover to a replica that lagged): the beats it holds may all be old, though no
+        beat of this worker failed (a restart between two beats, a client that retried on
+        its own). The streak starts again: no other worker is judged before this one's
+        beats have landed on this server for a liveness period, by which time the live
+        ones have beaten there too."""
+        self.beat_ok_since = max(self.beat_ok_since, time.monotonic())
+
     # --- the beat -------------------------------------------------------------------
     async def run_beat(self) -> None:
         """Beat until cancelled: in a thread when a sync client was given, else here."""

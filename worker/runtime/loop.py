@@ -133,6 +133,7 @@ class AgentLoop:
             dispatch=self.dispatch,
             on_dead=self._rerun_left,
         )
+        self.rt.on_new_server.append(self.liveness.new_server)
 
     # --- the in-process surface (README: Embedding) ---------------------------------------------
     @property
