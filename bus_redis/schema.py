@@ -111,9 +111,9 @@ class InboundMessage(_Routed):
 
     @property
     def is_user_input(self) -> bool:
-        if self.input_role is not None:
-            return self.input_role == "user"
-        return self.channel != "system"
+        """Whether a user wrote it: any message but a system one (``input_role`` decides,
+        never the channel's name: ``system`` is a channel like any other here)."""
+        return self.input_role != "system"
 
 
 class OpenTransient(_Routed):

@@ -21,6 +21,7 @@ def encode_meta(session: Session) -> str:
             "metadata": session.metadata,
             "last_consolidated": session.base + session.last_consolidated,
             "scope": session.scope,
+            "born": session.born,
         }
     )
 
@@ -82,6 +83,7 @@ def apply_meta(session: Session, meta: dict[str, Any]) -> None:
     valid = isinstance(lc, int) and not isinstance(lc, bool) and 0 <= lc <= len(session.messages)
     session.last_consolidated = lc if valid else 0
     session.scope = str(meta.get("scope") or "")
+    session.born = str(meta.get("born") or "")
 
 
 def decode_session(key: str, h: dict[str, str]) -> Session | None:
@@ -100,6 +102,7 @@ def decode_session(key: str, h: dict[str, str]) -> Session | None:
         metadata=meta.get("metadata") or {},
         last_consolidated=meta.get("last_consolidated", 0),
         scope=str(meta.get("scope") or ""),
+        born=str(meta.get("born") or ""),
     )
     session.skipped_rows = count - len(rows)
     session.mark_persisted(int(h.get("version", "0") or 0), h.get("gen", ""))

@@ -108,6 +108,10 @@ class Session:
     metadata: dict[str, Any] = field(default_factory=dict)
     last_consolidated: int = 0
     scope: str = ""  # "<channel>/<name>": whose memory and sessions this session may see
+    # the stream entry id of the message that started it ('' when not known): what a turn
+    # of an earlier conversation under this key (deleted, or ended by new) made, a
+    # schedule's firing or a subagent's result, is older and never runs in it
+    born: str = ""
     policy: SessionPolicy = field(default_factory=SessionPolicy)
     version: int = 0
     generation: str = ""  # of its Redis hash: a re-created hash has a new one

@@ -75,6 +75,7 @@ class Schedule(BaseModel):
     cron_expr: str | None = None
     tz: str = "UTC"
     created_ms: int
+    origin: str = ""  # the stream entry whose turn added it (its firings say so: "from")
 
     def first_due(self, now_ms: int) -> int:
         if self.kind == "at":
@@ -277,6 +278,7 @@ class Schedules:
         except ScheduleError as exc:
             return f"Error: {exc}"
         schedule.key = origin.lease_key or origin.member
+        schedule.origin = origin.entry_id or ""
         first = schedule.first_due(now)
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, schedule.model_dump_json(),
@@ -362,7 +364,7 @@ class Schedules:
             sender_id="cron",
             input_role="system",
             content=f"Scheduled ({s.describe()}, due {iso(due_ms, s.tz)}): {s.message}",
-            metadata={"cron": {"id": s.id, "due_ms": due_ms}},
+            metadata={"cron": {"id": s.id, "due_ms": due_ms}, "from": s.origin},
         )
         return msg.model_dump_json(exclude_none=True)
 

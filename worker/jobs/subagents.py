@@ -312,7 +312,7 @@ class Subagents:
             sender_id="subagent",
             input_role="system",
             content=text,
-            metadata={"subagent": spec["id"]},
+            metadata={"subagent": spec["id"], "from": str(spec.get("after") or "")},
         )
         return msg.model_dump_json(exclude_none=True)
 
