@@ -101,10 +101,12 @@ class Keys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{encode_session(worker_id)}:info"
 
-    def worker_jobs(self, worker_id: str) -> str:
+    def worker_jobs(self, worker_id: str, kind: str = "jobs") -> str:
         """Hash: job id -> its name and arguments (JSON), of the background jobs the worker
-        runs now: a survivor that judges it dead runs them again at once."""
-        return f"{self.prefix}:worker:{encode_session(worker_id)}:jobs"
+        runs now: a survivor that judges it dead runs them again at once. Consolidations
+        under ``jobs``, subagents under ``subagents`` (a worker older than that hash reads
+        every entry of ``jobs`` as a consolidation and queues it again unchecked)."""
+        return f"{self.prefix}:worker:{encode_session(worker_id)}:{kind}"
 
     # --- per channel {C} -------------------------------------------------------------
     def ready(self, channel: str) -> str:

@@ -24,11 +24,12 @@ RUNNING_TTL_MS = 20 * 60_000
 
 
 class RunningJobs:
-    def __init__(self, bus: RedisBus, worker_id: str, *, ttl_ms: int) -> None:
+    def __init__(self, bus: RedisBus, worker_id: str, *, ttl_ms: int, kind: str = "jobs") -> None:
         self.redis = bus.raw
         self.keys = bus.keys
         self.worker_id = worker_id
         self.ttl_ms = ttl_ms
+        self.kind = kind  # which of a worker's hashes (Keys.worker_jobs)
 
     async def started(self, job_id: str, name: str, channel: str, kwargs: dict[str, Any]) -> None:
         """Job ``job_id`` (``name(**kwargs)``, for a session of ``channel``) runs here."""
@@ -43,7 +44,7 @@ class RunningJobs:
     async def _put(
         self, worker: str, job_id: str, name: str, channel: str, kwargs: dict[str, Any]
     ) -> None:
-        key = self.keys.worker_jobs(worker)
+        key = self.keys.worker_jobs(worker, self.kind)
         doc = {"name": name, "channel": channel, "kwargs": kwargs}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, job_id, json.dumps(doc))
@@ -51,7 +52,7 @@ class RunningJobs:
             await pipe.execute()
 
     async def ended(self, job_id: str) -> None:
-        await self.redis.hdel(self.keys.worker_jobs(self.worker_id), job_id)  # type: ignore[misc]
+        await self.redis.hdel(self.keys.worker_jobs(self.worker_id, self.kind), job_id)  # type: ignore[misc]
 
     async def claim(
         self, dead: str, channels: Iterable[str], *, name: str | None = None
@@ -60,7 +61,7 @@ class RunningJobs:
         ``channels`` (of job ``name`` only, when given) that this caller claimed (no other
         caller claims it too); the others stay for a worker that serves their channel (or
         claims their name). An unreadable entry goes."""
-        key, served = self.keys.worker_jobs(dead), set(channels)
+        key, served = self.keys.worker_jobs(dead, self.kind), set(channels)
         claimed: list[tuple[str, str, dict[str, Any]]] = []
         for job_id, raw in (await self.redis.hgetall(key)).items():  # type: ignore[misc]
             try:

@@ -112,6 +112,29 @@ class SubagentStore:
                 return False
         return True
 
+    async def take_queued(self, session: str, sid: str, dead: str) -> bool:
+        """Mark a subagent still ``queued`` as taken from worker ``dead`` (judged dead after
+        its job queue took the job, before the job started it): should that worker wake
+        up, its start is refused (``spawn_done.lua``) and the job's re-run goes on. False
+        when it is no longer queued (``WATCH``ed)."""
+        key = self.keys.spawned(session)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key)
+                raw = await pipe.hget(key, sid)  # type: ignore[misc]
+                try:
+                    spec = json.loads(text(raw)) if raw is not None else None
+                except ValueError:
+                    spec = None
+                if not isinstance(spec, dict) or spec.get("state") != "queued":
+                    return False
+                pipe.multi()
+                pipe.hset(key, sid, json.dumps(spec | {"taken_from": dead}))
+                await pipe.execute()
+            except WatchError:
+                return False
+        return True
+
     async def of_session(self, session: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.keys.spawned(session))  # type: ignore[misc]
         return {text(a): text(b) for a, b in raw.items()}

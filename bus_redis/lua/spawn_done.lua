@@ -12,6 +12,8 @@
 -- ARGV[8] 'done', 'drop': the run publishing or dropping it ('' or absent: any); a run
 -- superseded (its worker stalled, judged dead, the subagent re-run by a survivor)
 -- publishes and drops nothing
+-- 'running' is refused (0) to the worker a survivor took the job from before it started
+-- (the registration's taken_from: it was judged dead, and the job runs again elsewhere)
 -- returns 1 done, 0 not registered (aborted, done already, or superseded), -1 the
 -- dropping turn's lease is lost (a stalled worker's cut turn must not undo what the
 -- holder after it kept)
@@ -23,6 +25,11 @@ if ARGV[2] ~= 'running' and ARGV[8] and ARGV[8] ~= '' then
   if not ok or type(spec) ~= 'table' or spec['run'] ~= ARGV[8] then return 0 end
 end
 if ARGV[2] == 'running' then
+  local ok, spec = pcall(cjson.decode, doc)
+  if ok and type(spec) == 'table' and type(spec['taken_from']) == 'string' then
+    local ok2, now = pcall(cjson.decode, ARGV[3])
+    if ok2 and type(now) == 'table' and now['worker'] == spec['taken_from'] then return 0 end
+  end
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[7])
   return 1

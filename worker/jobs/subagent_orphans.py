@@ -52,7 +52,7 @@ class Orphans:
                 for sid, raw in (await self.store.of_session(session)).items():
                     if sid in taken:
                         continue  # queued again above
-                    state, worker = registration_state(raw)
+                    state, worker, _ = registration_state(raw)
                     if worker != dead:
                         continue
                     if state == "running":
@@ -60,7 +60,7 @@ class Orphans:
                         if not await self.store.claim_orphan(session, sid, dead, me):
                             continue  # another survivor took it
                         again += 1
-                    elif state != "queued":
+                    elif state != "queued" or not await self._take(session, sid, dead):
                         continue
                     await self._queue(session, sid)
         return again
@@ -73,12 +73,15 @@ class Orphans:
         for at, (job_id, _, kwargs) in enumerate(claimed):
             session, sid = str(kwargs.get("session")), str(kwargs.get("sid"))
             try:
-                state, worker = registration_state((await self.store.of_session(session)).get(sid))
+                raw = (await self.store.of_session(session)).get(sid)
+                state, worker, run = registration_state(raw)
+                me = self.rt.worker_id
                 if state == "running" and worker == dead:
-                    me = self.rt.worker_id
                     if not await self.store.claim_orphan(session, sid, dead, me):
                         continue  # (another survivor took it from the registration)
-                elif state != "queued":
+                elif state == "running" and worker == me and not run:
+                    pass  # claimed here before, not queued again then (given back)
+                elif state != "queued" or not await self._take(session, sid, dead):
                     continue  # ended, or running again elsewhere
                 await self._queue(session, sid, job_id)
                 again.add(sid)
@@ -91,20 +94,33 @@ class Orphans:
                 raise
         return again
 
+    async def _take(self, session: str, sid: str, dead: str) -> bool:
+        """A ``queued`` registration marked as taken from ``dead`` (its start refused
+        there should it only have stalled); a former life of this worker's id (at start)
+        is not marked: the re-run starts under the same id."""
+        if dead == self.rt.worker_id:
+            return True
+        return await self.store.take_queued(session, sid, dead)
+
     async def _queue(self, session: str, sid: str, job_id: str = "") -> None:
         job_id = job_id or self.job_id(sid)
         await self.rt.jobs.orphaned(self.job, job_id=job_id, session=session, sid=sid)
 
 
-def registration_state(raw: str | None) -> tuple[str, str | None]:
-    """A registration's state and its worker (the registering one while ``queued``, the
-    running one once ``running``); ``("", None)`` when gone or unreadable."""
+def registration_state(raw: str | None) -> tuple[str, str | None, str]:
+    """A registration's state, its worker (the registering one while ``queued``, the
+    running one once ``running``) and its run ('' when none); ``("", None, "")`` when
+    gone or unreadable."""
     try:
         doc = json.loads(raw) if raw is not None else None
     except ValueError:
-        return "", None
+        return "", None, ""
     if not isinstance(doc, dict):
-        return "", None
-    state = doc.get("state")
+        return "", None, ""
+    state, run = doc.get("state"), doc.get("run")
     worker = doc.get("by" if state == "queued" else "worker")
-    return (state if isinstance(state, str) else ""), (worker if isinstance(worker, str) else None)
+    return (
+        state if isinstance(state, str) else "",
+        worker if isinstance(worker, str) else None,
+        run if isinstance(run, str) else "",
+    )

@@ -75,7 +75,8 @@ class Subagents:
         self.runner = TurnRunner(
             rt.provider, self.tools, context, rt.model, rt.config.subagent_max_iterations
         )
-        self.here = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS)  # jobs run here
+        # the subagent jobs running here (their own hash: see Keys.worker_jobs)
+        self.here = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS, kind="subagents")
         self.orphans = Orphans(rt, self.store, self.here, JOB_NAME, self._job_id)
         # session -> id -> (task, what it does)
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}

@@ -146,9 +146,10 @@ class Maintenance:
             older_than_ms=rt.bus.lock_ttl_ms * DEAD_WORKER_AFTER_TTLS, streams=self.streams()
         )
         if self.left_by is not None:
+            channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
             for worker in dead:
                 if worker != rt.worker_id:
-                    await self.left_by(worker, set(self.channels))
+                    await self.left_by(worker, set(channels))
 
     async def heartbeat(self) -> None:
         rt = self.rt

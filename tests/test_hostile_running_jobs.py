@@ -1,0 +1,229 @@
+"""Hostile review of c5d2441..88bf850 (a subagent job names itself in its worker's hash
+of running jobs; a claimant whose re-queue fails gives the entries back). Each test
+failed on 88bf850. Two more findings of the review are known and not fixed (a former
+life's entries given back into its own hash; an entry given back for a job that ended
+meanwhile on a worker that was only stalled): docs/ARCHITECTURE.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import ScriptedProvider
+from redis.exceptions import ConnectionError as RedisConnectionError
+from replies import until
+from test_second_reading_watch_and_runs import Model, _registered, _spec, _workers
+
+from bus_redis import Keys
+from worker.jobs.local import LocalJobQueue
+
+K = Keys()
+
+
+class _RefusingJobs(LocalJobQueue):
+    """A job queue whose ``orphaned`` fails ``fail`` times (Redis refusing it), then
+    records the job ids it was asked to queue again (and runs nothing)."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.fail = fail
+        self.orphans: list[str] = []
+
+    async def orphaned(self, name: str, *, job_id: str, **kwargs: Any) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise RedisConnectionError("refused")
+        self.orphans.append(job_id)
+
+
+def _loop(redis: aioredis.Redis, jobs: Any, worker_id: str = "w1") -> Any:
+    from bus_redis import RedisBus
+    from worker import AgentLoop, LoopConfig
+
+    return AgentLoop(
+        RedisBus(redis), ScriptedProvider(), jobs=jobs, config=LoopConfig(worker_id=worker_id)
+    )
+
+
+def _subagent_doc(state: str, **more: Any) -> str:
+    doc = {"id": "s3", "session": "web:c", "channel": "web", "chat_id": "c", "scope": "web/u",
+           "label": "l", "task": "t", "state": state, "after": "1-0", **more}  # fmt: skip
+    return json.dumps(doc)
+
+
+# --- 1. a give-back after the registration was claimed ---------------------------------
+async def test_a_started_subagent_whose_requeue_failed_is_queued_again_at_the_next_look(
+    redis: aioredis.Redis,
+) -> None:
+    """Worker ``w-dead`` ran subagent s3 (registration ``running`` on w-dead, and its
+    entry in w-dead's running-jobs hash). The survivor claims the entry, then the
+    registration (``claim_orphan``: the registration now names the survivor, no run),
+    and its re-queue fails: the entry is given back "for the next look". But the next
+    look (the prune of w-dead's record) finds the registration naming the survivor, not
+    w-dead, takes it as "running again elsewhere" and drops the entry; the registration
+    path's ``claim_orphan(dead)`` fails as well. So the subagent is never queued again:
+    its registration says running on a live worker (nobody claims it again) and the job
+    waits out arq's in-progress mark (15 minutes), which the give-back was to avoid.
+    Expected: the next look queues the job again."""
+    from bus_redis import RedisBus
+    from bus_redis.running_jobs import RunningJobs
+
+    bus = RedisBus(redis)
+    dead = RunningJobs(bus, "w-dead", ttl_ms=60_000, kind="subagents")
+    await dead.started("agent:subagent:s3", "subagent", "web", {"session": "web:c", "sid": "s3"})
+    await redis.hset(K.spawned("web:c"), "s3", _subagent_doc("running", worker="w-dead", run="r"))
+    await redis.zadd(K.subagents("web"), {"web:c": 1})
+    jobs = _RefusingJobs(fail=1)
+    loop = _loop(redis, jobs)
+    await loop._rerun_left("w-dead", {"web"})  # refused once: logged
+    assert jobs.orphans == []
+    await loop._rerun_left("w-dead", {"web"})  # the next look (the prune of its record)
+    spec = json.loads(await redis.hget(K.spawned("web:c"), "s3"))
+    assert jobs.orphans == ["agent:subagent:s3"], (
+        f"the subagent is never queued again; its registration says {spec.get('state')} "
+        f"on {spec.get('worker')} (run {spec.get('run')!r}), its entry is gone: "
+        f"{await redis.hgetall(K.worker_jobs('w-dead', 'subagents'))}"
+    )
+
+
+# --- 2. a stalled worker that wakes up after the survivor's re-run started -------------
+@pytest.mark.real_redis
+async def test_a_woken_worker_does_not_take_over_the_rerun_of_the_job_it_took(
+    real_redis, redis_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """w0 registered the subagent (``queued`` by w0); w1's arq took its job and w1
+    stalled before marking it ``running``. w0 judged w1 dead, claimed w1's entry and
+    queued the job again (new in this change), and w0's re-run started (``running`` on
+    w0, its run named, its model call made). Then w1 wakes up: its start writes
+    ``running`` on w1 over the registration (``spawn_done.lua``'s 'running' is a plain
+    HSET), so w0's run is superseded and cancelled while the stale worker, judged dead,
+    runs the subagent from the start: every model call made so far is paid twice (and
+    with a survivor that claimed a ``running`` registration this is fenced: the woken
+    run sees its run gone). Expected: the woken worker's start is refused (the take was
+    claimed), the re-run goes on, one model call in all."""
+    monkeypatch.setattr("worker.jobs.subagents.WATCH_S", 0.05)
+    model = Model()
+    w0, w1 = _workers(redis_server.url, model)
+    stalled, wake = asyncio.Event(), asyncio.Event()
+    started: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    running = w1.loop.subagents.store.running
+
+    async def stall(*a: Any) -> bool:
+        stalled.set()
+        await wake.wait()  # w1 stalls here, then goes on
+        ok = await running(*a)
+        started.set_result(ok)
+        return ok
+
+    w1.loop.subagents.store.running = stall  # type: ignore[method-assign]
+    try:
+        await w0.start()
+        await w1.start()
+        job_id = await _registered(real_redis, w0)
+        assert await w1.poll(job_id) is not None
+        await asyncio.wait_for(stalled.wait(), 10)
+        await w0.loop._rerun_left("w1", {"web"})  # w0's liveness watch judged w1 dead
+        assert await w0.poll(job_id) is not None
+        await until(lambda: model.calls == 1, timeout_s=10)  # the re-run, on w0, held
+        assert (await _spec(real_redis) or {}).get("worker") == "w0"
+        wake.set()  # w1 wakes up
+        assert not await asyncio.wait_for(started, 10), (
+            f"the woken worker started the subagent over the survivor's re-run: "
+            f"{await _spec(real_redis)}"
+        )
+        assert (await _spec(real_redis) or {}).get("worker") == "w0"
+        assert model.cancelled == 0
+        assert model.calls == 1
+    finally:
+        model.release.set()
+        await w0.close()
+        await w1.close()
+
+
+# --- 3. a rolling upgrade: an older survivor ------------------------------------------
+async def test_an_older_survivor_queues_a_dead_workers_subagent_again_once(
+    redis: aioredis.Redis,
+) -> None:
+    """During a rolling upgrade an older worker (7a99514) judges a new one dead. The new
+    worker's subagent job named itself in ``P:worker:<id>:jobs``, a hash the older
+    worker reads as its consolidations: its ``Consolidator.rerun_orphans`` claims every
+    entry of the dead worker (``RunningJobs.claim(dead, channels)``, no name) and
+    queues each again, unchecked; its ``Subagents.rerun_orphans`` has already claimed
+    the same subagent from its registration and queued it. So one survivor's look
+    queues a running subagent twice; with arq the second ``orphaned`` deletes the
+    in-progress mark of a re-run that started in between, and a third worker runs it
+    again at once (model calls paid twice). Expected: the older worker's look queues
+    it once (e.g. subagent entries under a key older workers do not read)."""
+    from bus_redis import RedisBus
+    from bus_redis.running_jobs import RunningJobs
+    from worker.jobs.subagents import JOB_NAME
+
+    bus = RedisBus(redis)
+    await redis.set(K.lease("web:c"), "n|w-dead", px=60_000)
+    store = _loop(redis, LocalJobQueue(), worker_id="w-dead").subagents.store
+    assert await store.add("web:c", "n|w-dead", "web:c", "s3", _subagent_doc("queued", by="w-dead"),
+                           limit=3, channel_limit=8, scope="web/u", scope_limit=2) == 1  # fmt: skip
+    new = _loop(redis, LocalJobQueue(), worker_id="w-dead")  # the new worker, about to die
+    held = asyncio.Event()
+
+    async def running(*a: Any) -> bool:
+        ok = await store_running(*a)
+        held.set()
+        await asyncio.Event().wait()  # it dies here, its subagent running
+        return ok
+
+    store_running = new.subagents.store.running
+    new.subagents.store.running = running  # type: ignore[method-assign]
+    job = asyncio.create_task(new.subagents.run_job(session="web:c", sid="s3"))
+    try:
+        await asyncio.wait_for(held.wait(), 10)
+        # the older survivor's look (7a99514's AgentLoop._rerun_left): its subagents ...
+        jobs = _RefusingJobs(fail=0)
+        old = _loop(redis, jobs, worker_id="w-old")
+        job_id = old.subagents._job_id("s3")
+        assert await old.subagents.store.claim_orphan("web:c", "s3", "w-dead", "w-old")
+        await jobs.orphaned(JOB_NAME, job_id=job_id, session="web:c", sid="s3")
+        # ... then its consolidations (7a99514's Consolidator.rerun_orphans, verbatim)
+        claimed = await RunningJobs(bus, "w-old", ttl_ms=60_000).claim("w-dead", {"web"})
+        for claimed_id, name, kwargs in claimed:
+            await jobs.orphaned(name, job_id=claimed_id, **kwargs)
+        assert jobs.orphans == [job_id], f"queued again {len(jobs.orphans)} times"
+    finally:
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+
+
+# --- 4. unified mode: the prune's look leaves the unified channel out ------------------
+async def test_in_unified_mode_the_prune_claims_what_was_given_back(
+    redis: aioredis.Redis,
+) -> None:
+    """In unified mode every durable session is ``unified:default``: its jobs' entries
+    are of channel ``unified``. The liveness watch looks at a dead worker with that
+    channel, but the maintenance tick's prune (``Maintenance._prune_workers``, the "next
+    look" a give-back counts on) passes only ``self.channels``, without ``unified``
+    (the tick adds it everywhere else). So an entry given back after a refused re-queue
+    is never claimed again: the dead worker's consolidation (and, new here, a subagent
+    it had taken) waits out arq's in-progress mark. Expected: the prune claims it."""
+    from bus_redis import RedisBus
+    from bus_redis.running_jobs import RunningJobs
+    from worker import AgentLoop, LoopConfig
+
+    dead = RunningJobs(RedisBus(redis), "w-dead", ttl_ms=60_000)
+    kwargs = {"key": "unified:default", "start": 0, "end": 4}
+    await dead.started("agent:consolidate:unified:default", "consolidate", "unified", kwargs)
+    await redis.zadd(K.workers, {"w-dead": 1})  # its heartbeat, long stopped
+    jobs = _RefusingJobs(fail=1)
+    config = LoopConfig(worker_id="w1", unified_session=True, channels=["web"])
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(), jobs=jobs, config=config)
+    await loop.maintenance.refresh_channels(discover=False)
+    # the liveness watch judged w-dead dead: its look (all served channels) is refused
+    await loop._rerun_left("w-dead", loop._served_channels())
+    assert await redis.hexists(K.worker_jobs("w-dead"), "agent:consolidate:unified:default")
+    await loop.maintenance._prune_workers()  # the next look: the prune of its record
+    assert not await redis.zscore(K.workers, "w-dead")  # (pruned)
+    assert jobs.orphans == ["agent:consolidate:unified:default"], (
+        f"the prune left it: {await redis.hgetall(K.worker_jobs('w-dead'))}"
+    )
