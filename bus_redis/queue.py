@@ -24,6 +24,11 @@ from bus_redis.results import Notification
 
 WORKER_GROUP = "workers"
 READY_MAXLEN = 1_000_000
+# a worker's inbox (forwards to the owner of a private session): a frontend that floods
+# its ready queue with one private session's key makes every other worker forward each
+# note; past this many the oldest go (the owner's check of its sessions, every
+# maintenance tick, serves one whose forward went)
+INBOX_MAXLEN = 10_000
 # what Redis answers about a ready queue that can never serve again (as Redis and redis-py
 # word it): another type at its name, or a stream at the maximal id (no XADD * succeeds)
 UNUSABLE_QUEUE = ("WRONGTYPE", "exhausted the last possible ID", "equal or smaller than the target")
@@ -207,7 +212,10 @@ class ReadyQueues:
 
     async def forward(self, owner: str, note: Notification) -> None:
         """Hand a notification to the worker that owns the (transient) session."""
-        await self.redis.xadd(self.keys.inbox(owner), {"session": note.session_key})
+        await self.redis.xadd(
+            self.keys.inbox(owner), {"session": note.session_key}, maxlen=INBOX_MAXLEN,
+            approximate=False,
+        )  # fmt: skip
 
     async def notify(self, session_key: str) -> None:
         """A worker-side notification for stream ``session_key`` (sweeps, recovery)."""

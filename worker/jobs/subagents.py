@@ -82,7 +82,9 @@ class Subagents:
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
         self.spawned_here: dict[str, None] = {}  # sessions with subagents spawned here (LRU)
-        self.stopped: dict[str, tuple[int, int]] = {}  # session -> its latest aborting control
+        # channel -> session -> its latest aborting control (each channel's own LRU: one
+        # channel's flood of controls forgets none of another's)
+        self.stopped: dict[str, dict[str, tuple[int, int]]] = {}
         # the result message must fit the payload limit its session's worker applies
         self.max_chars = rt.config.max_payload_bytes // 8
 
@@ -150,7 +152,8 @@ class Subagents:
     def _stopped_after(self, spec: dict[str, Any]) -> bool:
         """Whether this worker heard an aborting control of the session after the
         message that spawned ``spec``."""
-        heard = self.stopped.get(str(spec["session"]))
+        session = str(spec["session"])
+        heard = self.stopped.get(channel_of(session), {}).get(session)
         return heard is not None and heard > parse_stream_id(str(spec.get("after") or "0-0"))
 
     # --- the job ------------------------------------------------------------------------
@@ -334,7 +337,8 @@ class Subagents:
         session = control.session_key
         # without a marker id, the control is taken as published now (this worker's clock)
         at = parse_stream_id(control.marker or f"{int(time.time() * 1000)}-0")
-        _lru(self.stopped, session, max(at, self.stopped.get(session, (0, 0))))
+        heard = self.stopped.setdefault(channel_of(session), {})  # (served channels only)
+        _lru(heard, session, max(at, heard.get(session, (0, 0))))
         for sid, (task, spec) in self.running.get(session, {}).items():
             if self._stopped_after(spec):
                 self.aborted.add(sid)
