@@ -7,6 +7,8 @@ stop, discard or delete of the session unregisters them, and nothing comes back.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from redis.exceptions import WatchError
 
@@ -90,33 +92,31 @@ class SubagentStore:
         """Take a subagent registered as running on worker ``dead`` over for ``me``, at most
         once among every worker that judged ``dead`` dead (``WATCH``: the registration
         must still name ``dead``). Its job then runs again, started by the winner only."""
-        key = self.keys.spawned(session)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            try:
-                await pipe.watch(key)
-                raw = await pipe.hget(key, sid)  # type: ignore[misc]
-                try:
-                    spec = json.loads(text(raw)) if raw is not None else None
-                except ValueError:
-                    spec = None
-                if not isinstance(spec, dict) or spec.get("worker") != dead:
-                    return False
-                if spec.get("state") != "running":
-                    return False
-                pipe.multi()
-                # the run goes: the dead worker's, should it wake up, ends at its next look
-                claimed = {k: v for k, v in spec.items() if k != "run"} | {"worker": me}
-                pipe.hset(key, sid, json.dumps(claimed))
-                await pipe.execute()
-            except WatchError:
-                return False
-        return True
+
+        def claimed(spec: dict[str, Any]) -> dict[str, Any] | None:
+            if spec.get("worker") != dead or spec.get("state") != "running":
+                return None
+            # the run goes: the dead worker's, should it wake up, ends at its next look
+            return {k: v for k, v in spec.items() if k != "run"} | {"worker": me}
+
+        return await self._rewrite(session, sid, claimed)
 
     async def take_queued(self, session: str, sid: str, dead: str) -> bool:
         """Mark a subagent still ``queued`` as taken from worker ``dead`` (judged dead after
         its job queue took the job, before the job started it): should that worker wake
         up, its start is refused (``spawn_done.lua``) and the job's re-run goes on. False
         when it is no longer queued (``WATCH``ed)."""
+
+        def taken(spec: dict[str, Any]) -> dict[str, Any] | None:
+            return spec | {"taken_from": dead} if spec.get("state") == "queued" else None
+
+        return await self._rewrite(session, sid, taken)
+
+    async def _rewrite(
+        self, session: str, sid: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> bool:
+        """Registration ``sid`` replaced by ``change(it)`` unless that is None or it changed
+        meanwhile (``WATCH``); whether it was."""
         key = self.keys.spawned(session)
         async with self.redis.pipeline(transaction=True) as pipe:
             try:
@@ -126,10 +126,11 @@ class SubagentStore:
                     spec = json.loads(text(raw)) if raw is not None else None
                 except ValueError:
                     spec = None
-                if not isinstance(spec, dict) or spec.get("state") != "queued":
+                changed = change(spec) if isinstance(spec, dict) else None
+                if changed is None:
                     return False
                 pipe.multi()
-                pipe.hset(key, sid, json.dumps(spec | {"taken_from": dead}))
+                pipe.hset(key, sid, json.dumps(changed))
                 await pipe.execute()
             except WatchError:
                 return False

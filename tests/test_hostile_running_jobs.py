@@ -13,30 +13,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
-from redis.exceptions import ConnectionError as RedisConnectionError
 from replies import until
+from test_failover_leftovers import _RefusingJobs
 from test_second_reading_watch_and_runs import Model, _registered, _spec, _workers
 
 from bus_redis import Keys
 from worker.jobs.local import LocalJobQueue
 
 K = Keys()
-
-
-class _RefusingJobs(LocalJobQueue):
-    """A job queue whose ``orphaned`` fails ``fail`` times (Redis refusing it), then
-    records the job ids it was asked to queue again (and runs nothing)."""
-
-    def __init__(self, fail: int) -> None:
-        super().__init__()
-        self.fail = fail
-        self.orphans: list[str] = []
-
-    async def orphaned(self, name: str, *, job_id: str, **kwargs: Any) -> None:
-        if self.fail:
-            self.fail -= 1
-            raise RedisConnectionError("refused")
-        self.orphans.append(job_id)
 
 
 def _loop(redis: aioredis.Redis, jobs: Any, worker_id: str = "w1") -> Any:
