@@ -50,19 +50,9 @@ class Orphans:
         for channel in channels:
             for session in await self.store.sessions(channel, limit=limit):
                 for sid, raw in (await self.store.of_session(session)).items():
-                    if sid in taken:
-                        continue  # queued again above
-                    state, worker, _ = registration_state(raw)
-                    if worker != dead:
-                        continue
-                    if state == "running":
-                        me = self.rt.worker_id
-                        if not await self.store.claim_orphan(session, sid, dead, me):
-                            continue  # another survivor took it
-                        again += 1
-                    elif state != "queued" or not await self._take(session, sid, dead):
-                        continue
-                    await self._queue(session, sid)
+                    # (one queued again above; else only what names the dead worker)
+                    if sid not in taken and registration_state(raw)[1] == dead:
+                        again += await self._again(session, sid, raw, dead)
         return again
 
     async def _taken(self, dead: str, channels: set[str]) -> set[str]:
@@ -74,17 +64,8 @@ class Orphans:
             session, sid = str(kwargs.get("session")), str(kwargs.get("sid"))
             try:
                 raw = (await self.store.of_session(session)).get(sid)
-                state, worker, run = registration_state(raw)
-                me = self.rt.worker_id
-                if state == "running" and worker == dead:
-                    if not await self.store.claim_orphan(session, sid, dead, me):
-                        continue  # (another survivor took it from the registration)
-                elif state == "running" and worker == me and not run:
-                    pass  # claimed here before, not queued again then (given back)
-                elif state != "queued" or not await self._take(session, sid, dead):
-                    continue  # ended, or running again elsewhere
-                await self._queue(session, sid, job_id)
-                again.add(sid)
+                if await self._again(session, sid, raw, dead, job_id):
+                    again.add(sid)
             except Exception:  # the rest back in the dead worker's hash: claimed again later
                 for back_id, _, back in claimed[at:]:
                     with contextlib.suppress(RedisError):
@@ -94,6 +75,27 @@ class Orphans:
                 raise
         return again
 
+    async def _again(
+        self, session: str, sid: str, raw: str | None, dead: str, job_id: str = ""
+    ) -> bool:
+        """Queue subagent ``sid`` again when it is still ``dead``'s to run: ``running`` on
+        it (claimed from the registration: one survivor wins), ``queued`` (marked taken
+        from it), or claimed here before and not queued then (``running`` here, no run:
+        the re-queue was refused and the entry given back). Whether it was queued."""
+        state, worker, run = registration_state(raw)
+        me = self.rt.worker_id
+        if state == "running" and worker == dead:
+            if not await self.store.claim_orphan(session, sid, dead, me):
+                return False  # another survivor took it
+        elif state == "running" and worker == me and not run:
+            pass
+        elif state != "queued" or not await self._take(session, sid, dead):
+            return False  # ended, or running again elsewhere
+        await self.rt.jobs.orphaned(
+            self.job, job_id=job_id or self.job_id(sid), session=session, sid=sid
+        )
+        return True
+
     async def _take(self, session: str, sid: str, dead: str) -> bool:
         """A ``queued`` registration marked as taken from ``dead`` (its start refused
         there should it only have stalled); a former life of this worker's id (at start)
@@ -101,10 +103,6 @@ class Orphans:
         if dead == self.rt.worker_id:
             return True
         return await self.store.take_queued(session, sid, dead)
-
-    async def _queue(self, session: str, sid: str, job_id: str = "") -> None:
-        job_id = job_id or self.job_id(sid)
-        await self.rt.jobs.orphaned(self.job, job_id=job_id, session=session, sid=sid)
 
 
 def registration_state(raw: str | None) -> tuple[str, str | None, str]:
