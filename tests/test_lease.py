@@ -14,7 +14,9 @@ from bus_redis.results import Acquired
 from worker.ops.metrics import WorkerMetrics
 from worker.runtime.lease import Lease
 
-TTL_MS = 300
+# renewals every third of it: 1 s leaves a renewal 600 ms of a loaded box's stalls (the
+# suite runs in three processes beside real workers; at 300 ms one CI run lost a lease)
+TTL_MS = 1000
 
 
 async def _held(bus: RedisBus, key: str) -> Lease:
