@@ -7,6 +7,11 @@ claimant wins) and queues the job again. Bounded by the jobs one worker runs at 
 hash lives at most a job's timeout past its last start. A claimant that could not queue
 a job again gives its entry back (``give_back``): the next look at the dead worker (the
 prune of its record) claims it again.
+
+A worker also claims from its own hash, on every maintenance tick, each entry of a job
+not running in this process (``claim(own id)``): a former life's job whose queueing
+failed at start, or an entry a survivor gave back after this worker, only stalled, woke
+and ended the job. Either would otherwise wait out the queue's mark (or stay for good).
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ class RunningJobs:
         self.worker_id = worker_id
         self.ttl_ms = ttl_ms
         self.kind = kind  # which of a worker's hashes (Keys.worker_jobs)
+        # the jobs running in this process: id -> (name, channel, arguments)
+        self.here: dict[str, tuple[str, str, dict[str, Any]]] = {}
 
     async def started(self, job_id: str, name: str, channel: str, kwargs: dict[str, Any]) -> None:
         """Job ``job_id`` (``name(**kwargs)``, for a session of ``channel``) runs here."""
+        self.here[job_id] = (name, channel, kwargs)  # (before its entry: see claim)
         await self._put(self.worker_id, job_id, name, channel, kwargs)
 
     async def give_back(
@@ -52,7 +60,10 @@ class RunningJobs:
             await pipe.execute()
 
     async def ended(self, job_id: str) -> None:
-        await self.redis.hdel(self.keys.worker_jobs(self.worker_id, self.kind), job_id)  # type: ignore[misc]
+        try:
+            await self.redis.hdel(self.keys.worker_jobs(self.worker_id, self.kind), job_id)  # type: ignore[misc]
+        finally:
+            self.here.pop(job_id, None)  # (after its entry: see claim)
 
     async def claim(
         self, dead: str, channels: Iterable[str], *, name: str | None = None
@@ -60,7 +71,8 @@ class RunningJobs:
         """``(job id, name, arguments)`` of each job worker ``dead`` ran for a session of
         ``channels`` (of job ``name`` only, when given) that this caller claimed (no other
         caller claims it too); the others stay for a worker that serves their channel (or
-        claims their name). An unreadable entry goes."""
+        claims their name). An unreadable entry goes. ``dead`` may be this worker's own
+        id: a job running in this process is left alone."""
         key, served = self.keys.worker_jobs(dead, self.kind), set(channels)
         claimed: list[tuple[str, str, dict[str, Any]]] = []
         for job_id, raw in (await self.redis.hgetall(key)).items():  # type: ignore[misc]
@@ -72,6 +84,15 @@ class RunningJobs:
                 job, channel = None, ""  # unreadable: dropped below
             if job is not None and (channel not in served or name not in (None, job[1])):
                 continue
-            if await self.redis.hdel(key, job_id) and job is not None:  # type: ignore[misc]
-                claimed.append(job)  # (0: another survivor's)
+            if self._running_here(dead, text(job_id)):
+                continue
+            if not await self.redis.hdel(key, job_id) or job is None:  # type: ignore[misc]
+                continue  # (0: another survivor's)
+            if self._running_here(dead, job[0]):  # started meanwhile: its entry back
+                await self._put(dead, job[0], *self.here[job[0]])
+                continue
+            claimed.append(job)
         return claimed
+
+    def _running_here(self, worker: str, job_id: str) -> bool:
+        return worker == self.worker_id and job_id in self.here

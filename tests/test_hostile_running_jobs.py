@@ -1,8 +1,9 @@
 """Hostile review of c5d2441..88bf850 (a subagent job names itself in its worker's hash
 of running jobs; a claimant whose re-queue fails gives the entries back). Each test
-failed on 88bf850. Two more findings of the review are known and not fixed (a former
-life's entries given back into its own hash; an entry given back for a job that ended
-meanwhile on a worker that was only stalled): docs/ARCHITECTURE.md."""
+failed on 88bf850. Two more findings of the review (a former life's entries given back
+into its own hash; an entry given back for a job that ended meanwhile on a worker that
+was only stalled) were fixed later, by a worker's look at its own hash on every tick
+(tests 5 and 6: each failed on 4dc8fca)."""
 
 from __future__ import annotations
 
@@ -211,3 +212,87 @@ async def test_in_unified_mode_the_prune_claims_what_was_given_back(
     assert jobs.orphans == ["agent:consolidate:unified:default"], (
         f"the prune left it: {await redis.hgetall(K.worker_jobs('w-dead'))}"
     )
+
+
+# --- 5. a former life's job whose re-queue failed at start --------------------------------
+async def test_a_former_lifes_job_refused_at_start_is_queued_again_by_a_tick(
+    redis: aioredis.Redis,
+) -> None:
+    """Worker w1 was killed while it ran a consolidation and was restarted under its id.
+    Its start queues its former life's jobs again; Redis refuses that, so the entry goes
+    back into w1's own hash, which only a survivor judging w1 dead would read: none
+    does (w1 lives), and the job waits out arq's in-progress mark (15 minutes).
+    Expected: w1's next maintenance tick queues it."""
+    from bus_redis import RedisBus
+    from bus_redis.running_jobs import RunningJobs
+
+    former = RunningJobs(RedisBus(redis), "w1", ttl_ms=60_000)
+    kwargs = {"key": "web:c", "start": 0, "end": 4}
+    await former.started("agent:consolidate:web:c", "consolidate", "web", kwargs)
+    jobs = _RefusingJobs(fail=1)
+    loop = _loop(redis, jobs)
+    await loop._rerun_left("w1", {"web"})  # the start's look: refused, given back
+    assert jobs.orphans == []
+    await loop.maintenance.refresh_channels(discover=True)
+    await loop.maintenance.tick()
+    assert jobs.orphans == ["agent:consolidate:web:c"], (
+        f"the tick left it: {await redis.hgetall(K.worker_jobs('w1'))}"
+    )
+    assert not await redis.hexists(K.worker_jobs("w1"), "agent:consolidate:web:c")
+
+
+# --- 6. an entry given back to a worker that was only stalled ---------------------------
+async def test_an_entry_given_back_to_a_woken_worker_is_looked_at_and_a_running_one_kept(
+    redis: aioredis.Redis,
+) -> None:
+    """w2 judged w1 (only stalled) dead and claimed its two subagent entries; its
+    re-queue was refused and it gave both back. Meanwhile w1 woke: one job had ended
+    (its registration gone), the other still runs. The ended job's entry stayed in w1's
+    hash until w1 died for real (no survivor looks at a live worker). Expected: w1's
+    tick drops the ended job's entry (its registration is gone: nothing to queue) and
+    keeps the running job's, queueing nothing."""
+    from bus_redis import RedisBus
+    from bus_redis.running_jobs import RunningJobs
+
+    jobs = _RefusingJobs(fail=0)
+    loop = _loop(redis, jobs)
+    here = loop.subagents.here
+    kwargs = {"session": "web:c", "sid": "s3"}
+    await here.started("agent:subagent:s3", "subagent", "web", kwargs)  # still runs
+    await redis.hset(K.spawned("web:c"), "s3", _subagent_doc("running", worker="w1", run="r"))
+    survivor = RunningJobs(RedisBus(redis), "w2", ttl_ms=60_000, kind="subagents")
+    ended = {"session": "web:c", "sid": "s4"}
+    for job_id, args in (("agent:subagent:s3", kwargs), ("agent:subagent:s4", ended)):
+        await survivor.give_back("w1", job_id, "subagent", "web", args)  # (after the stall)
+    await loop.maintenance.refresh_channels(discover=True)
+    await loop.maintenance.tick()
+    assert jobs.orphans == []  # s4 ended, s3 runs here
+    left = await redis.hgetall(K.worker_jobs("w1", "subagents"))
+    assert set(left) == {"agent:subagent:s3"}, f"w1's hash after its tick: {left}"
+
+
+async def test_a_job_that_starts_here_while_its_old_entry_is_claimed_keeps_its_entry(
+    redis: aioredis.Redis,
+) -> None:
+    """The look at the own hash reads an old entry of a job id not running here; that
+    job starts here (its entry written) before the claim's ``HDEL`` arrives. The claim
+    must put the running job's entry back and not queue it: the entry covers the run
+    should this worker die."""
+    from bus_redis import RedisBus
+    from bus_redis.running_jobs import RunningJobs
+
+    running = RunningJobs(RedisBus(redis), "w1", ttl_ms=60_000)
+    kwargs = {"key": "web:c", "start": 0, "end": 4}
+    await running.give_back("w1", "agent:consolidate:web:c", "consolidate", "web", kwargs)
+    hdel = running.redis.hdel
+
+    async def started_first(*args: Any) -> int:
+        await running.started("agent:consolidate:web:c", "consolidate", "web", kwargs)
+        return await hdel(*args)  # type: ignore[no-any-return]
+
+    running.redis.hdel = started_first  # type: ignore[method-assign]
+    assert await running.claim("w1", {"web"}) == []
+    running.redis.hdel = hdel  # type: ignore[method-assign]
+    assert await redis.hexists(K.worker_jobs("w1"), "agent:consolidate:web:c")
+    await running.ended("agent:consolidate:web:c")
+    assert not await redis.hexists(K.worker_jobs("w1"), "agent:consolidate:web:c")

@@ -44,7 +44,7 @@ class Orphans:
         ``AGENT_SUBAGENT_SESSIONS_PER_CHANNEL``, each with at most
         ``AGENT_SUBAGENTS_PER_SESSION``; the dead worker's running jobs by its job slots."""
         channels = set(channels)
-        taken = await self._taken(dead, channels)
+        taken = await self.taken(dead, channels)
         again = len(taken)
         limit = self.rt.config.subagent_sessions_per_channel
         for channel in channels:
@@ -55,7 +55,7 @@ class Orphans:
                         again += await self._again(session, sid, raw, dead)
         return again
 
-    async def _taken(self, dead: str, channels: set[str]) -> set[str]:
+    async def taken(self, dead: str, channels: set[str]) -> set[str]:
         """The subagent jobs worker ``dead`` had taken (its entries of running jobs that
         this caller claimed): each still registered runs again, started or not."""
         claimed = await self.here.claim(dead, channels, name=self.job)

@@ -124,6 +124,7 @@ class AgentLoop:
             streams=lambda: list(self._streams),
             periodic=self.schedules.sweep,
             left_by=self._rerun_left,
+            left_here=self._rerun_left_here,
         )
         self.liveness = Liveness(
             self.rt,
@@ -252,6 +253,13 @@ class AgentLoop:
                 await rerun(worker, channels)
             except RedisError as exc:  # the next look (tick, prune) tries again
                 log.warning("re-running what %s left failed: %s", safe(worker), type(exc).__name__)
+
+    async def _rerun_left_here(self, channels: set[str]) -> None:
+        """This worker's own entries of running jobs that run nowhere here now run again
+        (``RunningJobs``: a former life's left at start, or one given back after a stall):
+        two ``HGETALL`` a tick."""
+        await self.subagents.orphans.taken(self.worker_id, channels)
+        await self.consolidator.rerun_orphans(self.worker_id, channels)
 
     @property
     def stopping(self) -> bool:

@@ -41,6 +41,7 @@ class Maintenance:
         streams: Callable[[], list[str]],
         periodic: Callable[[set[str]], Awaitable[Any]] | None = None,
         left_by: Callable[[str, set[str]], Awaitable[Any]] | None = None,
+        left_here: Callable[[set[str]], Awaitable[Any]] | None = None,
     ) -> None:
         self.rt = rt
         self.streams = streams  # the notification streams the consumer reads
@@ -49,6 +50,9 @@ class Maintenance:
         # runs it again within a second; a worker pruned here was silent longer than the
         # liveness watch remembers (or liveness is off)
         self.left_by = left_by
+        # this worker's own entries of jobs not running here (a former life's whose
+        # queueing failed at start, or given back by a survivor after a stall): again
+        self.left_here = left_here
         self.dispatch = dispatch
         self.serving = serving  # whether a holder runs for this key here
         self.set_channels = set_channels
@@ -107,6 +111,7 @@ class Maintenance:
             ("stale notifications", self._claims),
             ("lost owners", self._lost_owners),
             ("dead workers", self._prune_workers),
+            ("jobs left here", self._left_here),
         ]
         for name, step in steps:
             try:
@@ -150,6 +155,12 @@ class Maintenance:
             for worker in dead:
                 if worker != rt.worker_id:
                     await self.left_by(worker, set(channels))
+
+    async def _left_here(self) -> None:
+        if self.left_here is not None:
+            rt = self.rt
+            channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
+            await self.left_here(set(channels))
 
     async def heartbeat(self) -> None:
         rt = self.rt
