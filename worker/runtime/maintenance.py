@@ -27,6 +27,7 @@ from worker.runtime.registration import eviction_policy, mode_of
 log = logging.getLogger(__name__)
 DEAD_WORKER_AFTER_TTLS = 6  # a worker silent for this many lease TTLs is forgotten
 PRUNE_BATCH = 100  # idle sessions deleted per channel and sweep period at most
+RENEW_BATCH = 256  # owner records renewed together (a worker owns up to 1,000 a channel)
 POLICY_CHECK_TICKS = 10  # Redis's eviction policy is looked at again every this many ticks
 
 
@@ -259,11 +260,16 @@ class Maintenance:
         rt = self.rt
         for key, member in rt.turns.redrops().items():
             await rt.drop_owner(key, member)
-        for key, member in rt.turns.owned().items():
-            opening = rt.turns.is_opening(key)  # before: the answer may come after the commit's
-            epoch = rt.turns.epoch(key)
-            if not await rt.registry.renew_owner(key, rt.worker_id, member):
-                if opening or rt.turns.is_opening(key) or rt.turns.epoch(key) != epoch:
+        owned = list(rt.turns.owned().items())
+        for at in range(0, len(owned), RENEW_BATCH):  # (sent together: one round trip)
+            batch = owned[at : at + RENEW_BATCH]
+            # before: the answer may come after the commit's
+            before = [(rt.turns.is_opening(key), rt.turns.epoch(key)) for key, _ in batch]
+            renewed = await asyncio.gather(
+                *(rt.registry.renew_owner(key, rt.worker_id, member) for key, member in batch)
+            )
+            for (key, _), (opening, epoch), ok in zip(batch, before, renewed, strict=True):
+                if ok or opening or rt.turns.is_opening(key) or rt.turns.epoch(key) != epoch:
                     continue  # its opening commit is (or was) on its way; or it is another
                 rt.lost(key)
 
