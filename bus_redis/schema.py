@@ -93,6 +93,9 @@ class InboundMessage(_Routed):
     media: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
     scope: NonEmpty | None = None  # the user or workspace the frontend vouches for
+    # whose share of the per-scope limits a session it starts counts against (a user
+    # holding several scopes); absent: the scope
+    quota: NonEmpty | None = None
     require_existing_session: bool = False
     input_role: Literal["user", "system"] | None = None
     timestamp: datetime | None = Field(default=None, strict=False)

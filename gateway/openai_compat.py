@@ -90,7 +90,9 @@ async def completions(
         return _error(429, "rate_limit_exceeded", "too many open streams for this user")
     message = g.message(user, chat, content, id=message_id)
     if body.user:  # a bot's end users: each a scope of its own (memory, session tools)
-        message = message.model_copy(update={"scope": f"{message.scope}-oa-{_digest(body.user)}"})
+        # ... counted as the caller's own against the per-scope limits (quota)
+        scoped = f"{message.scope}-oa-{_digest(body.user)}"
+        message = message.model_copy(update={"scope": scoped, "quota": message.scope})
     try:
         ids = await g.publish(user, chat, message)
     except BacklogFullError as exc:

@@ -22,6 +22,7 @@ def encode_meta(session: Session) -> str:
             "last_consolidated": session.base + session.last_consolidated,
             "scope": session.scope,
             "born": session.born,
+            **({"quota": session.quota} if session.quota else {}),
         }
     )
 
@@ -84,6 +85,7 @@ def apply_meta(session: Session, meta: dict[str, Any]) -> None:
     session.last_consolidated = lc if valid else 0
     session.scope = str(meta.get("scope") or "")
     session.born = str(meta.get("born") or "")
+    session.quota = str(meta.get("quota") or "")
 
 
 def decode_session(key: str, h: dict[str, str]) -> Session | None:
@@ -103,6 +105,7 @@ def decode_session(key: str, h: dict[str, str]) -> Session | None:
         last_consolidated=meta.get("last_consolidated", 0),
         scope=str(meta.get("scope") or ""),
         born=str(meta.get("born") or ""),
+        quota=str(meta.get("quota") or ""),
     )
     session.skipped_rows = count - len(rows)
     session.mark_persisted(int(h.get("version", "0") or 0), h.get("gen", ""))

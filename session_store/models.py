@@ -112,6 +112,10 @@ class Session:
     # of an earlier conversation under this key (deleted, or ended by new) made, a
     # schedule's firing or a subagent's result, is older and never runs in it
     born: str = ""
+    # whose share of the per-scope limits (schedules, sessions running subagents) it
+    # counts against: '' = its scope; a frontend's user holding several scopes (a bot's
+    # end users behind one account) names one for them all
+    quota: str = ""
     policy: SessionPolicy = field(default_factory=SessionPolicy)
     version: int = 0
     generation: str = ""  # of its Redis hash: a re-created hash has a new one
@@ -126,6 +130,11 @@ class Session:
     _seen_ids: set[str] = field(default_factory=set, repr=False)
     _prefix: list[int] = field(default_factory=lambda: [0], repr=False)  # token prefix sums
     _pending: list[tuple[str, str]] = field(default_factory=list, repr=False)  # unanswered calls
+
+    @property
+    def share_owner(self) -> str:
+        """What its per-scope shares are counted by: its quota owner, else its scope."""
+        return self.quota or self.scope
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, dict):

@@ -105,6 +105,8 @@ def test_openai_end_users_of_one_bot_do_not_share_a_scope() -> None:
     memory (in every durable prompt) and ``read_session`` / ``search_sessions`` are
     confined to: end user "mallory" asks the agent to search the sessions, or just reads
     the memory consolidated from "victim"'s conversation."""
+    import hashlib
+
     app, _gw, admin = _app(wait_max_s=0.05)  # nothing answers here: 504 once sent
     with TestClient(app) as c:
         for end_user in ("victim", "mallory"):
@@ -123,6 +125,10 @@ def test_openai_end_users_of_one_bot_do_not_share_a_scope() -> None:
             f"two end users' conversations share scope {victim[0]['scope']!r}: memory and "
             "session search cross between them"
         )
+        # ... and both count as the caller's own against the per-scope limits (schedules,
+        # sessions running subagents): naming many end users takes no more than one share
+        h = hashlib.sha256(b"alice").hexdigest()[:24]
+        assert victim[0]["quota"] == mallory[0]["quota"] == f"user-{h}", (victim, mallory)
 
 
 def test_an_openai_request_with_no_new_user_message_does_not_run_an_old_one_again() -> None:

@@ -118,6 +118,62 @@ async def test_one_user_cannot_take_every_schedule_of_the_channel(redis, make_lo
     assert counts == {"web/scope:mallory": "2", "web/scope:alice": "1"}, counts
 
 
+async def test_a_frontends_user_with_many_scopes_takes_one_share_of_schedules(
+    redis, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """A bot behind the gateway's OpenAI endpoint names many end users, each a scope of
+    its own (memory and session tools never cross between them). Counted by scope, each
+    end user had a share of the per-scope limits: one gateway user could hold as many
+    shares as end users they named (failed on 5f4bf8e). A session started by a message
+    naming a ``quota`` counts against that owner's share; the first message decides it,
+    and a session without one counts by its scope as before."""
+    make_loop(ScriptedProvider(handler=CronAdder({"every_seconds": 3600, "message": "m"})),
+              cron_max_per_scope=2)  # fmt: skip
+    client = FrontendClient(redis)
+
+    async def add(chat: str, scope: str, quota: str | None) -> str:
+        msg = InboundMessage(id=f"{chat}-{time.monotonic_ns()}", channel="web", chat_id=chat,
+                             sender_id="bot", scope=scope, quota=quota, content="schedule it")  # fmt: skip
+        await client.send(msg)
+        await collect(client, "web", {msg.id}, timeout_s=10)
+        return [r for r in await _rows(redis, f"web:{chat}") if r.get("role") == "tool"][-1][
+            "content"
+        ]
+
+    assert (await add("e1", "bot-oa-1", "bot")).startswith("Scheduled")
+    assert (await add("e2", "bot-oa-2", "bot")).startswith("Scheduled")
+    refused = await add("e3", "bot-oa-3", "bot")
+    assert refused.startswith("Error: this user's conversations hold 2 schedules"), refused
+    # the session's first message decided: a later one naming no quota changes nothing
+    assert (await add("e1", "bot-oa-1", None)).startswith("Error: this user's"), "e1 again"
+    assert (await add("a1", "alice", None)).startswith("Scheduled")  # others still add
+    counts = await redis.hgetall(K.cron_per_scope("web"))
+    assert counts == {"web/scope:bot": "2", "web/scope:alice": "1"}, counts
+
+
+async def test_a_frontends_user_with_many_scopes_takes_one_share_of_subagent_sessions(
+    redis, make_loop
+) -> None:  # type: ignore[no-untyped-def]
+    """The same for sessions running subagents (``AGENT_SUBAGENT_SESSIONS_PER_SCOPE``)."""
+    model = SlowSubagents()  # (each runs until released)
+    make_loop(ScriptedProvider(handler=model), followup_mode="queue",
+              subagent_sessions_per_scope=1)  # fmt: skip
+    client = FrontendClient(redis)
+    results = []
+    try:
+        for chat in ("e1", "e2"):
+            msg = InboundMessage(id=f"{chat}-q", channel="web", chat_id=chat, sender_id="bot",
+                                 scope=f"bot-oa-{chat}", quota="bot", content="research slow")  # fmt: skip
+            await client.send(msg)
+            await collect(client, "web", {msg.id}, timeout_s=10)
+            rows = await _rows(redis, f"web:{chat}")
+            results += [r["content"] for r in rows if r.get("role") == "tool"]
+        assert results[0].startswith("Subagent "), results
+        assert results[1].startswith("Error: subagents are running in 1 of this user's"), results
+    finally:
+        model.release.set()
+
+
 def test_a_five_field_cron_expression_is_held_to_the_operators_minimum_repeat() -> None:
     """Defect: an operator who raises ``AGENT_CRON_MIN_EVERY_S`` to an hour still gets
     a schedule every minute through ``cron_expr`` (``* * * * *``). Expected: refused with

@@ -254,7 +254,7 @@ class Schedules:
             added = await self.store.add(
                 fence["lease_key"], fence["token"], origin.member, sid, doc, due,
                 limit=cfg.cron_max_per_session, channel_limit=cfg.cron_max_per_channel,
-                scope=ctx.session.scope, scope_limit=cfg.cron_max_per_scope,
+                scope=ctx.session.share_owner, scope_limit=cfg.cron_max_per_scope,
             )  # fmt: skip
             if added == 1:  # its firing job may have run meanwhile and found nothing
                 self._enqueued.pop((sid, due), None)
@@ -283,7 +283,7 @@ class Schedules:
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, schedule.model_dump_json(),
             first, limit=cfg.cron_max_per_session, channel_limit=cfg.cron_max_per_channel,
-            scope=ctx.session.scope, scope_limit=cfg.cron_max_per_scope,
+            scope=ctx.session.share_owner, scope_limit=cfg.cron_max_per_scope,
         )  # fmt: skip
         if added == -1:
             raise TurnAbortedError("lease_lost")

@@ -114,7 +114,7 @@ class Subagents:
         limit = cfg.subagents_per_session
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, json.dumps(doc), limit=limit,
-            channel_limit=cfg.subagent_sessions_per_channel, scope=ctx.session.scope,
+            channel_limit=cfg.subagent_sessions_per_channel, scope=ctx.session.share_owner,
             scope_limit=cfg.subagent_sessions_per_scope,
         )  # fmt: skip
         if added == -1:

@@ -124,6 +124,8 @@ class TurnExecution:
         if not session.scope:
             session.scope = wanted
             session.born = entry_id
+            if msg.quota and not self.rt.config.owner_mode:  # (in the scopes' namespace)
+                session.quota = self.rt.scope_for(msg.channel, msg.quota, msg.sender_id)
         elif wanted != session.scope and msg.is_user_input and not self.rt.config.owner_mode:
             raise ScopeMismatchError(
                 "the message's scope does not match its session's scope (a frontend must "
