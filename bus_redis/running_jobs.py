@@ -38,10 +38,11 @@ class RunningJobs:
         # the jobs running in this process: id -> (name, channel, arguments)
         self.here: dict[str, tuple[str, str, dict[str, Any]]] = {}
 
-    async def started(self, job_id: str, name: str, channel: str, kwargs: dict[str, Any]) -> None:
-        """Job ``job_id`` (``name(**kwargs)``, for a session of ``channel``) runs here."""
+    async def started(self, job_id: str, name: str, channel: str, kwargs: dict[str, Any]) -> int:
+        """Job ``job_id`` (``name(**kwargs)``, for a session of ``channel``) runs here;
+        when it started by the server's clock (microseconds)."""
         self.here[job_id] = (name, channel, kwargs)  # (before its entry: see claim)
-        await self._put(self.worker_id, job_id, name, channel, kwargs)
+        return await self._put(self.worker_id, job_id, name, channel, kwargs)
 
     async def give_back(
         self, dead: str, job_id: str, name: str, channel: str, kwargs: dict[str, Any]
@@ -51,13 +52,15 @@ class RunningJobs:
 
     async def _put(
         self, worker: str, job_id: str, name: str, channel: str, kwargs: dict[str, Any]
-    ) -> None:
+    ) -> int:
         key = self.keys.worker_jobs(worker, self.kind)
         doc = {"name": name, "channel": channel, "kwargs": kwargs}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, job_id, json.dumps(doc))
             pipe.pexpire(key, self.ttl_ms)
-            await pipe.execute()
+            pipe.time()
+            *_, (seconds, micros) = await pipe.execute()
+        return int(seconds) * 1_000_000 + int(micros)
 
     async def ended(self, job_id: str) -> None:
         try:

@@ -103,12 +103,17 @@ class SubagentStore:
 
     async def take_queued(self, session: str, sid: str, dead: str) -> bool:
         """Mark a subagent still ``queued`` as taken from worker ``dead`` (judged dead after
-        its job queue took the job, before the job started it): should that worker wake
-        up, its start is refused (``spawn_done.lua``) and the job's re-run goes on. False
-        when it is no longer queued (``WATCH``ed)."""
+        its job queue took the job, before the job started it), with the server's time:
+        should that worker wake up, the start of its job begun before is refused
+        (``spawn_done.lua``) and the job's re-run goes on, wherever it runs (on that
+        worker too). False when it is no longer queued (``WATCH``ed)."""
+
+        seconds, micros = await self.redis.time()  # (the clock the jobs' starts read)
+        at = int(seconds) * 1_000_000 + int(micros)
 
         def taken(spec: dict[str, Any]) -> dict[str, Any] | None:
-            return spec | {"taken_from": dead} if spec.get("state") == "queued" else None
+            queued = spec.get("state") == "queued"
+            return spec | {"taken_from": dead, "taken_us": at} if queued else None
 
         return await self._rewrite(session, sid, taken)
 

@@ -296,3 +296,53 @@ async def test_a_job_that_starts_here_while_its_old_entry_is_claimed_keeps_its_e
     assert await redis.hexists(K.worker_jobs("w1"), "agent:consolidate:web:c")
     await running.ended("agent:consolidate:web:c")
     assert not await redis.hexists(K.worker_jobs("w1"), "agent:consolidate:web:c")
+
+
+# --- 7. the re-run of a job taken from a stalled worker lands on that worker ------------
+@pytest.mark.real_redis
+async def test_the_rerun_of_a_taken_job_runs_on_the_worker_it_was_taken_from(
+    real_redis, redis_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """As in test 2, w1's arq took the subagent's job and w1 stalled before marking it
+    ``running``; w0 judged w1 dead, marked the registration taken from w1 and queued the
+    job again. w1 wakes: its stalled start is refused (right). But the re-run is a job
+    like any other, and w1's arq may be the one that takes it: its start was refused as
+    well (``taken_from`` named the worker, not the stalled run), so the subagent never
+    ran and its registration stayed ``queued`` for its hour (failed on d138b5f).
+    Expected: only the stalled run is refused; the re-run starts on w1."""
+    monkeypatch.setattr("worker.jobs.subagents.WATCH_S", 0.05)
+    model = Model()
+    w0, w1 = _workers(redis_server.url, model)
+    stalled, wake = asyncio.Event(), asyncio.Event()
+    starts: list[bool] = []
+    running = w1.loop.subagents.store.running
+
+    async def stall_once(*a: Any) -> bool:
+        if not starts and not stalled.is_set():
+            stalled.set()
+            await wake.wait()  # w1's first start stalls here, then goes on
+        ok = await running(*a)
+        starts.append(ok)
+        return ok
+
+    w1.loop.subagents.store.running = stall_once  # type: ignore[method-assign]
+    try:
+        await w0.start()
+        await w1.start()
+        job_id = await _registered(real_redis, w0)
+        first = await w1.poll(job_id)
+        assert first is not None
+        await asyncio.wait_for(stalled.wait(), 10)
+        await w0.loop._rerun_left("w1", {"web"})  # w0's liveness watch judged w1 dead
+        wake.set()  # w1 wakes: the stalled start is refused
+        await until(lambda: starts == [False], timeout_s=10)
+        rerun = await w1.poll(job_id)  # w1's arq takes the re-run
+        assert rerun is not None, "the re-run is gone: the refused run's end dropped the job"
+        await until(lambda: len(starts) == 2, timeout_s=10)
+        assert starts == [False, True], f"the re-run was refused: {await _spec(real_redis)}"
+        await until(lambda: model.calls == 1, timeout_s=10)
+        await asyncio.wait_for(first, 10)  # the refused run ended once the re-run started
+    finally:
+        model.release.set()
+        await w0.close()
+        await w1.close()

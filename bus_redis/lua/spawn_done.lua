@@ -13,7 +13,10 @@
 -- superseded (its worker stalled, judged dead, the subagent re-run by a survivor)
 -- publishes and drops nothing
 -- 'running' is refused (0) to the worker a survivor took the job from before it started
--- (the registration's taken_from: it was judged dead, and the job runs again elsewhere)
+-- (the registration's taken_from: it was judged dead, and the job runs again), for a
+-- start of its job begun before the take (ARGV[3]'s job_started_us, by the server's
+-- clock in microseconds, at most the registration's taken_us; either absent: refused): the re-run may
+-- be taken by that worker too
 -- returns 1 done, 0 not registered (aborted, done already, or superseded), -1 the
 -- dropping turn's lease is lost (a stalled worker's cut turn must not undo what the
 -- holder after it kept)
@@ -28,7 +31,10 @@ if ARGV[2] == 'running' then
   local ok, spec = pcall(cjson.decode, doc)
   if ok and type(spec) == 'table' and type(spec['taken_from']) == 'string' then
     local ok2, now = pcall(cjson.decode, ARGV[3])
-    if ok2 and type(now) == 'table' and now['worker'] == spec['taken_from'] then return 0 end
+    if ok2 and type(now) == 'table' and now['worker'] == spec['taken_from'] then
+      local began, took = tonumber(now['job_started_us']), tonumber(spec['taken_us'])
+      if not began or not took or began <= took then return 0 end
+    end
   end
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[7])

@@ -164,15 +164,16 @@ class Subagents:
         (``running``), a survivor still runs it again at once (``rerun_orphans``)."""
         job_id = self._job_id(sid)
         kwargs = {"session": session, "sid": sid}
+        began: int | None = None  # (by the server's clock: see SubagentStore.take_queued)
         with contextlib.suppress(RedisError):  # (a job not named runs all the same)
-            await self.here.started(job_id, JOB_NAME, channel_of(session), kwargs)
+            began = await self.here.started(job_id, JOB_NAME, channel_of(session), kwargs)
         try:
-            await self._run_job(session, sid)
+            await self._run_job(session, sid, began)
         finally:
             with contextlib.suppress(RedisError):  # (it lives RUNNING_TTL_MS at most)
                 await self.here.ended(job_id)
 
-    async def _run_job(self, session: str, sid: str) -> None:
+    async def _run_job(self, session: str, sid: str, began: int | None) -> None:
         """Redis refusing the start (full, a blip) is tried again for about a minute like
         the publish, and a start still refused then publishes a failure note (arq never
         runs a job that raised again). Only a registration that cannot even be read for
@@ -187,12 +188,17 @@ class Subagents:
             return
         run = secrets.token_hex(8)  # this run: a survivor's re-run supersedes it
         spec |= {"state": "running", "worker": self.rt.worker_id, "run": run}
+        if began is not None:
+            spec["job_started_us"] = began
         spec["started_ms"] = int(time.time() * 1000)
         name = f"subagent {sid} ({spec['label']})"
         try:
             running = json.dumps(spec)
             what = f"start of subagent {sid}"
             if not await _retried(what, lambda: self.store.running(session, sid, running)):
+                # refused: ended, or taken from this worker (judged dead) and queued again
+                # as the same job, which the queue drops once this run returns
+                await self._until_rerun(session, sid)
                 return
         except RedisError as exc:
             text = f"[{name} failed: it could not start ({type(exc).__name__})]"
