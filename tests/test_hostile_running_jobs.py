@@ -74,6 +74,40 @@ async def test_a_started_subagent_whose_requeue_failed_is_queued_again_at_the_ne
     )
 
 
+class _StalledStart:
+    """A worker's first subagent start stalls (before it marks the registration
+    ``running``) until ``wake``; each start's outcome goes to ``starts``."""
+
+    def __init__(self, worker: Any) -> None:
+        self.stalled, self.wake = asyncio.Event(), asyncio.Event()
+        self.starts: list[bool] = []
+        self.running = worker.loop.subagents.store.running
+        worker.loop.subagents.store.running = self
+
+    async def __call__(self, *a: Any) -> bool:
+        if not self.stalled.is_set():
+            self.stalled.set()
+            await self.wake.wait()
+        ok: bool = await self.running(*a)
+        self.starts.append(ok)
+        return ok
+
+
+async def _taken_by_stalled(real_redis: aioredis.Redis, w0: Any, w1: Any) -> tuple[str, Any]:
+    """Both workers up, a subagent registered by w0, its job taken by w1's arq, and w1
+    stalled before its start marked it ``running``; w0 judged w1 dead (its liveness
+    watch) and queued the job again."""
+    stall = _StalledStart(w1)
+    await w0.start()
+    await w1.start()
+    job_id = await _registered(real_redis, w0)
+    first = await w1.poll(job_id)
+    assert first is not None
+    await asyncio.wait_for(stall.stalled.wait(), 10)
+    await w0.loop._rerun_left("w1", {"web"})
+    return job_id, (first, stall)
+
+
 # --- 2. a stalled worker that wakes up after the survivor's re-run started -------------
 @pytest.mark.real_redis
 async def test_a_woken_worker_does_not_take_over_the_rerun_of_the_job_it_took(
@@ -92,30 +126,14 @@ async def test_a_woken_worker_does_not_take_over_the_rerun_of_the_job_it_took(
     monkeypatch.setattr("worker.jobs.subagents.WATCH_S", 0.05)
     model = Model()
     w0, w1 = _workers(redis_server.url, model)
-    stalled, wake = asyncio.Event(), asyncio.Event()
-    started: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    running = w1.loop.subagents.store.running
-
-    async def stall(*a: Any) -> bool:
-        stalled.set()
-        await wake.wait()  # w1 stalls here, then goes on
-        ok = await running(*a)
-        started.set_result(ok)
-        return ok
-
-    w1.loop.subagents.store.running = stall  # type: ignore[method-assign]
     try:
-        await w0.start()
-        await w1.start()
-        job_id = await _registered(real_redis, w0)
-        assert await w1.poll(job_id) is not None
-        await asyncio.wait_for(stalled.wait(), 10)
-        await w0.loop._rerun_left("w1", {"web"})  # w0's liveness watch judged w1 dead
+        job_id, (_, stall) = await _taken_by_stalled(real_redis, w0, w1)
         assert await w0.poll(job_id) is not None
         await until(lambda: model.calls == 1, timeout_s=10)  # the re-run, on w0, held
         assert (await _spec(real_redis) or {}).get("worker") == "w0"
-        wake.set()  # w1 wakes up
-        assert not await asyncio.wait_for(started, 10), (
+        stall.wake.set()  # w1 wakes up
+        await until(lambda: len(stall.starts) == 1, timeout_s=10)
+        assert stall.starts == [False], (
             f"the woken worker started the subagent over the survivor's re-run: "
             f"{await _spec(real_redis)}"
         )
@@ -306,40 +324,24 @@ async def test_the_rerun_of_a_taken_job_runs_on_the_worker_it_was_taken_from(
     """As in test 2, w1's arq took the subagent's job and w1 stalled before marking it
     ``running``; w0 judged w1 dead, marked the registration taken from w1 and queued the
     job again. w1 wakes: its stalled start is refused (right). But the re-run is a job
-    like any other, and w1's arq may be the one that takes it: its start was refused as
-    well (``taken_from`` named the worker, not the stalled run), so the subagent never
-    ran and its registration stayed ``queued`` for its hour (failed on d138b5f).
-    Expected: only the stalled run is refused; the re-run starts on w1."""
+    like any other, and w1's arq may be the one that takes it. Two defects (failed on
+    d138b5f): the refused run returned at once, and the job queue dropped the job, the
+    re-run with it (one job id); and a re-run taken by w1 was refused as well
+    (``taken_from`` named the worker, not the stalled run). Either way the subagent
+    never ran and its registration stayed ``queued`` for its hour. Expected: the refused
+    run waits for the re-run to start; only the stalled run is refused, and the re-run
+    starts on w1."""
     monkeypatch.setattr("worker.jobs.subagents.WATCH_S", 0.05)
     model = Model()
     w0, w1 = _workers(redis_server.url, model)
-    stalled, wake = asyncio.Event(), asyncio.Event()
-    starts: list[bool] = []
-    running = w1.loop.subagents.store.running
-
-    async def stall_once(*a: Any) -> bool:
-        if not starts and not stalled.is_set():
-            stalled.set()
-            await wake.wait()  # w1's first start stalls here, then goes on
-        ok = await running(*a)
-        starts.append(ok)
-        return ok
-
-    w1.loop.subagents.store.running = stall_once  # type: ignore[method-assign]
     try:
-        await w0.start()
-        await w1.start()
-        job_id = await _registered(real_redis, w0)
-        first = await w1.poll(job_id)
-        assert first is not None
-        await asyncio.wait_for(stalled.wait(), 10)
-        await w0.loop._rerun_left("w1", {"web"})  # w0's liveness watch judged w1 dead
-        wake.set()  # w1 wakes: the stalled start is refused
-        await until(lambda: starts == [False], timeout_s=10)
+        job_id, (first, stall) = await _taken_by_stalled(real_redis, w0, w1)
+        stall.wake.set()  # w1 wakes: the stalled start is refused
+        await until(lambda: stall.starts == [False], timeout_s=10)
         rerun = await w1.poll(job_id)  # w1's arq takes the re-run
         assert rerun is not None, "the re-run is gone: the refused run's end dropped the job"
-        await until(lambda: len(starts) == 2, timeout_s=10)
-        assert starts == [False, True], f"the re-run was refused: {await _spec(real_redis)}"
+        await until(lambda: len(stall.starts) == 2, timeout_s=10)
+        assert stall.starts == [False, True], f"the re-run was refused: {await _spec(real_redis)}"
         await until(lambda: model.calls == 1, timeout_s=10)
         await asyncio.wait_for(first, 10)  # the refused run ended once the re-run started
     finally:
