@@ -15,16 +15,22 @@ Three cases, each claimed once among the survivors that judged the worker dead:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Iterable
 
 from redis.exceptions import RedisError
 
+from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.running_jobs import RunningJobs
 from bus_redis.subagents import SubagentStore
 from worker.runtime.context import Runtime
+
+log = logging.getLogger(__name__)
+RERUN_WAIT_S = 120.0  # how long a superseded (or refused) run waits for the re-run to start
 
 
 class Orphans:
@@ -122,3 +128,20 @@ def registration_state(raw: str | None) -> tuple[str, str | None, str]:
         worker if isinstance(worker, str) else None,
         run if isinstance(run, str) else "",
     )
+
+
+async def until_rerun(store: SubagentStore, session: str, sid: str, *, every_s: float) -> None:
+    """A superseded run (or one whose start was refused: taken from its worker) ends only
+    once the re-run started (the registration names a run again) or the subagent ended,
+    ``RERUN_WAIT_S`` at most: the job queue drops a job whose run returns, and the
+    survivor's re-run is the same job, queued again and maybe not taken yet."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RERUN_WAIT_S
+    while loop.time() < deadline:
+        try:
+            if await store.run_of(session, sid) != "":
+                return
+        except RedisError:
+            pass
+        await asyncio.sleep(every_s)
+    log.warning("subagent %s of %s: its re-run did not start", sid, safe(session))

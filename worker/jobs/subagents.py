@@ -42,7 +42,7 @@ from worker.agent.prompt import ContextBuilder
 from worker.agent.providers import ProviderError
 from worker.agent.runner import TurnRunner, TurnState
 from worker.agent.tools import ToolContext, ToolRegistry
-from worker.jobs.subagent_orphans import Orphans
+from worker.jobs.subagent_orphans import Orphans, until_rerun
 from worker.runtime.context import Runtime
 from worker.runtime.outcomes import TurnAbortedError
 
@@ -57,7 +57,6 @@ SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
 # how often a running subagent's registration is looked at: a cut turn on another worker
 # undoes it there (one HGET per running subagent, bounded by the slots)
 WATCH_S = 2.0
-RERUN_WAIT_S = 120.0  # how long a superseded run waits for the re-run to start
 IDENTITY = (
     "You are a subagent of redis-agent-worker: you work on one task for a conversation "
     "and reply with its result only, complete and self-contained. Use tools when they help "
@@ -198,7 +197,7 @@ class Subagents:
             if not await _retried(what, lambda: self.store.running(session, sid, running)):
                 # refused: ended, or taken from this worker (judged dead) and queued again
                 # as the same job, which the queue drops once this run returns
-                await self._until_rerun(session, sid)
+                await until_rerun(self.store, session, sid, every_s=WATCH_S)
                 return
         except RedisError as exc:
             text = f"[{name} failed: it could not start ({type(exc).__name__})]"
@@ -211,7 +210,7 @@ class Subagents:
             text = f"[{name} finished]\n{result[: self.max_chars]}"
         except _SupersededError:
             log.info("subagent %s of %s runs again elsewhere: this run ends", sid, safe(session))
-            await self._until_rerun(session, sid)
+            await until_rerun(self.store, session, sid, every_s=WATCH_S)
             return
         except TimeoutError:
             task.cancel()
@@ -268,22 +267,6 @@ class Subagents:
             del tasks[sid]
         if not tasks:
             self.running.pop(session, None)
-
-    async def _until_rerun(self, session: str, sid: str) -> None:
-        """A superseded run ends only once the re-run started (the registration names a
-        run again) or the subagent ended, ``RERUN_WAIT_S`` at most: the job queue drops a
-        job whose run returns, and the survivor's re-run is the same job, queued again
-        and maybe not taken yet."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + RERUN_WAIT_S
-        while loop.time() < deadline:
-            try:
-                if await self.store.run_of(session, sid) != "":
-                    return
-            except RedisError:
-                pass
-            await asyncio.sleep(WATCH_S)
-        log.warning("subagent %s of %s: its re-run did not start", sid, safe(session))
 
     async def _publish(self, session: str, sid: str, payload: str, run: str = "") -> None:
         """The result into the session's stream (by ``run`` only, when given); Redis
