@@ -68,18 +68,24 @@ def fresh_nonce() -> str:
     return f"{_nonce_prefix}{next(_nonce_count):x}"
 
 
+def _number(part: str) -> int | None:
+    """An id's part when it is 1-20 ASCII digits (``str.isdigit`` takes "²" too, which
+    ``int`` refuses: an id comes from a frontend as often as from Redis)."""
+    return int(part) if 0 < len(part) <= 20 and part.isascii() and part.isdigit() else None
+
+
 def stream_id_ms(entry_id: str) -> int:
-    """Milliseconds part of a stream entry id ``<ms>-<seq>``."""
-    head, _, _ = entry_id.partition("-")
-    return int(head) if head.isdigit() else 0
+    """Milliseconds part of a stream entry id ``<ms>-<seq>`` (0 when malformed)."""
+    return _number(entry_id.partition("-")[0]) or 0
 
 
 def parse_stream_id(entry_id: str) -> tuple[int, int]:
     """``<ms>-<seq>`` as a sortable pair; malformed ids sort first."""
     head, _, tail = entry_id.partition("-")
-    if not head.isdigit():
+    ms = _number(head)
+    if ms is None:
         return (0, 0)
-    return (int(head), int(tail) if tail.isdigit() else 0)
+    return (ms, _number(tail) or 0)
 
 
 def payload_text(value: Any) -> str:

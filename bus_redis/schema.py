@@ -220,7 +220,10 @@ def decode_inbound(
         )
     if doc["v"] != WIRE_VERSION or isinstance(doc["v"], bool):
         raise MessageRejectedError(
-            "invalid_message", f"unsupported wire version {doc.get('v')!r}", **_origin(doc)
+            # (never the value: a rejection's detail is kept in dead letters, also private ones)
+            "invalid_message",
+            f"unsupported wire version (only {WIRE_VERSION})",
+            **_origin(doc),
         )
     try:
         if doc.get("op") == "open_transient":
@@ -228,13 +231,13 @@ def decode_inbound(
         if "op" in doc:
             raise MessageRejectedError(
                 "invalid_message",
-                f"op {doc['op']!r} is not allowed on an inbound stream",
+                "op is not allowed on an inbound stream (only open_transient)",
                 **_origin(doc),
             )
         return InboundMessage.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "payload"
+        where = ".".join(str(p) for p in first["loc"])[:200] or "payload"
         raise MessageRejectedError(
             "invalid_message", f"{where}: {first['msg']}", **_origin(doc)
         ) from None

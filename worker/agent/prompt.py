@@ -19,6 +19,7 @@ class ContextBuilder:
     ) -> None:
         self._identity = identity
         self._tool_names = list(tool_names)
+        self._known = frozenset(tool_names)  # the cache below: at most 2**len(tools) prompts
         self._static: dict[frozenset[str], str] = {}  # by disabled tools: never named
         self._with_memory: tuple[str, str, str] = ("", "", "")
         self.history_tokens = history_tokens
@@ -26,6 +27,7 @@ class ContextBuilder:
     def static_prompt(self, disabled: frozenset[str] = frozenset()) -> str:
         """Identity and the names of the tools this session may use (a disabled tool is
         named nowhere in its prompt)."""
+        disabled = disabled & self._known  # (a frontend names any: never a key of its own)
         prompt = self._static.get(disabled)
         if prompt is None:
             tools = ", ".join(n for n in self._tool_names if n not in disabled) or "none"

@@ -63,6 +63,7 @@ def rejection(exc: MessageRejectedError, entry: Entry) -> OutboundMessage:
 
 
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # a larger payload keeps a prefix, its size and a hash
+DEAD_LETTER_REASON_CHARS = 1024  # of the reason (a rejection's detail, an exception's text)
 
 
 def dead_letter(entry: Entry, reason: str, worker_id: str, *, private: bool) -> str:
@@ -73,7 +74,7 @@ def dead_letter(entry: Entry, reason: str, worker_id: str, *, private: bool) -> 
     doc: dict[str, Any] = {
         "session": entry.member,
         "entry_id": entry.entry_id,
-        "reason": clean(reason),
+        "reason": clean(reason[:DEAD_LETTER_REASON_CHARS]),
         "deliveries": entry.attempts,
         "worker": worker_id,
         "bytes": len(raw),
