@@ -279,8 +279,8 @@ class EventHub:
             return last, False
         if after in ("0", "0-0", ""):
             return "0-0", False
-        if last != "0-0" and parse_stream_id(after) > parse_stream_id(last):
-            return last, True  # past every event the chat has: no cursor of this stream
+        if parse_stream_id(after) > parse_stream_id(last):
+            return last, True  # past every event the chat has (maybe none): not its cursor
         return after, not await self.cursor_kept(stream, after)
 
     async def first_id(self, stream: str) -> str | None:

@@ -54,7 +54,7 @@ class ChatMessage(BaseModel):
 
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: str = "agent"
+    model: str = Field("agent", max_length=256)  # (echoed in every chunk)
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     user: str | None = Field(None, max_length=256)
@@ -108,11 +108,12 @@ async def completions(
     try:
         ev = await g.wait_terminal(user, chat, ids, cursor, g.settings.wait_max_s)
     except TooManyStreamsError:
-        return _error(429, "rate_limit_exceeded", "too many open streams for this user")
+        return _error(429, "rate_limit_exceeded", "too many open streams for this user", sent=True)
     if ev is None:
-        return _error(504, "timeout", "the agent did not answer in time")
+        return _error(504, "timeout", "the agent did not answer in time", sent=True)
     if ev.type == "error":
-        return _error(ERROR_STATUS.get(ev.code or "", 400), ev.code or "error", ev.content)
+        status = ERROR_STATUS.get(ev.code or "", 400)
+        return _error(status, ev.code or "error", ev.content, sent=True)
     doc = {
         "id": completion_id,
         "object": "chat.completion",
@@ -251,5 +252,10 @@ async def _events(
                 yield item.event
 
 
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": kind}}, status)
+def _error(status: int, kind: str, message: str, *, sent: bool = False) -> JSONResponse:
+    """An OpenAI-style error; ``sent``: the message was queued already, so a client must
+    not send it again (the openai SDK retries 408/409/429/5xx unless told not to: each
+    retry would be a new message, its question run again)."""
+    headers = {"x-should-retry": "false"} if sent else None
+    body = {"error": {"message": message, "type": kind, "code": kind}}
+    return JSONResponse(body, status, headers=headers)

@@ -5,6 +5,7 @@ behind, or when Redis may have trimmed what it missed (a ``gap``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -109,5 +110,9 @@ class Subscription:
 
 
 def event_size(ev: HubEvent) -> int:
-    """What an event holds, near enough: its text (an answer, a delta, an error)."""
-    return len(ev.event.content) if ev.event is not None else 0
+    """What an event holds, near enough: its text (an answer, a delta, an error) and its
+    metadata (a user's message metadata is copied into its answer)."""
+    if ev.event is None:
+        return 0
+    meta = ev.event.metadata
+    return len(ev.event.content) + (len(json.dumps(meta, default=str)) if meta else 0)
