@@ -16,6 +16,7 @@ from typing import Any
 import fakeredis
 import pytest
 from starlette.testclient import TestClient
+from test_gateway_ws_and_openai import _oa_chat, _payloads
 
 from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
@@ -58,19 +59,6 @@ def _event(session: str, kind: str, content: str, reply_to: str, **extra: Any) -
         content=content,
         **extra,
     ).model_dump_json()
-
-
-def _payloads(admin: fakeredis.FakeRedis, chat_id: str) -> list[dict[str, Any]]:
-    """The messages queued for a chat's session (what the workers will run)."""
-    entries = admin.xrange(K.inbound(f"web:{chat_id}"))
-    return [json.loads(f["payload"]) for _id, f in entries if "payload" in f]
-
-
-def _oa_chat(user: str, end_user: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256(user.encode()).hexdigest()[:24]
-    return f"{h}-oa-{hashlib.sha256(f'openai|{end_user}'.encode()).hexdigest()[:24]}"
 
 
 # --- event bytes a user controls: the metadata every answer echoes -------------------------
