@@ -82,6 +82,8 @@ class SessionManager:
             created_at=session.created_at,
             metadata=session.metadata,
             scope=session.scope,
+            born=session.born,
+            quota=session.quota,
             policy=session.policy,
         )
 
@@ -93,8 +95,15 @@ class SessionManager:
         self._rows = 0
 
     def invalidate(self, key: str) -> None:
+        """Forget every copy of ``key`` here: the stored one cached and a private one."""
         self._drop(key)
         self._transient.pop(key, None)
+
+    def invalidate_stored(self, key: str) -> None:
+        """Forget the cached copy of the durable session stored under ``key`` (it changed,
+        or it is gone); a private session open on the same key is another conversation,
+        held only here, and stays."""
+        self._drop(key)
 
     def _drop(self, key: str) -> None:
         self._cache.pop(key, None)

@@ -218,9 +218,10 @@ class RedisSessionStore:
             try:
                 score = await self.redis.zscore(index, key)
                 queued = await self.redis.exists(self.keys.inbound(key))
-                if await self.redis.exists(self.keys.crons(key)):
-                    # it has schedules (a yearly one, an `at` months ahead): kept, and
-                    # looked at again after another idle period, not on every pass
+                if await self.redis.exists(self.keys.crons(key), self.keys.owner(key)):
+                    # it has schedules (a yearly one, an `at` months ahead), or a private
+                    # session is open on its key (whose events its stream holds now):
+                    # kept, and looked at again after another idle period, not every pass
                     await self.redis.zadd(index, {key: cutoff + older_than_ms}, xx=True)
                     continue
                 # updated meanwhile, or its next turn is on its way: not idle. Otherwise

@@ -15,14 +15,15 @@ the other's facts), at most ``FOLD_ATTEMPTS`` times.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from bus_redis.codec import safe
 from bus_redis.keys import channel_of
@@ -31,6 +32,7 @@ from session_store import Session
 from session_store.codec import encode_meta
 from session_store.models import estimate_tokens
 from worker.runtime.acquiring import Acquirer
+from worker.runtime.backoff import while_full
 from worker.runtime.context import Runtime
 
 log = logging.getLogger(__name__)
@@ -271,7 +273,7 @@ class Consolidator:
                 memory_version=folded.memory_version,
                 history=folded.history,
             )
-            self.rt.sessions.invalidate(key)  # reload: version (and memory) moved, or not
+            self.rt.sessions.invalidate_stored(key)  # reload: version (and memory) moved
             if result not in ("ok", "memory_moved"):
                 log.warning("consolidation of %s not committed: %s", safe(key), result)
             return result
@@ -279,7 +281,9 @@ class Consolidator:
             await self.rt.bus.release(key, acquired.token)
 
 
-async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> str:
+async def fold_into_memory(
+    rt: Runtime, key: str, token: str, member: str, holds: Callable[[], bool]
+) -> str:
     """``new`` (nanobot's ``/new``): the rows of stored session ``member`` not consolidated
     yet are folded into its scope's long-term memory, fenced by the lease of ``key`` the
     caller holds, before the session is deleted: in parts of about the consolidation
@@ -314,16 +318,18 @@ async def fold_into_memory(rt: Runtime, key: str, token: str, member: str) -> st
                             safe(member), type(raw_exc).__name__)  # fmt: skip
                 return "failed"
         session.last_consolidated += len(part)
-        result = await rt.bus.consolidate(
-            key,
-            token,
-            meta=encode_meta(session),
-            version=await rt.sessions.store.version(member),
-            scope=session.scope,
-            memory=folded.memory,
-            memory_version=folded.memory_version,
-            history=folded.history,
-        )
+        version = await rt.sessions.store.version(member)
+        try:  # a full Redis refuses it (nothing written): tried again while the lease holds
+            result = await while_full(
+                f"new conversation in {safe(member)}", log, holds,
+                functools.partial(
+                    rt.bus.consolidate, key, token, meta=encode_meta(session), version=version,
+                    scope=session.scope, memory=folded.memory,
+                    memory_version=folded.memory_version, history=folded.history,
+                ),
+            )  # fmt: skip
+        except OutOfMemoryError:
+            return "lost"  # (refused until the lease ran out)
         if result == "memory_moved":
             moved += 1  # (another writer of the scope's memory: this part again)
             continue

@@ -80,7 +80,9 @@ class Subagents:
         # session -> id -> (task, what it does)
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
-        self.spawned_here: dict[str, None] = {}  # sessions with subagents spawned here (LRU)
+        # channel -> sessions with subagents spawned here (each channel's own LRU: another
+        # channel's spawns evict none of its sessions, whose stop must find them)
+        self.spawned_here: dict[str, dict[str, None]] = {}
         # channel -> session -> its latest aborting control (each channel's own LRU: one
         # channel's flood of controls forgets none of another's)
         self.stopped: dict[str, dict[str, tuple[int, int]]] = {}
@@ -146,7 +148,7 @@ class Subagents:
         )
 
     def _remember(self, session: str) -> None:
-        _lru(self.spawned_here, session, None)
+        _lru(self.spawned_here.setdefault(channel_of(session), {}), session, None)
 
     def _stopped_after(self, spec: dict[str, Any]) -> bool:
         """Whether this worker heard an aborting control of the session after the
@@ -332,7 +334,7 @@ class Subagents:
             if self._stopped_after(spec):
                 self.aborted.add(sid)
                 task.cancel()
-        if session in self.spawned_here:  # the ones not started yet
+        if session in self.spawned_here.get(channel_of(session), {}):  # the ones not started yet
             self.rt.spawn(self._abort(session, at))
 
     async def _undo(self, session: str, sid: str, fence: tuple[str, str]) -> None:

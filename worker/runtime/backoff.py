@@ -1,11 +1,13 @@
 """Exponential backoff for the reconnect loops (queue reads, the control subscription,
-the worker's start, starting the job queue)."""
+the worker's start, starting the job queue), and for the fenced writes a full Redis
+refuses while their lease holds (``while_full``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from redis.exceptions import (
     AuthenticationError,
@@ -17,6 +19,8 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+T = TypeVar("T")
 
 # what a start waits out: Redis full (maxmemory), loading its data, a replica while a
 # failover promotes it, unreachable or slow. Anything else (a script refused, a wrong
@@ -71,3 +75,19 @@ class Backoff:
             except retry as exc:
                 await self.after(exc)
         return False
+
+
+async def while_full(
+    what: str, logger: logging.Logger, holds: Callable[[], bool], op: Callable[[], Awaitable[T]]
+) -> T:
+    """``op()`` (a write fenced by a lease), tried again while Redis refuses it for memory
+    (``OOM``: nothing written) and ``holds()`` (the lease): a full Redis is no failure of
+    the work, nor of the message it is for. The refusal is raised once the lease is lost."""
+    full = Backoff(what, logger, first_s=0.05, cap_s=1.0)
+    while True:
+        try:
+            return await op()
+        except OutOfMemoryError as exc:
+            if not holds():
+                raise
+            await full.after(exc)

@@ -187,6 +187,8 @@ class EntryPolicy(Held):
         session = self.rt.sessions.get_or_create_transient(key, disabled_tools=op.disabled_tools)
         if wanted is not None:
             session.scope = wanted
+        if not session.born:  # what the stored session on the key made (a schedule's
+            session.born = spec.entry_ids[0]  # firing) is older: never runs in this one
         member = owner_member(key, op.channel, op.chat_id)
         self.rt.turns.own(key, member, opening=True)
         spec.owner_op, spec.owner_member, spec.transient = "set", member, True

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from redis.exceptions import OutOfMemoryError
 
@@ -180,7 +180,9 @@ class TurnExecution:
         journal = None
         if entry_id and session.policy.persist:
             holder = self.holder
-            journal = TurnJournal(self.rt.bus, self.key, holder.token, self.member, entry_id)
+            journal = TurnJournal(
+                self.rt.bus, self.key, holder.token, self.member, entry_id, holder.holds
+            )
             state.journal = journal
             if attempts > 1:  # a redelivery: what the lost attempt did comes first
                 state.replayed = await journal.replay()
@@ -283,7 +285,7 @@ class TurnExecution:
             keeps = reason in KEEPS_WORK
             kept = legal_prefix(state.rows) if keeps else []
             if keeps:  # its work up to the last complete tool exchange
-                session.append_rows(kept)
+                self._append(session, kept)
             if reason in (*KEEPS_WORK, "discard"):  # rows dropped: so are their schedules
                 await _undo(
                     ctx,
@@ -296,7 +298,7 @@ class TurnExecution:
         if isinstance(exc, ProviderError):
             # the user row and the complete tool exchanges: their effects (a schedule, a
             # subagent, a message sent) are in the history, and a Retry goes on from them
-            session.append_rows(legal_prefix(state.rows))
+            self._append(session, legal_prefix(state.rows))
             detail = str(exc) if session.policy.log_content else type(exc.__cause__ or exc).__name__
             log.warning("provider error in %s: %s", safe(key), safe(detail))
             out = error(msg.channel, msg.chat_id, member, reply_to, "provider_error", str(exc))
@@ -314,9 +316,7 @@ class TurnExecution:
         answer: str | None,
     ) -> Outcome:
         key, member = self.key, self.member
-        session.append_rows(state.rows)
-        if not session.policy.persist:
-            self.rt.sessions.trim_transient(key, self.rt.config.private_history_rows)
+        self._append(session, state.rows)
         if key == UNIFIED_SESSION_KEY:  # where the shared session last spoke, under the lease
             session.metadata["last_channel"] = f"{msg.channel}:{msg.chat_id}"
         meta = {**msg.metadata, "worker": self.rt.worker_id}
@@ -325,6 +325,14 @@ class TurnExecution:
             meta["resumed"] = {"unknown_effects": sorted(set(state.unknown))}
             answer += RESUMED_NOTE.format(tools=", ".join(sorted(set(state.unknown))))
         return Outcome(reply(msg, member, reply_to, answer, metadata=meta), session)
+
+    def _append(self, session: Session, rows: list[dict[str, Any]]) -> None:
+        """A turn's rows, whatever its end; a private session keeps its newest
+        ``private_history_rows`` only (the worker's memory holds it: a frontend must not
+        fill it, with answers or with failures)."""
+        session.append_rows(rows)
+        if not session.policy.persist:
+            self.rt.sessions.trim_transient(self.key, self.rt.config.private_history_rows)
 
     async def _emit(
         self, msg: InboundMessage, reply_to: str, text: str, *, kind: str = "progress"

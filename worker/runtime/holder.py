@@ -11,11 +11,12 @@ drain():  step = acquire's first entry (what one entry becomes: ``EntryPolicy``,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
 
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import RedisError
 
 from bus_redis.codec import safe, stream_id_ms
 from bus_redis.journal import JournalStore
@@ -33,7 +34,7 @@ from bus_redis.results import (
 )
 from session_store import UNIFIED_SESSION_KEY
 from worker.jobs.consolidation import fold_into_memory
-from worker.runtime.backoff import Backoff
+from worker.runtime.backoff import while_full
 from worker.runtime.context import Runtime
 from worker.runtime.entry import EntryPolicy
 from worker.runtime.faults import crash_point
@@ -117,6 +118,13 @@ class SessionHolder(EntryPolicy):
                     if isinstance(step, Lost):
                         log.warning("lease of %s was lost", safe(self.key))
                     break
+        except Exception:
+            # a failure no step handled: the lease is given up now (fenced writes keep what
+            # it did safe), so that the session's next holder need not wait out its term
+            if not self.lease.lost:
+                with contextlib.suppress(RedisError, OSError):
+                    await self.rt.bus.release(self.key, self.token)
+            raise
         finally:
             await self.lease.stop()
 
@@ -148,19 +156,22 @@ class SessionHolder(EntryPolicy):
         if owned is None and stored != member and await self.rt.registry.was_private(member):
             return  # a private session's new is a discard, also once it ended
         if op == "new" and owned is None:
-            self.rt.sessions.invalidate(stored)
-            folded = await fold_into_memory(self.rt, self.key, self.token, stored)
+            self.rt.sessions.invalidate_stored(stored)
+            folded = await fold_into_memory(self.rt, self.key, self.token, stored, self.holds)
             if folded == "lost":
                 self.lease.lost = True
             if folded != "ok":
                 return  # nothing written (not even the rows as they are): kept, not lost
             self.memory_scope = ""  # the next turn under this lease reads the folded memory
-        if op in ("delete", "new") and owned is None:
+        if op == "delete" or (op == "new" and owned is None):
             # its events go, but for the error answers written after the marker (the
-            # cancelled answers of what it covered), for the frontend to read
-            deleted = await self.rt.sessions.store.delete_held(
-                stored, self.rt.bus.keys.lease(self.key), self.token, events_before=marker
-            )
+            # cancelled answers of what it covered), for the frontend to read. A delete
+            # also removes the stored session a private one was opened over
+            lease, store = self.rt.bus.keys.lease(self.key), self.rt.sessions.store
+            deleted = await while_full(
+                f"delete of {safe(stored)}", log, self.holds,
+                lambda: store.delete_held(stored, lease, self.token, events_before=marker),
+            )  # fmt: skip
             if deleted < 0:
                 self.lease.lost = True
         if member != self.key and op in ("delete", "new", "discard"):
@@ -265,23 +276,17 @@ class SessionHolder(EntryPolicy):
     ) -> tuple[Step | Late | None, bool]:
         """The fenced commit and the next step; ``(next step, False)`` when it failed and
         the entry is tried again; ``Late`` when refused (``spec.late_after``)."""
-        full = Backoff(f"commit of a turn of {safe(self.key)}", log, first_s=0.05, cap_s=1.0)
-        while True:
-            try:
-                _, step = await self.commit(spec, select=sorted(self.members))
-                break
-            except OutOfMemoryError as exc:  # refused before it wrote anything: a full
-                if self.lease.lost:  # Redis is no failure of the message; wait while ours
-                    raise
-                await full.after(exc)
-            except (RedisError, OSError):
-                raise  # outcome unknown: the lease runs out and the entry is served again
-            except Exception as exc:  # e.g. a value Redis cannot take: again, then dead letter
-                log.exception("commit of an entry of %s failed", safe(self.key))
-                await self.rt.registry.note_failure(
-                    entry.member, entry.entry_id, type(exc).__name__
-                )
-                return await self._next(), False
+        what = f"commit of a turn of {safe(self.key)}"
+        try:  # (refused for memory: nothing written, tried again while the lease holds)
+            _, step = await while_full(
+                what, log, self.holds, lambda: self.commit(spec, select=sorted(self.members))
+            )
+        except (RedisError, OSError):
+            raise  # outcome unknown: the lease is given up and the entry is served again
+        except Exception as exc:  # e.g. a value Redis cannot take: again, then dead letter
+            log.exception("commit of an entry of %s failed", safe(self.key))
+            await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
+            return await self._next(), False
         return step, True
 
     async def _running(
@@ -325,8 +330,7 @@ class SessionHolder(EntryPolicy):
             )
         except BaseException:
             # Unknown whether it landed: the next turn reloads the session from Redis.
-            if not self.transient:
-                rt.sessions.invalidate(self.key)
+            rt.sessions.invalidate_stored(self.key)
             raise
         finally:
             if spec.owner_op == "set":  # the record is written (or never will be by it)
@@ -336,8 +340,7 @@ class SessionHolder(EntryPolicy):
         if version < 0:
             rt.turns.metrics["fenced_writes_rejected"] += 1
             rt.metrics.fenced_writes_rejected.inc()
-            if not self.transient:
-                rt.sessions.invalidate(self.key)
+            rt.sessions.invalidate_stored(self.key)
             log.warning("fenced commit of %s rejected: lease lost", safe(self.key))
             self.lease.lost = True
             return version, Lost()
@@ -348,5 +351,8 @@ class SessionHolder(EntryPolicy):
             cached = rt.sessions.get_cached(self.key)
             if cached is not None:
                 cached.mark_persisted(version, gen)
-                await rt.maybe_consolidate(cached)
+                try:  # (committed: a failure here must not make it be committed again)
+                    await rt.maybe_consolidate(cached)
+                except (RedisError, OSError) as exc:  # the next commit asks again
+                    log.warning("queueing a consolidation failed: %s", type(exc).__name__)
         return version, step

@@ -16,28 +16,50 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
+
+from redis.exceptions import OutOfMemoryError
 
 from bus_redis import RedisBus
 from bus_redis.journal import JournalStore
 from session_store.codec import readable_rows
+from worker.runtime.backoff import while_full
 from worker.runtime.outcomes import TurnAbortedError
 
 log = logging.getLogger(__name__)
 
 
 class TurnJournal:
-    def __init__(self, bus: RedisBus, key: str, token: str, member: str, entry_id: str) -> None:
+    def __init__(
+        self,
+        bus: RedisBus,
+        key: str,
+        token: str,
+        member: str,
+        entry_id: str,
+        holds: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.store = JournalStore(bus)
         self.key = key  # the effective key: one turn runs under its lease at a time
         self.token = token
         self.entry = f"{member}|{entry_id}"
+        self.holds = holds  # its lease's term not over
         self.written = False
 
     async def record(self, rows: list[dict[str, Any]]) -> None:
-        """Append rows; a lost lease ends the turn before another tool can run."""
+        """Append rows; a lost lease ends the turn before another tool can run. A full
+        Redis is waited out while the lease holds: the turn pauses, its message is not
+        failed for it (no delivery spent, never dead-lettered for it)."""
         encoded = [json.dumps(r, ensure_ascii=False, default=str) for r in rows]
-        if await self.store.append(self.key, self.token, self.entry, encoded) < 0:
+        try:
+            written = await while_full(
+                "a tool journal's write", log, self.holds,
+                lambda: self.store.append(self.key, self.token, self.entry, encoded),
+            )  # fmt: skip
+        except OutOfMemoryError:
+            raise TurnAbortedError("lease_lost") from None  # refused until the term ended
+        if written < 0:
             raise TurnAbortedError("lease_lost")
         self.written = True
 

@@ -238,7 +238,7 @@ class Maintenance:
                 )
                 continue
             for key in gone:
-                rt.sessions.invalidate(key)
+                rt.sessions.invalidate_stored(key)  # (a private one on the key: kept)
             if gone:
                 log.info(
                     "%d sessions of %s idle for %ds deleted",
