@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from helpers import ScriptedProvider
-from replies import collect
+from replies import collect, until
 
 from bus_redis import FrontendClient, InboundMessage, RedisBus, SessionBusyError
 from worker import AgentLoop, LoopConfig
@@ -152,3 +152,42 @@ async def test_a_stop_after_an_interrupt_still_covers_what_was_queued_before_it(
     assert [got[k][-1].code for k in "abc"] == ["cancelled", "cancelled", "cancelled"]
     assert "interrupt" in got["a"][-1].content
     assert "stop" in got["b"][-1].content
+
+
+async def test_an_id_answered_before_and_sent_again_during_a_later_turn_gets_its_own_answer(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """inject: a message id answered by an earlier turn, sent again while a later
+    message's turn runs, must not join that turn (covered by its answer, the model never
+    told): it is answered on its own as any re-sent id is, with its first answer marked
+    ``duplicate`` (README: Idempotency). A wire review found it joined and was covered."""
+    config = LoopConfig(read_block_ms=100, followup_mode="inject")
+    loop, model, task = await _start(redis_factory, config)
+    client = FrontendClient(redis_factory())
+    await client.send(_m("d", "first", "x"))
+    await collect(client, "web", {"x"})
+    await client.send(_m("d", "work", "a"))
+    await asyncio.wait_for(model.holding.wait(), 10)
+    await client.send(_m("d", "first", "x"))  # the same id again, while "a" runs
+    await client.send(_m("d", "and this", "b"))  # a new one after it
+    model.release.set()
+    got = await collect(client, "web", {"a", "b"})
+    await until_terminal(client, "x", 2)
+    got = await collect(client, "web", {"x"})
+    await _stop(loop, task)
+
+    a_answer = next(e for e in got["a"] if e.is_terminal)
+    assert "x" not in (a_answer.covers or []), "the old id was covered by a later turn"
+    first, again = [e for e in got["x"] if e.is_terminal]
+    assert (first.content, again.content) == ("re: first", "re: first")
+    assert (again.metadata or {}).get("duplicate") is True
+
+
+async def until_terminal(client: FrontendClient, rid: str, n: int) -> None:
+    """Until reply id ``rid`` has ``n`` terminal events."""
+
+    async def enough() -> bool:
+        got = await collect(client, "web", {rid})
+        return sum(1 for e in got[rid] if e.is_terminal) >= n
+
+    await until(enough, timeout_s=20)

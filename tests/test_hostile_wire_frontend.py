@@ -2,8 +2,8 @@
 program in another language would: raw MULTI / XADD / ZADD / PUBLISH, never
 ``FrontendClient``. Hostile review of 5546f64: each test shows a promise of README /
 ARCHITECTURE / SECURITY that a frontend of one channel could break, and failed on
-5546f64. A fifth finding (an old id re-sent while a later message's turn runs is
-covered by that turn) is known, not fixed: docs/ARCHITECTURE.md."""
+5546f64. A fifth finding (an old id re-sent while a later message's turn runs was
+covered by that turn) is tested in ``test_double_texting.py``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ pulled into the turn between tool rounds (as the reference loop does), in publis
 
 The first entry that cannot join (unreadable, a control marker, an ``open_transient`` op,
 a system message, a message of another scope, a message whose mode is not ``inject``:
-its own ``followup``, else ``AGENT_FOLLOWUP_MODE``) stops the pull; it and everything
+its own ``followup``, else ``AGENT_FOLLOWUP_MODE``, a message id answered before this
+turn) stops the pull; it and everything
 after it get their own turns.
 
 At the last model boundary of a durable session's turn, the stream is not read in a round
@@ -71,16 +72,16 @@ class FollowUpPuller:
             self.member, after=self.after_id, count=self.per_pull
         ):
             msg = self._joinable(payload)
-            if msg is None:
+            reply_to = "" if msg is None else msg.id or entry_id
+            row_id = "" if msg is None else message_key(msg, reply_to, folded=self.folded)
+            again = msg is not None and bool(msg.id) and row_id in self.seen
+            if msg is None or (not again and is_duplicate(msg, self.session, row_id)):
+                # (one answered before this turn: its own turn answers it `duplicate`)
                 self._closed = True
                 break
-            reply_to = msg.id or entry_id
             self.injected.append((entry_id, reply_to))
             self.after_id = entry_id
-            row_id = message_key(msg, reply_to, folded=self.folded)
-            if msg.id and row_id in self.seen:
-                continue  # sent again while this turn answers it: consumed, no new row
-            if not is_duplicate(msg, self.session, row_id):
+            if not again:  # (sent again while this turn answers it: consumed, no new row)
                 rows.append(user_row(msg, row_id))
                 self.seen.add(row_id)
         return rows
