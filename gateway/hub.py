@@ -39,6 +39,10 @@ from gateway.subscription import HubEvent, Subscription
 
 log = logging.getLogger(__name__)
 
+# events one subscriber's catch-up reads at a time: it holds them while its client takes
+# the first, so a slow client behind long answers holds a few, never hundreds
+CATCH_UP_COUNT = 16
+
 
 class TooManyStreamsError(Exception):
     """The process follows ``max_streams`` event streams already."""
@@ -308,8 +312,9 @@ class EventHub:
         return text(last[0][0]) if last else "0-0"
 
     async def read_after(self, stream: str, cursor: str) -> list[HubEvent]:
+        """The next few events after ``cursor`` (``CATCH_UP_COUNT`` at most)."""
         try:
-            reply = await self.redis.xread({stream: cursor}, count=self.count)
+            reply = await self.redis.xread({stream: cursor}, count=CATCH_UP_COUNT)
         except ResponseError:
             return []
         return [ev for _s, batch in reply or [] for ev in _decode(batch)]

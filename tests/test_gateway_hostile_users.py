@@ -1,6 +1,6 @@
 """Hostile users behind the gateway (a review of 0a3568b): each test failed on 0a3568b
-for the reason its docstring gives. A sixth finding (a resume's catch-up read holds a
-batch of 200 events of any size) is known, not fixed: docs/ARCHITECTURE.md. In
+for the reason its docstring gives. A sixth finding (a resume's catch-up read held a
+batch of 200 events of any size) is tested in ``test_gateway_hub.py``. In
 process (starlette's TestClient or httpx over ASGI, fakeredis); a worker's events are
 written to a chat's stream as a worker writes them. No sleeps synchronize anything: a
 timeout only bounds a test that would otherwise hang."""

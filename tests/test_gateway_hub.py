@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
-from gateway.hub import EventHub
+from gateway.hub import CATCH_UP_COUNT, EventHub
 from gateway.subscription import BUFFER_BYTES, BUFFER_MAX, HubEvent, Subscription
 
 pytestmark = pytest.mark.frontend
@@ -85,6 +85,36 @@ async def test_kept_events_after_the_cursor_then_live_ones(redis_factory) -> Non
         assert [e.entry_id for e in nxt] == [live]
         assert nxt[0].event is not None
         assert nxt[0].event.content == "3"
+
+
+async def test_a_resume_holds_a_few_events_at_a_time_not_the_whole_backlog(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client resuming far behind takes its first event: the gateway holds the few
+    events of one catch-up read for it, not hundreds (a review found 200 answers of any
+    size, ~20 MB for 100 KB answers, held per resuming client); all of them come, in
+    order."""
+    r = redis_factory()
+    ids = [await _add(r, "web:a", n) for n in range(100)]
+    async with _hub(redis_factory) as hub:
+        read: list[int] = []
+        read_after = hub.read_after
+
+        async def counted(stream: str, cursor: str) -> list[HubEvent]:
+            events = await read_after(stream, cursor)
+            read.append(len(events))
+            return events
+
+        hub.read_after = counted  # type: ignore[method-assign]
+        got: list[str] = []
+        async with hub.subscribe("web:a", "0") as sub:
+            events = sub.events(0.05)
+            while len(got) < 100:
+                ev = await asyncio.wait_for(anext(events), 10)
+                if ev is not None:
+                    got.append(ev.entry_id)
+                if len(got) == 1:  # its client took the first one
+                    assert sum(read) <= CATCH_UP_COUNT < 100
+            await events.aclose()
+    assert got == ids
 
 
 async def test_a_cursor_older_than_what_is_kept_yields_a_gap_first(redis_factory) -> None:  # type: ignore[no-untyped-def]
