@@ -299,8 +299,11 @@ class TurnExecution:
             # the user row and the complete tool exchanges: their effects (a schedule, a
             # subagent, a message sent) are in the history, and a Retry goes on from them
             self._append(session, legal_prefix(state.rows))
-            detail = str(exc) if session.policy.log_content else type(exc.__cause__ or exc).__name__
-            log.warning("provider error in %s: %s", safe(key), safe(detail))
+            if session.policy.log_content:
+                log.warning("provider error in %s: %s", safe(key), safe(str(exc)))
+            else:  # a private session's line names neither its chat nor its text
+                cause = type(exc.__cause__ or exc).__name__
+                log.warning("provider error in a private session: %s", cause)
             out = error(msg.channel, msg.chat_id, member, reply_to, "provider_error", str(exc))
             return Outcome(out, session)
         if exc is not None:
