@@ -21,7 +21,7 @@ from bus_redis import OutboundMessage, SessionBusyError
 from bus_redis.schema import FollowUp
 from gateway.app import Gateway
 from gateway.auth import User
-from gateway.backlog import BacklogFullError, ChatGoneError
+from gateway.backlog import BacklogFullError, ChatGoneError, TooLargeError
 from gateway.chats import Chat, ChatLimitError
 from gateway.hub import TooManyStreamsError
 
@@ -54,6 +54,8 @@ async def refusals() -> AsyncIterator[None]:
         raise HTTPException(429, str(exc)) from None
     except ChatGoneError:  # deleted meanwhile: as for any chat that is not the caller's
         raise HTTPException(404, "no such session") from None
+    except TooLargeError as exc:
+        raise HTTPException(413, str(exc)) from None
     except SessionBusyError as exc:
         raise HTTPException(409, str(exc)) from None
 

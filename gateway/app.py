@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from bus_redis import FrontendClient, InboundMessage, OutboundMessage
 from bus_redis.keys import Keys
 from gateway.auth import Authenticator, RedactTickets, User
-from gateway.backlog import Backlog
+from gateway.backlog import Backlog, TooLargeError
 from gateway.bodylimit import BodyLimit
 from gateway.charge import Charge
 from gateway.chats import Chat, Chats
@@ -128,10 +128,15 @@ class Gateway:
                 del self._user_streams[user.hash]
 
     async def publish(self, user: User, chat: Chat, msg: InboundMessage) -> set[str]:
-        """Send to the user's chat, within the user's backlog (``BacklogFullError``) and
-        while the chat is theirs (``ChatGoneError``); a durable chat without a title takes
+        """Send to the user's chat, within the workers' payload limit (``TooLargeError``),
+        the user's backlog (``BacklogFullError``) and while the chat is theirs
+        (``ChatGoneError``); a durable chat without a title takes
         the message's first line. Returns the ids its terminal event may answer to: the
         message id, and the entry id for a payload the worker cannot read that far."""
+        size = len(msg.model_dump_json(exclude_none=True).encode())
+        if size > self.settings.max_payload_bytes:
+            limit = self.settings.max_payload_bytes
+            raise TooLargeError(f"the message is {size} bytes as sent, at most {limit}")
         title = self.chats.title_for(chat, msg.content)
         async with self.backlog.serialized(user):
             guard = self.backlog.guard(user, chat, title=title)

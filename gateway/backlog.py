@@ -47,6 +47,11 @@ class BacklogFullError(Exception):
     """The user has too much waiting: nothing was written (HTTP 429)."""
 
 
+class TooLargeError(Exception):
+    """The message as published is over the workers' payload limit: nothing was written
+    (HTTP 413; a worker would have answered ``too_large`` and dead-lettered it)."""
+
+
 class ChatGoneError(Exception):
     """The chat left its user's lists before the write (deleted meanwhile): HTTP 404."""
 

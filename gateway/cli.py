@@ -46,6 +46,8 @@ configuration (environment; options override):
   AGENT_GATEWAY_MAX_STREAMS                   open event streams per process (10000)
   AGENT_GATEWAY_MAX_STREAMS_PER_USER          ... of them for one user (64)
   AGENT_GATEWAY_MAX_BODY_BYTES                a request body (1048576)
+  AGENT_GATEWAY_MAX_PAYLOAD_BYTES             a message as published, as the workers'
+                                              AGENT_MAX_PAYLOAD_BYTES (262144; more: 413)
   AGENT_GATEWAY_BODY_TIMEOUT_S                to receive a request body whole (30; later: 408)
   AGENT_GATEWAY_REQUEST_TIMEOUT_S             to answer a request that does not wait by
                                               design (10; later: 503)

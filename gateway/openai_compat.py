@@ -6,7 +6,7 @@ The agent keeps each conversation's history itself, so only the **last user mess
 1. header ``X-Session-Id``: one of the caller's chats (as in the JSON API), else 404;
 2. otherwise the request's ``user`` field: one conversation per (caller, ``user``) —
    a bot passes its end user's id and each end user gets their own history;
-3. neither: one default conversation per caller.
+3. neither (an empty ``user`` is none): one default conversation per caller.
 
 Authentication is the gateway's (``Authorization: Bearer <token>``, i.e. the client's
 ``api_key``). ``model`` is echoed back; the deployment's workers decide the real model.
@@ -32,7 +32,7 @@ from bus_redis import OutboundMessage
 from gateway.api import MAX_MESSAGE_CHARS, caller, gw
 from gateway.app import Gateway, answers
 from gateway.auth import User
-from gateway.backlog import BacklogFullError, ChatGoneError
+from gateway.backlog import BacklogFullError, ChatGoneError, TooLargeError
 from gateway.chats import Chat, ChatLimitError
 from gateway.hub import TooManyStreamsError
 
@@ -99,6 +99,8 @@ async def completions(
         return _error(429, "rate_limit_exceeded", str(exc))
     except ChatGoneError:
         return _error(404, "invalid_request_error", "no such session")
+    except TooLargeError as exc:
+        return _error(413, "invalid_request_error", str(exc))
     completion_id = f"chatcmpl-{message_id}"
     if body.stream:
         chunks = _stream(g, user, chat, ids, cursor, completion_id, body.model)

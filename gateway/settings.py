@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from bus_redis.config import check_log_level, check_redis_url
 from bus_redis.keys import valid_channel
-from bus_redis.schema import FollowUp
+from bus_redis.schema import DEFAULT_MAX_PAYLOAD_BYTES, FollowUp
 
 DURABLE_ONLY_TOOLS = ("create_goal", "update_goal", "spawn", "cron")  # nanobot's temporary chats
 
@@ -19,7 +19,8 @@ DURABLE_ONLY_TOOLS = ("create_goal", "update_goal", "spawn", "cron")  # nanobot'
 class GatewaySettings(BaseSettings):
     """One gateway replica. Every replica of a deployment uses the same values."""
 
-    # populate_by_name: the aliased fields (redis_url, key_prefix) also take their own names
+    # populate_by_name: the aliased fields (redis_url, key_prefix, max_payload_bytes) also
+    # take their own names
     # as keyword arguments (the CLI's --redis-url / --prefix, the demo)
     model_config = SettingsConfigDict(
         env_prefix="AGENT_GATEWAY_", extra="ignore", frozen=True, populate_by_name=True
@@ -70,6 +71,12 @@ class GatewaySettings(BaseSettings):
     user_rate: float = Field(default=20.0, ge=0, le=1e6, allow_inf_nan=False)  # a second
     user_burst: int = Field(default=100, ge=1)  # ... and how many may be saved up
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # a request body, whatever route
+    # a message as published (text, metadata, envelope): the workers' AGENT_MAX_PAYLOAD_BYTES
+    max_payload_bytes: int = Field(
+        default=DEFAULT_MAX_PAYLOAD_BYTES,
+        ge=256,
+        validation_alias=AliasChoices("AGENT_GATEWAY_MAX_PAYLOAD_BYTES", "AGENT_MAX_PAYLOAD_BYTES"),
+    )
     body_timeout_s: float = Field(default=30.0, gt=0)  # to receive a request body, whole
     # to answer a request that does not wait by design (else 503: Redis did not answer)
     request_timeout_s: float = Field(default=10.0, gt=0)

@@ -239,3 +239,30 @@ async def test_a_cursor_past_an_empty_chat_does_not_hide_its_next_events() -> No
         f"cursor is still {sub.cursor})"
     )
     assert got[1].entry_id == eid
+
+
+# --- what a worker would refuse is refused before it is sent ---------------------------------
+
+
+def test_a_message_over_the_workers_payload_limit_is_refused_not_sent() -> None:
+    """A request body may be 1 MiB while a worker refuses a payload over 256 KiB
+    (``AGENT_MAX_PAYLOAD_BYTES``): 100,000 four-byte characters (400 KB), or 300 KB of
+    message metadata, were queued, answered ``too_large`` and dead-lettered (a review of
+    the gateway). They are refused with 413 now, nothing queued; a message that fits is
+    sent."""
+    app, _gw, admin = _app(wait_max_s=0.05)  # nothing answers here: 504 once sent
+    with TestClient(app) as c:
+        sid = c.post("/api/sessions", json={}, headers=ALICE).json()["id"]
+        send = f"/api/sessions/{sid}/messages"
+        padded = {"content": "hi", "metadata": {"pad": "x" * 300_000}}
+        r = c.post(send, json=padded, headers=ALICE)
+        assert r.status_code == 413, r.text
+        wide = {"messages": [{"role": "user", "content": "\U0001f600" * 70_000}]}
+        r = c.post("/v1/chat/completions", json=wide, headers=ALICE)
+        assert r.status_code == 413, r.text
+        assert r.headers.get("x-should-retry") != "true"
+        assert _payloads(admin, sid) == []
+        assert _payloads(admin, _oa_chat("alice", "")) == []
+        r = c.post(send, json={"content": "hi", "metadata": {"pad": "x" * 200_000}}, headers=ALICE)
+        assert r.status_code == 202, r.text
+        assert [p["content"] for p in _payloads(admin, sid)] == ["hi"]
