@@ -21,6 +21,7 @@ from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.results import CommitSpec, Entry, owner_member
 from session_store.codec import encode_meta, encode_rows
+from worker.runtime.backoff import while_full
 from worker.runtime.controls import FORGETTING
 from worker.runtime.execution import Held, Outcome, TurnExecution
 from worker.runtime.outcomes import (
@@ -97,7 +98,10 @@ class EntryPolicy(Held):
             spec.dead_reason = "failed"
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
         if opening:  # marked whatever becomes of the opening now (cancelled, refused)
-            await rt.bus.mark_private(entry.member)
+            await while_full(  # (a full Redis is no failure of the opening)
+                "marking a private session", log, self.holds,
+                lambda: rt.bus.mark_private(entry.member),
+            )  # fmt: skip
         if entry.covered_by:
             if entry.covered_by in FORGETTING:
                 await self.discarded(entry.member)  # a delete applies at its own marker

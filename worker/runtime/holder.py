@@ -177,7 +177,11 @@ class SessionHolder(EntryPolicy):
         if member != self.key and op in ("delete", "new", "discard"):
             # a folded chat's turns journal under the unified lease: a crashed turn's
             # journal of this chat goes with it (delete.lua drops the chat's own key only)
-            await JournalStore(self.rt.bus).drop_of(self.key, self.token, member)
+            journals = JournalStore(self.rt.bus)
+            await while_full(
+                f"dropping a journal of {safe(member)}", log, self.holds,
+                lambda: journals.drop_of(self.key, self.token, member),
+            )  # fmt: skip
 
     async def _process(self, entry: Entry) -> Step:
         metrics, started = self.rt.metrics, time.monotonic()
