@@ -8,6 +8,10 @@ The agent keeps each conversation's history itself, so only the **last user mess
    a bot passes its end user's id and each end user gets their own history;
 3. neither (an empty ``user`` is none): one default conversation per caller.
 
+A request may carry an ``Idempotency-Key`` header (as ``client_id`` in the JSON API): the
+same key in the same conversation is the same message, run once; sent again (a retry
+after a replica died under it) it is answered with the first answer.
+
 Authentication is the gateway's (``Authorization: Bearer <token>``, i.e. the client's
 ``api_key``). ``model`` is echoed back; the deployment's workers decide the real model.
 Streaming sends the worker's ``delta`` events as chunks (or the whole answer as one chunk
@@ -29,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from bus_redis import OutboundMessage
-from gateway.api import MAX_MESSAGE_CHARS, caller, gw
+from gateway.api import CLIENT_ID, MAX_MESSAGE_CHARS, caller, gw
 from gateway.app import Gateway, answers
 from gateway.auth import User
 from gateway.backlog import BacklogFullError, ChatGoneError, TooLargeError
@@ -71,6 +75,7 @@ async def completions(
     body: CompletionRequest,
     user: Annotated[User, Depends(caller)],
     x_session_id: Annotated[str | None, Header()] = None,
+    idempotency_key: Annotated[str | None, Header(pattern=CLIENT_ID)] = None,
 ) -> JSONResponse | StreamingResponse:
     g = gw(request)
     content = _last_user_text(body.messages)
@@ -84,7 +89,7 @@ async def completions(
         )
         return _error(413, "invalid_request_error", detail)
     chat = await _pick(g, user, x_session_id, body.user)
-    message_id = f"oa-{uuid.uuid4().hex}"
+    message_id = _message_id(chat, idempotency_key)
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
     if not g.has_room(user, chat):
         return _error(429, "rate_limit_exceeded", "too many open streams for this user")
@@ -143,6 +148,15 @@ async def _pick(g: Gateway, user: User, session_id: str | None, end_user: str | 
         return await g.chats.ensure(user, f"{user.hash}-oa-{_digest(end_user)}")
     except ChatLimitError as exc:
         raise HTTPException(409, str(exc)) from None
+
+
+def _message_id(chat: Chat, idempotency_key: str | None) -> str:
+    """A new id; with a key, the key's in this conversation: a request sent again (a
+    replica died under it) is the same message, run once, its answer given again."""
+    if not idempotency_key:
+        return f"oa-{uuid.uuid4().hex}"
+    digest = hashlib.sha256(f"{chat.session_key}|{idempotency_key}".encode()).hexdigest()
+    return f"oa-{digest[:32]}"
 
 
 def _digest(end_user: str | None) -> str:

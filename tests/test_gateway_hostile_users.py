@@ -266,3 +266,26 @@ def test_a_message_over_the_workers_payload_limit_is_refused_not_sent() -> None:
         r = c.post(send, json={"content": "hi", "metadata": {"pad": "x" * 200_000}}, headers=ALICE)
         assert r.status_code == 202, r.text
         assert [p["content"] for p in _payloads(admin, sid)] == ["hi"]
+
+
+def test_an_openai_request_sent_again_with_its_idempotency_key_is_the_same_message() -> None:
+    """A completion whose replica dies mid-request is sent again by the client (the openai
+    SDK retries a cut connection): without a key each try was a new message, so the
+    question ran twice (a review of the gateway). With an ``Idempotency-Key`` header the
+    tries are one message id, which a worker runs once and answers again with its first
+    answer; another key, or another conversation, is another message."""
+    app, _gw, admin = _app(wait_max_s=0.05)  # nothing answers here: 504 once sent
+    ask = {"messages": [{"role": "user", "content": "book one table"}]}
+    with TestClient(app) as c:
+        for key, end_user in [("k-1", ""), ("k-1", ""), ("k-2", ""), ("k-1", "bob")]:
+            body = {**ask, "user": end_user} if end_user else ask
+            r = c.post("/v1/chat/completions", json=body,
+                       headers={**ALICE, "Idempotency-Key": key})  # fmt: skip
+            assert r.status_code == 504, r.text
+        r = c.post("/v1/chat/completions", json=ask, headers={**ALICE, "Idempotency-Key": "a b"})
+        assert r.status_code == 422, r.text
+    ids = [p["id"] for p in _payloads(admin, _oa_chat("alice", ""))]
+    assert len(ids) == 3, ids
+    assert ids[0] == ids[1] != ids[2], ids
+    [other] = [p["id"] for p in _payloads(admin, _oa_chat("alice", "bob"))]
+    assert other not in ids
