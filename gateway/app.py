@@ -133,6 +133,8 @@ class Gateway:
         (``ChatGoneError``); a durable chat without a title takes
         the message's first line. Returns the ids its terminal event may answer to: the
         message id, and the entry id for a payload the worker cannot read that far."""
+        if msg.followup is None and self.client.followup is not None:  # as it is sent
+            msg = msg.model_copy(update={"followup": self.client.followup})
         size = len(msg.model_dump_json(exclude_none=True).encode())
         if size > self.settings.max_payload_bytes:
             limit = self.settings.max_payload_bytes

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import RedisError
 
 from bus_redis.codec import safe
 from bus_redis.keys import channel_of
@@ -319,17 +319,16 @@ async def fold_into_memory(
                 return "failed"
         session.last_consolidated += len(part)
         version = await rt.sessions.store.version(member)
-        try:  # a full Redis refuses it (nothing written): tried again while the lease holds
-            result = await while_full(
-                f"new conversation in {safe(member)}", log, holds,
-                functools.partial(
-                    rt.bus.consolidate, key, token, meta=encode_meta(session), version=version,
-                    scope=session.scope, memory=folded.memory,
-                    memory_version=folded.memory_version, history=folded.history,
-                ),
-            )  # fmt: skip
-        except OutOfMemoryError:
-            return "lost"  # (refused until the lease ran out)
+        # a full Redis refuses it (nothing written): tried again while ``holds()``, then
+        # the refusal is raised (its holder gives the lease up)
+        result = await while_full(
+            f"new conversation in {safe(member)}", log, holds,
+            functools.partial(
+                rt.bus.consolidate, key, token, meta=encode_meta(session), version=version,
+                scope=session.scope, memory=folded.memory,
+                memory_version=folded.memory_version, history=folded.history,
+            ),
+        )  # fmt: skip
         if result == "memory_moved":
             moved += 1  # (another writer of the scope's memory: this part again)
             continue

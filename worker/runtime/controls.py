@@ -86,7 +86,8 @@ class Controls:
         if cancelled and op in FORGETTING:
             owned = rt.turns.disown(member)
             rt.sessions.invalidate(member)
-            if owned is not None:
+            if owned is not None:  # (its holder, at the marker: a new of it is a discard)
+                rt.turns.ended_by_control(member)
                 task = asyncio.get_running_loop().create_task(rt.drop_owner(member, owned))
                 self._drops.add(task)
                 task.add_done_callback(self._drops.discard)

@@ -44,6 +44,10 @@ class EntryPolicy(Held):
 
     pending: Pending | None  # the turn waits for its commit's verdict
 
+    def waits(self) -> bool:
+        """Whether a write refused for memory is tried again (``SessionHolder``)."""
+        return self.holds()
+
     @property
     def transient(self) -> bool:
         return self.rt.sessions.is_transient(self.key)
@@ -99,7 +103,7 @@ class EntryPolicy(Held):
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
         if opening:  # marked whatever becomes of the opening now (cancelled, refused)
             await while_full(  # (a full Redis is no failure of the opening)
-                "marking a private session", log, self.holds,
+                "marking a private session", log, self.waits,
                 lambda: rt.bus.mark_private(entry.member),
             )  # fmt: skip
         if entry.covered_by:

@@ -115,10 +115,10 @@ class TurnExecution:
         # scope of its own that other sessions would share, nor run in a conversation
         # started under the key since (queued behind the delete or new that ended its
         # own), maybe another user's
-        if (
-            msg.worker_made
-            and not self.rt.config.owner_mode
-            and (not session.scope or _older(msg.metadata.get("from"), session.born))
+        older = _older(msg.metadata.get("from"), session.born)
+        if msg.worker_made and (
+            (not self.rt.config.owner_mode and (not session.scope or older))
+            or (older and not session.policy.persist)  # (a private one opened on its key)
         ):
             raise SessionNotActiveError("the conversation this message was for is gone")
         if not session.scope:

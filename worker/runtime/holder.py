@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable
 
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from bus_redis.codec import safe, stream_id_ms
 from bus_redis.journal import JournalStore
@@ -65,6 +65,7 @@ class SessionHolder(EntryPolicy):
         self.pending: Pending | None = None  # the running turn waits for its commit's verdict
         self.slot: Slot | None = None  # the entry being handled as the running turn of K
         self.lease = Lease(rt.bus, key, acquired.token, on_lost=self._lease_lost)
+        self.aborted = False
 
     def holds(self) -> bool:
         return self.lease.holds()
@@ -76,9 +77,16 @@ class SessionHolder(EntryPolicy):
 
     def abort(self, reason: str) -> None:
         """Cancel this holder's entry, never a newer holder's of the same key: one whose
-        lease was taken over may still be finishing when this worker takes K again."""
+        lease was taken over may still be finishing when this worker takes K again. A
+        write it waits to make while Redis is full is given up (``waits``)."""
+        self.aborted = True
         if self.slot is not None:
             self.rt.turns.cancel_slot(self.slot, reason)
+
+    def waits(self) -> bool:
+        """Whether a write Redis refused for memory is tried again: while the lease
+        holds and the holder is not aborted (a shutdown past its grace period)."""
+        return not self.aborted and self.holds()
 
     # --- the lease-holding loop ----------------------------------------------------------
     async def drain(self) -> None:
@@ -118,15 +126,25 @@ class SessionHolder(EntryPolicy):
                     if isinstance(step, Lost):
                         log.warning("lease of %s was lost", safe(self.key))
                     break
-        except Exception:
+        except Exception as exc:
             # a failure no step handled: the lease is given up now (fenced writes keep what
-            # it did safe), so that the session's next holder need not wait out its term
-            if not self.lease.lost:
+            # it did safe), so that the session's next holder need not wait out its term;
+            # but after a write whose outcome is unknown (a connection lost, a timeout),
+            # which the term lets settle
+            unknown = isinstance(exc, RedisError | OSError) and not isinstance(
+                exc, OutOfMemoryError
+            )
+            if not self.lease.lost and not unknown:
                 with contextlib.suppress(RedisError, OSError):
                     await self.rt.bus.release(self.key, self.token)
             raise
         finally:
-            await self.lease.stop()
+            await self._stop()
+
+    async def _stop(self) -> None:
+        for member in self.members:  # (what a control ended at a marker not reached)
+            self.rt.turns.take_ended(member)
+        await self.lease.stop()
 
     def _folds_again(self, member: str) -> bool:
         """Unified mode: a stream held under its own key (a private session) whose session
@@ -147,29 +165,31 @@ class SessionHolder(EntryPolicy):
         the stored history into memory first (in unified mode the shared session's), fenced
         by the lease this holder runs under."""
         owned = self.rt.turns.disown(member)
+        # a private session ended already by this control (its running turn cancelled)
+        private = self.rt.turns.take_ended(member) or owned is not None
         self.rt.sessions.invalidate(member)
         if owned is not None:
             await self.rt.drop_owner(member, owned)
         # a new conversation starts where the chat's history is stored: in unified mode the
         # shared session (nanobot's /new there); a delete removes the chat's own session
         stored = self.key if op == "new" and self.key == UNIFIED_SESSION_KEY else member
-        if owned is None and stored != member and await self.rt.registry.was_private(member):
+        if not private and stored != member and await self.rt.registry.was_private(member):
             return  # a private session's new is a discard, also once it ended
-        if op == "new" and owned is None:
+        if op == "new" and not private:
             self.rt.sessions.invalidate_stored(stored)
-            folded = await fold_into_memory(self.rt, self.key, self.token, stored, self.holds)
+            folded = await fold_into_memory(self.rt, self.key, self.token, stored, self.waits)
             if folded == "lost":
                 self.lease.lost = True
             if folded != "ok":
                 return  # nothing written (not even the rows as they are): kept, not lost
             self.memory_scope = ""  # the next turn under this lease reads the folded memory
-        if op == "delete" or (op == "new" and owned is None):
+        if op == "delete" or (op == "new" and not private):
             # its events go, but for the error answers written after the marker (the
             # cancelled answers of what it covered), for the frontend to read. A delete
             # also removes the stored session a private one was opened over
             lease, store = self.rt.bus.keys.lease(self.key), self.rt.sessions.store
             deleted = await while_full(
-                f"delete of {safe(stored)}", log, self.holds,
+                f"delete of {safe(stored)}", log, self.waits,
                 lambda: store.delete_held(stored, lease, self.token, events_before=marker),
             )  # fmt: skip
             if deleted < 0:
@@ -179,7 +199,7 @@ class SessionHolder(EntryPolicy):
             # journal of this chat goes with it (delete.lua drops the chat's own key only)
             journals = JournalStore(self.rt.bus)
             await while_full(
-                f"dropping a journal of {safe(member)}", log, self.holds,
+                f"dropping a journal of {safe(member)}", log, self.waits,
                 lambda: journals.drop_of(self.key, self.token, member),
             )  # fmt: skip
 
@@ -283,7 +303,7 @@ class SessionHolder(EntryPolicy):
         what = f"commit of a turn of {safe(self.key)}"
         try:  # (refused for memory: nothing written, tried again while the lease holds)
             _, step = await while_full(
-                what, log, self.holds, lambda: self.commit(spec, select=sorted(self.members))
+                what, log, self.waits, lambda: self.commit(spec, select=sorted(self.members))
             )
         except (RedisError, OSError):
             raise  # outcome unknown: the lease is given up and the entry is served again

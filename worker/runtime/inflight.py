@@ -36,6 +36,10 @@ class TurnRegistry:
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
         self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
         self._opening: set[str] = set()  # transient keys whose opening commit is on its way
+        # private sessions a control ended while their turn ran, their marker not reached
+        # yet: there, its op is the private session's (a new: a discard). Bounded by the
+        # holders running here: a holder forgets its own when it ends
+        self._ended: set[str] = set()
         self._closing: set[str] = set()  # transient keys being closed (never claimed again)
         self._epoch: dict[str, int] = {}  # transient key -> which session of it (own())
         self._epochs = 0
@@ -200,6 +204,17 @@ class TurnRegistry:
         self._epoch.pop(key, None)
         self._opening.discard(key)
         return self._owned.pop(key, None)
+
+    def ended_by_control(self, key: str) -> None:
+        self._ended.add(key)
+
+    def take_ended(self, key: str) -> bool:
+        """Whether a control ended private session ``key`` here before its marker was
+        reached (forgotten now)."""
+        if key in self._ended:
+            self._ended.discard(key)
+            return True
+        return False
 
     def owned(self) -> dict[str, str]:
         return dict(self._owned)
