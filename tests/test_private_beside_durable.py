@@ -298,8 +298,9 @@ async def test_a_stop_unregisters_a_queued_subagent_after_another_channels_spawn
 # --- 7. a durable schedule firing while a private session holds the key -----------------
 
 
+@pytest.mark.parametrize("single_owner", [False, True])  # (a second reading: both modes)
 async def test_a_durable_schedule_never_fires_into_the_private_session_on_its_key(  # type: ignore[no-untyped-def]
-    redis: aioredis.Redis, make_loop
+    redis: aioredis.Redis, make_loop, single_owner: bool
 ) -> None:
     """README: a worker-made message "never starts a session" and does not run when its
     ``from`` is older than the entry that started the session now stored ("a firing ...
@@ -319,7 +320,9 @@ async def test_a_durable_schedule_never_fires_into_the_private_session_on_its_ke
             return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
         return LLMResponse(content="ok")
 
-    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
+    loop = make_loop(
+        ScriptedProvider(handler=model), followup_mode="queue", single_owner=single_owner
+    )
     client = FrontendClient(redis)
     reply = await client.ask(_durable("cr", "remind me", "r1", scope="u"), timeout_s=10)
     assert reply.type == "message"

@@ -1,11 +1,12 @@
 """A hostile second reading of 64680d0..2149daa (private sessions beside a stored one,
 ``backoff.while_full``, inject duplicates, the gateway's catch-up and payload limit).
-Each test fails on 2149daa for the reason its docstring gives."""
+Each test fails on 2149daa for the reason its docstring gives. A fourth finding (a
+stored chat's schedule firing into a private session in single-owner mode) is tested
+in ``test_private_beside_durable.py``, in both modes."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import fakeredis
@@ -15,6 +16,7 @@ from helpers import ScriptedProvider, answering
 from redis.exceptions import OutOfMemoryError
 from replies import collect, open_private, until
 from starlette.testclient import TestClient
+from test_private_beside_durable import SUMMARY, _durable, _private
 
 from bus_redis import (
     FrontendClient,
@@ -28,22 +30,9 @@ from gateway.app import Gateway, create_app
 from gateway.settings import GatewaySettings
 from session_store.redis_store import RedisSessionStore
 from worker import AgentLoop, LoopConfig
-from worker.agent.providers import LLMResponse, ToolCallRequest
+from worker.agent.providers import LLMResponse
 
 K = Keys()
-SUMMARY = '{"memory": "the user likes tea", "history": "talked about tea"}'
-
-
-def _durable(chat: str, text: str, id_: str, **kw: Any) -> InboundMessage:
-    return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, id=id_, **kw)
-
-
-def _private(key: str, text: str, id_: str, **kw: Any) -> InboundMessage:
-    chat = key.split(":", 1)[1]
-    return InboundMessage(
-        channel="web", sender_id="u", chat_id=chat, content=text, id=id_,
-        session_key_override=key, require_existing_session=True, **kw,
-    )  # fmt: skip
 
 
 class Held:
@@ -198,52 +187,3 @@ async def test_shutdown_ends_a_delete_waiting_out_a_full_redis_and_releases_its_
         if not task.done():
             await asyncio.wait_for(task, 30)
         await loop.bus.aclose()  # (what the holder left behind reconnected)
-
-
-# --- 4. a schedule of the stored session in single-owner mode ---------------------------
-
-
-async def test_a_durable_schedule_never_fires_into_the_private_session_in_single_owner_mode(  # type: ignore[no-untyped-def]
-    redis: aioredis.Redis, make_loop
-) -> None:
-    """README (added by this change): a worker-made message does not run "when its
-    ``from`` is older ... than the opening of a private session open on its key (a
-    schedule of the stored session that comes due then is answered
-    ``session_not_active``; a recurring one fires again in the stored session after the
-    private one has ended)"; ARCHITECTURE: "never run in the private conversation".
-    ``_check_scope`` makes that check only ``not self.rt.config.owner_mode``: with
-    ``AGENT_SINGLE_OWNER=1`` (private sessions exist there too) the stored chat's
-    schedule fires into the private conversation opened on its key: the model answers
-    it with the private history in view, and the firing is lost to the stored chat."""
-    calls: list[str] = []
-
-    async def model(**kw: Any) -> LLMResponse:
-        calls.append(json.dumps(kw["messages"]))
-        last = kw["messages"][-1]
-        if last["role"] == "user" and last["content"] == "remind me":
-            args = {"action": "add", "every_seconds": 3600, "message": "STRETCH-NOW"}
-            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue", single_owner=True)
-    client = FrontendClient(redis)
-    reply = await client.ask(_durable("cr", "remind me", "r1", scope="u"), timeout_s=10)
-    assert reply.type == "message"
-    [sid] = list(await redis.smembers(K.crons("web:cr")))
-    key, opened = await client.open_transient("web", "cr", session_key="web:cr", scope="u")
-    await collect(client, "web", {opened}, timeout_s=10)
-    private = _private(key, "PRIVATE-SECRET-77", "p1", scope="u")
-    assert (await client.ask(private, timeout_s=10)).type == "message"
-
-    seconds, micros = await redis.time()
-    due = int(seconds) * 1000 + int(micros) // 1000 - 1000  # the firing is due now
-    assert await redis.zadd(K.cron_due("web"), {sid: due}, xx=True, ch=True) == 1
-    await loop.schedules.fire(channel="web", sid=sid, due_ms=due)  # (or the sweep did)
-    firing = f"cron:{sid}:{due}"
-    got = await collect(client, "web", {firing}, timeout_s=10)
-
-    into_private = [c for c in calls if "STRETCH-NOW" in c and "PRIVATE-SECRET-77" in c]
-    codes = [e.code for e in got[firing] if e.is_terminal]
-    assert not into_private, (
-        f"the stored chat's schedule fired into the private conversation (answered {codes})"
-    )
