@@ -28,21 +28,25 @@ from worker.runtime.outcomes import TurnAbortedError
 K = "web:j"
 
 
+def _held() -> bool:
+    return True
+
+
 async def test_the_journal_is_fenced_and_holds_one_entry(redis: aioredis.Redis) -> None:
     bus = RedisBus(redis)
     await redis.set(bus.keys.lease(K), "n1|w", px=10_000)
-    first = TurnJournal(bus, K, "n1|w", K, "1-1")
+    first = TurnJournal(bus, K, "n1|w", K, "1-1", _held)
     await first.record([{"role": "assistant", "tool_calls": [{"id": "c"}]}])
     await first.record([{"role": "tool", "tool_call_id": "c", "content": "done"}])
     assert [r["role"] for r in await first.replay()] == ["assistant", "tool"]
-    assert await TurnJournal(bus, K, "n1|w", K, "2-1").replay() == []  # another entry's
+    assert await TurnJournal(bus, K, "n1|w", K, "2-1", _held).replay() == []  # another entry's
     # a zombie whose lease was taken over writes nothing, and its turn ends
-    zombie = TurnJournal(bus, K, "n0|old", K, "1-1")
+    zombie = TurnJournal(bus, K, "n0|old", K, "1-1", _held)
     with pytest.raises(TurnAbortedError):
         await zombie.record([{"role": "tool", "tool_call_id": "c", "content": "late"}])
     assert len(await first.replay()) == 2
     # the next entry under the lease starts afresh (the lost one was dead-lettered)
-    second = TurnJournal(bus, K, "n1|w", K, "2-1")
+    second = TurnJournal(bus, K, "n1|w", K, "2-1", _held)
     await second.record([{"role": "assistant", "tool_calls": []}])
     assert await first.replay() == []
     await second.drop()

@@ -291,7 +291,8 @@ async def fold_into_memory(
     each part committed as it is folded, ``NEW_MAX_PARTS`` at most. When a summary fails,
     or past that many parts, the rows left are archived as they are (``raw_fold``,
     nanobot's raw archive: the newest ``RAW_MAX_BYTES``). ``'ok'`` (nothing to fold counts), ``'failed'`` (nothing could be written:
-    keep the session) or ``'lost'``."""
+    keep the session) or ``'lost'``. A write Redis refuses for memory is tried again
+    while ``holds()`` (the caller's lease, not aborted), then raised."""
     budget = rt.config.consolidate_above_tokens
     cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row longer than a part)
     moved = parts = 0

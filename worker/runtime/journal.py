@@ -38,7 +38,7 @@ class TurnJournal:
         token: str,
         member: str,
         entry_id: str,
-        holds: Callable[[], bool] = lambda: True,
+        holds: Callable[[], bool],
     ) -> None:
         self.store = JournalStore(bus)
         self.key = key  # the effective key: one turn runs under its lease at a time
