@@ -66,19 +66,28 @@ class ScheduleStore:
         await self.bus.scripts.call("cron_remove", keys, [sid, "", "1", ""])
 
     async def fire(
-        self, session: str, key: str, sid: str, due_ms: int, payload: str, next_ms: int | None
+        self,
+        session: str,
+        key: str,
+        sid: str,
+        due_ms: int,
+        payload: str,
+        next_ms: int | None,
+        *,
+        retry_ms: int,
     ) -> int:
         """1 fired, 0 not due at ``due_ms`` any more (or dropped: its session was never
-        stored), -2 moved on without a message, -3 not now (its first turn still runs,
-        or waits to be run again after its worker died).
-        ``key``: the session's effective key (its hash and lease)."""
+        stored), -2 moved on without a message, -3 not now, put off to ``retry_ms`` (its
+        first turn still runs, or waits to be run again after its worker died; a private
+        session is open on its key).
+        ``key``: the session's effective key (its hash, lease and owner record)."""
         k, channel = self.keys, channel_of(session)
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
         keys += [k.inbound(session), k.queued(channel), k.ready(channel)]
         keys += [k.session(key), k.lease(key), k.journal(key)]
-        keys += [k.cron_scope_of(channel), k.cron_per_scope(channel)]
+        keys += [k.cron_scope_of(channel), k.cron_per_scope(channel), k.owner(key)]
         nxt = "" if next_ms is None else next_ms
-        args = [sid, due_ms, payload, nxt, session, READY_MAXLEN]
+        args = [sid, due_ms, payload, nxt, session, READY_MAXLEN, max(retry_ms, due_ms + 1)]
         return int(text(await self.bus.scripts.call("cron_fire", keys, args)))
 
     async def of_session(self, session: str) -> list[tuple[str, str, int | None]]:

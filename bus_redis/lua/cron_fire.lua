@@ -7,14 +7,19 @@
 -- index  KEYS[6] channel's ready queue  KEYS[7] the session hash (of its effective key)
 -- KEYS[8] the lease of its effective key  KEYS[9] the tool journal of its effective key
 -- KEYS[10] channel's schedule id -> scope  KEYS[11] channel's scope -> schedules it holds
+-- KEYS[12] the owner record of its effective key (a private session is open on it)
 -- ARGV[1] schedule id  ARGV[2] the firing (ms: its score in the due index)
 -- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms, later than ARGV[2]; '' when
 -- this is the last)  ARGV[5] session key  ARGV[6] MAXLEN of the ready queue
+-- ARGV[7] when to try again a firing that cannot be delivered now (ms, later than ARGV[2])
 -- returns 1 fired, 0 not due then any more (fired already, moved or removed), -2 moved
 -- on without a message (the stream takes no entry: another type, or the maximal id;
--- a frontend's junk), -3 not now
+-- a frontend's junk), -3 not now, put off to ARGV[7]
 -- (the session's first turn, which added it, is still running, or its worker died and
--- its entry waits in the stream to be run again, its tool journal holding the call)
+-- its entry waits in the stream to be run again, its tool journal holding the call; or
+-- a private session is open on its key, whose conversation it must not run in, and a
+-- firing delivered now would be refused and lost). A firing put off moves in the due
+-- index, so that it never holds up the channel's other overdue firings.
 -- A session that was never stored (the turn that added the schedule was not committed,
 -- and nothing of it waits to be run again) loses the schedule here: a firing must not
 -- create a session of its own.
@@ -30,15 +35,20 @@ if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
   redis.call('ZREM', KEYS[2], ARGV[1])
   return 0
 end
+local function later()
+  redis.call('ZADD', KEYS[2], ARGV[7], ARGV[1])
+  return -3
+end
+if redis.call('EXISTS', KEYS[12]) == 1 then return later() end
 if redis.call('EXISTS', KEYS[7]) == 0 then
-  if redis.call('EXISTS', KEYS[8]) == 1 then return -3 end
+  if redis.call('EXISTS', KEYS[8]) == 1 then return later() end
   -- a turn of this session whose worker died: its entry still waits in the stream, and
   -- its journal holds its calls (a dead-lettered or cancelled entry is gone from it)
   local held = redis.call('HGET', KEYS[9], 'entry')
   if held and string.sub(held, 1, #ARGV[5] + 1) == ARGV[5] .. '|' then
     local id = string.sub(held, #ARGV[5] + 2)
     local found = redis.pcall('XRANGE', KEYS[4], id, id)
-    if type(found) == 'table' and not found.err and #found > 0 then return -3 end
+    if type(found) == 'table' and not found.err and #found > 0 then return later() end
   end
   drop()
   return 0

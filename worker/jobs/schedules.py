@@ -21,6 +21,10 @@ deterministic, so the duplicate-id rule would collapse a second copy anyway.
 Missed firings (every worker down, Redis down): a late schedule fires once when it is
 noticed, and its next firing is the first one after now; the firings missed in between
 are skipped, not replayed one after another. A one-shot ``at`` in the past fires once.
+A firing that cannot be delivered now (the first turn of its session, which added it,
+still runs; a private session is open on its key, whose conversation it must not run in)
+is put off ``PUT_OFF_MS`` and moved in the due index to then, so that it never holds up
+the channel's other overdue firings; it is delivered once it can be, as a late one.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ ENQUEUE_BATCH = 1000  # upcoming firings a worker queues as jobs per channel and
 MAX_MESSAGE_CHARS = 2000
 MAX_EVERY_S = 366 * 86_400
 MAX_AHEAD_MS = MAX_EVERY_S * 1000  # an `at` this far ahead at most
+PUT_OFF_MS = 10_000  # a firing that cannot be delivered now is tried again this much later
 HORIZON_MS = 120_000  # firings due within this are arq jobs; later ones wait in Redis only
 ENQUEUED_MEMO = 10_000  # firings this worker enqueued (not enqueued again)
 
@@ -346,9 +351,14 @@ class Schedules:
         nxt = schedule.next_due(due_ms, now)
         message = self._message(schedule, due_ms)
         key = schedule.key or schedule.session
-        fired = await self.store.fire(schedule.session, key, sid, due_ms, message, nxt)
+        retry = now + PUT_OFF_MS
+        fired = await self.store.fire(
+            schedule.session, key, sid, due_ms, message, nxt, retry_ms=retry
+        )
         if fired in (1, -2) and nxt is not None:
             await self.enqueue(channel, sid, nxt)
+        elif fired == -3:  # put off: tried again then (a private session may stay open
+            await self.enqueue(channel, sid, max(retry, due_ms + 1))  # for hours)
         if fired == -2:
             log.warning("a firing of %s was not delivered: its stream takes no entry", safe(sid))
         return fired == 1
