@@ -101,6 +101,11 @@ class Registry:
         args = ["abandon", worker_id, "", 0, self._mark_ms]
         await self.bus.scripts.call("owner", self._owner_keys(key), args)
 
+    async def owner_of(self, key: str) -> str | None:
+        """The worker whose private session is open on ``key`` now, if any."""
+        owner = await self.redis.hget(self.keys.owner(key), "worker")  # type: ignore[misc]
+        return None if owner is None else text(owner)
+
     @property
     def _mark_ms(self) -> int:
         return self.bus.private_mark_ms

@@ -367,3 +367,31 @@ async def test_a_private_sessions_provider_error_is_logged_without_its_key(  # t
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "provider error in a private session" in logged
     assert "alice-diary-7" not in logged
+
+
+# --- 8. (a later stop) the durable session's consolidation job on another worker --------
+
+
+async def test_a_consolidation_job_elsewhere_leaves_the_key_of_a_private_session_alone(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, redis_factory, make_loop
+) -> None:
+    """A worker other than the private session's owner runs the stored session's
+    consolidation job. Its commit cannot take the key's lease (the acquire is forwarded
+    to the owner), so the summary it asked the model for was thrown away: a model call
+    (tokens, money) for nothing, each time the job ran. Now the job looks at the key's
+    owner record first and leaves, with no model call; the stored session's next commit
+    queues it again."""
+    owner_provider = _summarising()
+    owner = make_loop(owner_provider)
+    client = FrontendClient(redis)
+    key = await _durable_then_private(client, "cj")
+    assert owner.turns.owns(key)
+    other_provider = _summarising()
+    other = AgentLoop(RedisBus(redis_factory()), other_provider)
+    await other.consolidator.run_job(key=key, start=0, end=2)
+    summaries = [c for c in other_provider.calls if "Summarise" in json.dumps(c["messages"])]
+    assert not summaries, "the job asked the model for a summary it could not commit"
+    meta = decode_meta(await redis.hget(K.session(key), "meta"))
+    assert int(meta.get("last_consolidated", 0)) == 0
+    await _next_private_turn_sees_the_first(client, owner_provider, key)
+    await other.jobs.aclose()

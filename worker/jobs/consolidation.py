@@ -234,6 +234,10 @@ class Consolidator:
             part = _part(snapshot.messages[at - snapshot.base : end - snapshot.base], budget)
             if not part:
                 return None  # (rows the load left out: nothing to fold here)
+            owner = await self.rt.registry.owner_of(key)
+            if owner not in (None, self.rt.worker_id):  # its lease would be forwarded
+                log.info("consolidation of %s left: a private session holds its key", safe(key))
+                return None  # (the stored session's next commit queues it again)
             cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row longer than a part)
             folded = await fold(self.rt, snapshot.scope, part, max_chars=cap)
             result = await self._commit(snapshot, at, at + len(part), folded)
