@@ -88,6 +88,7 @@ class ScheduleStore:
         keys += [k.cron_scope_of(channel), k.cron_per_scope(channel), k.owner(key)]
         nxt = "" if next_ms is None else next_ms
         args = [sid, due_ms, payload, nxt, session, READY_MAXLEN, max(retry_ms, due_ms + 1)]
+        args.append("1" if key != session else "")  # (folded: unified mode)
         return int(text(await self.bus.scripts.call("cron_fire", keys, args)))
 
     async def of_session(self, session: str) -> list[tuple[str, str, int | None]]:

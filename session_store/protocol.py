@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol, TypedDict
 
 from bus_redis.results import Ahead, Cached
@@ -35,7 +36,12 @@ class SessionStore(Protocol):
     ) -> int: ...
 
     async def prune_idle(
-        self, channel: str, older_than_ms: int, *, limit: int = 100
+        self,
+        channel: str,
+        older_than_ms: int,
+        *,
+        limit: int = 100,
+        schedules_of: Iterable[str] = (),
     ) -> list[str]: ...
 
     async def read(self, key: str, *, last: int | None = None) -> dict[str, Any] | None: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -200,11 +201,21 @@ class RedisSessionStore:
         keys = [lease, self.keys.leases(channel_of(key))]
         return bool(int(await self._scripts.call("hold", keys, [token, self.lock_ttl_ms, key])))
 
-    async def prune_idle(self, channel: str, older_than_ms: int, *, limit: int = 100) -> list[str]:
+    async def prune_idle(
+        self,
+        channel: str,
+        older_than_ms: int,
+        *,
+        limit: int = 100,
+        schedules_of: Iterable[str] = (),
+    ) -> list[str]:
         """Delete up to ``limit`` of the channel's stored sessions not updated for
         ``older_than_ms`` (hash, index entries, events), each under its lease: a session
-        whose lease is taken, or with messages queued, is not idle and is left alone.
+        whose lease is taken, or with messages queued, is not idle and is left alone, nor
+        is one with schedules. ``schedules_of``: channels whose schedules all count as
+        the session's (the unified session's: every chat's firings are its turns).
         Returns the deleted keys."""
+        held_by = [self.keys.cron_due(c) for c in sorted(set(schedules_of))]
         seconds, micros = await self.redis.time()
         cutoff = int(seconds) * 1000 + int(micros) // 1000 - older_than_ms
         index = self.keys.sessions_index(channel)
@@ -218,7 +229,8 @@ class RedisSessionStore:
             try:
                 score = await self.redis.zscore(index, key)
                 queued = await self.redis.exists(self.keys.inbound(key))
-                if await self.redis.exists(self.keys.crons(key), self.keys.owner(key)):
+                kept_by = (self.keys.crons(key), self.keys.owner(key), *held_by)
+                if await self.redis.exists(*kept_by):
                     # it has schedules (a yearly one, an `at` months ahead), or a private
                     # session is open on its key (whose events its stream holds now):
                     # kept, and looked at again after another idle period, not every pass

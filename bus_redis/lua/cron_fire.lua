@@ -12,6 +12,8 @@
 -- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms, later than ARGV[2]; '' when
 -- this is the last)  ARGV[5] session key  ARGV[6] MAXLEN of the ready queue
 -- ARGV[7] when to try again a firing that cannot be delivered now (ms, later than ARGV[2])
+-- ARGV[8] '1': the session is folded into another (unified mode: KEYS[7..9] are the
+-- shared session's), '' otherwise
 -- returns 1 fired, 0 not due then any more (fired already, moved or removed), -2 moved
 -- on without a message (the stream takes no entry: another type, or the maximal id;
 -- a frontend's junk), -3 not now, put off to ARGV[7]
@@ -22,7 +24,9 @@
 -- index, so that it never holds up the channel's other overdue firings.
 -- A session that was never stored (the turn that added the schedule was not committed,
 -- and nothing of it waits to be run again) loses the schedule here: a firing must not
--- create a session of its own.
+-- create a session of its own. Not so a chat folded into the unified session (one owner,
+-- one scope): that session is deleted by any chat's `new` and by the idle prune while
+-- the chat keeps its schedules, and the firing starts it again.
 local due = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not due or tonumber(due) ~= tonumber(ARGV[2]) then return 0 end
 local function drop()
@@ -50,8 +54,10 @@ if redis.call('EXISTS', KEYS[7]) == 0 then
     local found = redis.pcall('XRANGE', KEYS[4], id, id)
     if type(found) == 'table' and not found.err and #found > 0 then return later() end
   end
-  drop()
-  return 0
+  if ARGV[8] ~= '1' then
+    drop()
+    return 0
+  end
 end
 if ARGV[4] ~= '' and tonumber(ARGV[4]) <= tonumber(ARGV[2]) then
   return redis.error_reply('cron_fire: the next firing must be later than this one')

@@ -122,8 +122,12 @@ async def sessions(args: argparse.Namespace, settings: Settings) -> int:
                 print("agent-worker: sessions prune needs --older-than AGE", file=sys.stderr)
                 return 2
             total = 0
-            for channel in await _channels(redis, keys) + ["unified"]:
-                while gone := await store.prune_idle(channel, int(args.older_than * 1000)):
+            channels = await _channels(redis, keys)
+            for channel in [*channels, "unified"]:  # (the unified session has every
+                kept = channels if channel == "unified" else []  # channel's schedules)
+                while gone := await store.prune_idle(
+                    channel, int(args.older_than * 1000), schedules_of=kept
+                ):
                     total += len(gone)
             print(f"deleted {total} sessions idle for at least {args.older_than:.0f} s")
             return 0

@@ -231,7 +231,12 @@ class Maintenance:
         channels = self.channels | ({UNIFIED_CHANNEL} if rt.config.unified_session else set())
         for channel in sorted(channels):
             try:
-                gone = await rt.sessions.store.prune_idle(channel, ttl_ms, limit=PRUNE_BATCH)
+                gone = await rt.sessions.store.prune_idle(
+                    channel,
+                    ttl_ms,
+                    limit=PRUNE_BATCH,
+                    schedules_of=self.channels if channel == UNIFIED_CHANNEL else (),
+                )
             except (RedisError, OSError) as exc:
                 log.warning(
                     "pruning idle sessions of %s failed: %s", safe(channel), type(exc).__name__
