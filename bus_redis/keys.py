@@ -262,6 +262,12 @@ class Keys:
         """Content-free owner record of a transient session (hash, TTL)."""
         return _session_key(self.prefix, "owner", session_key)
 
+    def private_end(self, session_key: str) -> str:
+        """Per-session mode: a content-free string (Redis ms) with a TTL, when the private
+        session last open on the key ended by a control or was reported lost: a ``new``
+        marker published before then was its, a discard however late it is reached."""
+        return _session_key(self.prefix, "ended", session_key)
+
     def private_mark(self, session_key: str) -> str:
         """Unified mode: a content-free string with a TTL, the session was opened private.
         Set when its opening is handled, renewed with the owner record and kept for

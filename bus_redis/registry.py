@@ -85,21 +85,28 @@ class Registry:
     # --- transient owners -----------------------------------------------------------
     def _owner_keys(self, key: str) -> list[str]:
         k = self.keys
-        return [k.owner(key), k.owners(channel_of(key)), k.out(key), k.private_mark(key)]
+        return [k.owner(key), k.owners(channel_of(key)), k.out(key), k.private_mark(key),
+                k.private_end(key)]  # fmt: skip
 
     async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:
-        args = ["renew", worker_id, member, self.bus.owner_ttl_ms, self._mark_ms]
+        args = ["renew", worker_id, member, self.bus.owner_ttl_ms, self._mark_ms, 0]
         return bool(await self.bus.scripts.call("owner", self._owner_keys(key), args))
 
     async def drop_owner(self, key: str, worker_id: str, member: str) -> None:
-        args = ["drop", worker_id, member, 0, self._mark_ms]
+        args = ["drop", worker_id, member, 0, self._mark_ms, self.bus.private_end_ms]
         await self.bus.scripts.call("owner", self._owner_keys(key), args)
 
     async def abandon_owner(self, key: str, worker_id: str) -> None:
         """Delete our owner record but keep its registry entry, so that
         :meth:`report_owner_lost` tells the frontend."""
-        args = ["abandon", worker_id, "", 0, self._mark_ms]
+        args = ["abandon", worker_id, "", 0, self._mark_ms, 0]
         await self.bus.scripts.call("owner", self._owner_keys(key), args)
+
+    async def private_ended_ms(self, key: str) -> int | None:
+        """Per-session mode: when the private session last open on ``key`` ended (Redis
+        ms), if it ended lately (``Keys.private_end``)."""
+        raw = await self.redis.get(self.keys.private_end(key))
+        return None if raw is None else int(text(raw))
 
     async def owner_of(self, key: str) -> str | None:
         """The worker whose private session is open on ``key`` now, if any."""
@@ -129,9 +136,10 @@ class Registry:
         key = json.loads(member)[0]
         k = self.keys
         keys = [k.owner(key), k.owners(channel_of(key)), k.out(key), k.ready(channel_of(key))]
-        keys.append(k.pulse(channel_of(key)))
+        keys += [k.pulse(channel_of(key)), k.private_end(key)]
         retention = self.bus.retention
         args = [member, event_json, key, retention.maxlen, retention.transient_ttl_ms]
+        args.append(self.bus.private_end_ms)
         return bool(await self.bus.scripts.call("owner_lost", keys, args))
 
     async def unserved(self, keys: Sequence[str]) -> list[str]:

@@ -47,6 +47,7 @@ __all__ = ["READY_MAXLEN", "WORKER_GROUP", "RedisBus", "Retention"]
 
 HISTORY_MAXLEN = 10_000  # dated consolidation entries kept per scope
 MARK_KEEP_MS = 90 * 86_400_000  # a private mark's life past its session when sessions stay
+PRIVATE_END_KEEP_MS = 86_400_000  # a private session's end (per-session mode): a day
 PULSE_MAXLEN = 10_000  # pulses a channel keeps (the scripts say it too)
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,13 @@ class RedisBus(ReadyQueues, TurnKeys):
         if not self.marks_private:
             return 0
         return self.retention.session_ttl_ms or MARK_KEEP_MS
+
+    @property
+    def private_end_ms(self) -> int:
+        """How long the end of a private session is kept (``Keys.private_end``): a ``new``
+        marker of it waits that long at most to be a discard. 0 in unified mode, whose
+        marks outlive private sessions."""
+        return 0 if self.marks_private else PRIVATE_END_KEEP_MS
 
     async def mark_private(self, member: str) -> None:
         """Mark stream ``member`` as a private session's before its opening is handled; a

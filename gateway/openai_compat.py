@@ -231,24 +231,31 @@ class _Attempt:
     leaves it to another, whose events number from 1 again (``seq``): its deltas are
     taken from there, and only what goes past what the client already has is sent (the
     same answer goes on where it stopped; one that differs is not sent in pieces: the
-    final message brings it whole)."""
+    final message brings it whole). An attempt followed from its middle (a request sent
+    again with its ``Idempotency-Key`` while the first answer is being written; an event
+    missing) has lost its beginning: none of it is sent in pieces either."""
 
-    __slots__ = ("last_seq", "text")
+    __slots__ = ("last_seq", "text", "whole")
 
     def __init__(self) -> None:
         self.text = ""
         self.last_seq = 0
+        self.whole = True  # every event of the attempt seen so far
 
     def add(self, ev: OutboundMessage, sent: str) -> str:
         """What of ``ev`` (a delta or a progress event) to send after ``sent``."""
         seq = ev.metadata.get("seq")
         if isinstance(seq, int) and not isinstance(seq, bool):
             if seq <= self.last_seq:  # numbered from 1 again: another attempt
-                self.text = ""
+                self.text, self.whole = "", seq == 1
+            elif seq != self.last_seq + 1:  # events before this one were not seen
+                self.whole = False
             self.last_seq = seq
         if ev.type != "delta" or not ev.content:
             return ""
         self.text += ev.content
+        if not self.whole:
+            return ""
         if len(self.text) > len(sent) and self.text.startswith(sent):
             return self.text[len(sent) :]
         return ""

@@ -1,9 +1,13 @@
 -- owner: renew or drop the owner record of a transient session.
 -- KEYS[1] owner  KEYS[2] owners registry  KEYS[3] the session's event stream
 -- KEYS[4] the session's private mark (content-free: it was opened private)
+-- KEYS[5] the session's end (per-session mode: when it ended, Redis ms)
 -- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry)
 -- ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
 -- ARGV[5] how long the mark outlives the session, ms (0: no mark, per-session mode)
+-- ARGV[6] 'drop': how long its end is kept, ms (0: not kept, unified mode): a `new`
+-- marker published before it was the private session's, a discard when reached later
+-- (by the next holder after a handover: never a fold of the stored session beside it)
 -- returns 1 done, 0 the record is not ours (renew: it expired or moved)
 -- The mark is renewed with the record (a session that predates it gets one) and set to
 -- outlive the session by ARGV[5] when it ends: a `new` reached on its stream later (a
@@ -48,6 +52,11 @@ if ARGV[1] == 'drop' then
     redis.call('DEL', KEYS[1])
     empty_events(KEYS[3])
     mark(0)
+    local keep = tonumber(ARGV[6]) or 0
+    if keep > 0 then
+      local t = redis.call('TIME')
+      redis.call('SET', KEYS[5], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'PX', keep)
+    end
   end
   -- the registry entry is the session's whoever holds it: a late drop of ours leaves
   -- another worker's (same key, channel and chat) alone

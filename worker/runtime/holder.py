@@ -175,6 +175,11 @@ class SessionHolder(EntryPolicy):
         stored = self.key if op == "new" and self.key == UNIFIED_SESSION_KEY else member
         if not private and stored != member and await self.rt.registry.was_private(member):
             return  # a private session's new is a discard, also once it ended
+        if op == "new" and not private and stored == member and marker:
+            # per-session mode: published before the private session last open on the
+            # key ended (a control ended it on a worker that then handed the lease over)
+            ended = await self.rt.registry.private_ended_ms(member)
+            private = ended is not None and stream_id_ms(marker) <= ended
         if op == "new" and not private:
             self.rt.sessions.invalidate_stored(stored)
             folded = await fold_into_memory(self.rt, self.key, self.token, stored, self.waits)
@@ -288,7 +293,8 @@ class SessionHolder(EntryPolicy):
         """At shutdown: commit this entry (what arrived meanwhile gets its own turn
         elsewhere) and release the lease."""
         self.pending = None
-        version, _ = await self.commit(spec, select=None)
+        what = f"last commit of {safe(self.key)}"  # (a full Redis: until the grace ends)
+        version, _ = await self._commit_full(what, spec, select=None)
         if version >= 0:
             self._done(entry, spec, started)
         if not self.lease.lost:
@@ -302,9 +308,7 @@ class SessionHolder(EntryPolicy):
         the entry is tried again; ``Late`` when refused (``spec.late_after``)."""
         what = f"commit of a turn of {safe(self.key)}"
         try:  # (refused for memory: nothing written, tried again while the lease holds)
-            _, step = await while_full(
-                what, log, self.waits, lambda: self.commit(spec, select=sorted(self.members))
-            )
+            _, step = await self._commit_full(what, spec, select=sorted(self.members))
         except (RedisError, OSError):
             raise  # outcome unknown: the lease is given up and the entry is served again
         except Exception as exc:  # e.g. a value Redis cannot take: again, then dead letter
@@ -312,6 +316,19 @@ class SessionHolder(EntryPolicy):
             await self.rt.registry.note_failure(entry.member, entry.entry_id, type(exc).__name__)
             return await self._next(), False
         return step, True
+
+    async def _commit_full(
+        self, what: str, spec: CommitSpec, *, select: list[str] | None
+    ) -> tuple[int, Step | Late | None]:
+        """:meth:`commit`, tried again while Redis refuses it for memory and the holder
+        waits; an opening whose commit is given up is opened no more (nothing will write
+        its owner record): until then it counts as opening, whose record is not missing."""
+        try:
+            return await while_full(what, log, self.waits, lambda: self.commit(spec, select=select))
+        except OutOfMemoryError:
+            if spec.owner_op == "set":
+                self.rt.turns.opened(spec.member)
+            raise
 
     async def _running(
         self, entry: Entry, work: Awaitable[CommitSpec | None]
@@ -348,17 +365,19 @@ class SessionHolder(EntryPolicy):
         if spec.transient and spec.reply and spec.owner_op != "set" and not self.lease.lost:
             # delivered (XDEL'd) private events leave no bytes behind: a fresh stream
             await rt.bus.compact_private(self.key, self.token, spec.member)
+        refused = False
         try:
             version, gen, step = await rt.bus.commit(
                 self.key, self.token, rt.worker_id, spec, select=select
             )
-        except BaseException:
+        except BaseException as exc:
             # Unknown whether it landed: the next turn reloads the session from Redis.
             rt.sessions.invalidate_stored(self.key)
+            refused = isinstance(exc, OutOfMemoryError)  # nothing written: maybe again
             raise
         finally:
-            if spec.owner_op == "set":  # the record is written (or never will be by it)
-                rt.turns.opened(spec.member)
+            if spec.owner_op == "set" and not refused:  # the record is written (or never
+                rt.turns.opened(spec.member)  # will be by it); refused: `_commit_full`
         if isinstance(step, Late):  # nothing written: the turn goes on
             return version, step
         if version < 0:
