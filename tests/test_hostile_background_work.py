@@ -9,12 +9,14 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from replies import collect, until, wait_until_async
 
-from bus_redis import FrontendClient, InboundMessage, Keys
+from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from session_store import RedisSessionStore
+from worker import AgentLoop
 from worker.agent.providers import LLMResponse, ToolCallRequest
 
 K = Keys()
@@ -60,6 +62,16 @@ async def _firing_outcome(redis: aioredis.Redis, sid: str, due: int) -> str:
     return ""
 
 
+async def _fired(redis: aioredis.Redis, sid: str, due: int) -> None:
+    """The firing is published (its entry or its answer is seen; between the two, the
+    entry taken and the answer not written yet, neither is: polled until one is)."""
+
+    async def fired() -> bool:
+        return await _firing_outcome(redis, sid, due) == "fired"
+
+    await until(fired, timeout_s=10)
+
+
 async def test_unified_idle_prune_keeps_a_chat_with_schedules_and_its_firing_lands(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop
 ) -> None:
@@ -96,8 +108,7 @@ async def test_unified_idle_prune_keeps_a_chat_with_schedules_and_its_firing_lan
     due = int(time.time() * 1000) - 1
     await redis.zadd(K.cron_due("web"), {sid: due}, xx=True)
     await loop.schedules.sweep({"web"})
-    await until(lambda: _firing_outcome(redis, sid, due), timeout_s=10)
-    assert await _firing_outcome(redis, sid, due) == "fired"
+    await _fired(redis, sid, due)
 
 
 async def test_unified_new_in_one_chat_does_not_silently_drop_another_chats_schedule(  # type: ignore[no-untyped-def]
@@ -134,9 +145,52 @@ async def test_unified_new_in_one_chat_does_not_silently_drop_another_chats_sche
     due = int(time.time() * 1000) - 1  # B's hourly firing comes due
     await redis.zadd(K.cron_due("web"), {sid: due}, xx=True)
     await loop.schedules.sweep({"web"})
-    await until(lambda: _firing_outcome(redis, sid, due), timeout_s=10)
-    assert await _firing_outcome(redis, sid, due) == "fired"
+    await _fired(redis, sid, due)
     firing = f"cron:{sid}:{due}"
     events = (await collect(client, "web", {firing}, timeout_s=10))[firing]
     answer = [e for e in events if e.is_terminal][-1]
     assert (answer.type, answer.code) == ("message", None), "the firing was not run"
+
+
+# --- found by this stop's own reading of the helper's suspicions ------------------------
+
+
+async def test_a_tool_whose_fenced_write_finds_the_lease_lost_ends_the_turn(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis,
+) -> None:
+    """The cron and spawn tools raise ``TurnAbortedError`` when their fenced write finds
+    the turn's lease taken (another holder since), but ``ToolRegistry.execute`` turned
+    every exception into an error string for the model: the turn went on, with a model
+    call more for a turn that can write nothing. Right: the abort leaves the registry."""
+    from session_store import Session
+    from worker.agent.tools.base import ToolContext, ToolRegistry, schema
+    from worker.runtime.outcomes import TurnAbortedError
+
+    class Fenced:
+        name, description, parameters = "fenced", "a fenced write", schema({})
+
+        async def execute(self, ctx: ToolContext) -> str:
+            raise TurnAbortedError("lease_lost")
+
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
+
+    async def quiet(*_: Any, **__: Any) -> None:
+        return None
+
+    ctx = ToolContext(Session(key="web:lost"), loop.sessions, emit=quiet)
+    try:
+        out = await ToolRegistry([Fenced()]).execute("fenced", {}, ctx)
+    except TurnAbortedError:
+        return
+    raise AssertionError(f"the turn went on after its lease was lost: {out!r}")
+
+
+def test_an_at_far_in_the_past_with_an_offset_says_why() -> None:
+    """An ``at`` of year 1 with a positive offset made the "in the past" message raise
+    ``ValueError`` itself (its time shown in UTC is year 0): the model got "cron failed:
+    ValueError" without the reason. Right: it is told the time is in the past."""
+    from worker.jobs.schedules import ScheduleError, parse_schedule
+
+    args = {"at": "0001-01-01T00:00:00+00:01", "message": "x"}
+    with pytest.raises(ScheduleError, match="in the past"):
+        parse_schedule(args, sid="s", session="web:c", chat_id="c", min_every_s=60, now=0)

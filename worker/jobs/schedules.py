@@ -193,7 +193,11 @@ def _at(text: str, zone: ZoneInfo, tz: str, now: int) -> int:
     when = when if when.tzinfo else when.replace(tzinfo=zone)
     at_ms = int(when.timestamp() * 1000)
     if at_ms < now - 1000:
-        raise ScheduleError(f"'at' is in the past ({iso(at_ms, tz)})")
+        try:
+            shown = iso(at_ms, tz)
+        except (ValueError, OverflowError, OSError):  # (year 1 with an offset: year 0)
+            shown = text
+        raise ScheduleError(f"'at' is in the past ({shown})")
     if at_ms > now + MAX_AHEAD_MS:
         raise ScheduleError("'at' is more than 366 days ahead")
     return at_ms

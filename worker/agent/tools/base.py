@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from session_store import Session, SessionManager
 from worker.agent.tools.arguments import bounded_result, checked_arguments
+from worker.runtime.outcomes import TurnAbortedError
 
 log = logging.getLogger(__name__)
 Emit = Callable[[str], Awaitable[None]]
@@ -173,6 +174,8 @@ class ToolRegistry:
             return bounded_result(await tool.execute(ctx, **args))
         except TypeError as exc:
             return f"Error: bad arguments for {name}: {exc}"
+        except TurnAbortedError:
+            raise  # (its fenced write found the lease lost: the turn ends, nothing written)
         except Exception as exc:
             if ctx.session.policy.log_content:
                 log.exception("tool %s failed", name)
