@@ -311,13 +311,17 @@ class EventHub:
             return "0-0"
         return text(last[0][0]) if last else "0-0"
 
-    async def read_after(self, stream: str, cursor: str) -> list[HubEvent]:
-        """The next few events after ``cursor`` (``CATCH_UP_COUNT`` at most)."""
+    async def read_after(self, stream: str, cursor: str) -> tuple[list[HubEvent], str]:
+        """The next few events after ``cursor`` (``CATCH_UP_COUNT`` entries at most), and
+        the id of the last entry read ('' none): entries that are no event are passed
+        over, so a catch-up reads on past them (it stopped there, as if caught up)."""
         try:
             reply = await self.redis.xread({stream: cursor}, count=CATCH_UP_COUNT)
         except ResponseError:
-            return []
-        return [ev for _s, batch in reply or [] for ev in _decode(batch)]
+            return [], ""
+        batches = [batch for _s, batch in reply or [] if batch]
+        last = text(batches[-1][-1][0]) if batches else ""
+        return [ev for batch in batches for ev in _decode(batch)], last
 
 
 def _decode(batch: list[Any]) -> list[HubEvent]:

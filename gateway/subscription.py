@@ -88,12 +88,14 @@ class Subscription:
                     still_wanted()
                     if first is None or id_key(first) > id_key(missed):
                         yield HubEvent("gap", self.cursor)
-                events = await self.hub.read_after(self.stream, self.cursor)
+                events, last = await self.hub.read_after(self.stream, self.cursor)
                 still_wanted()
                 for ev in events:
                     self.cursor = ev.entry_id
                     yield ev
                     self.catch_up = True  # read on until nothing is left
+                if last and id_key(last) > id_key(self.cursor):  # entries that are no event
+                    self.cursor, self.catch_up = last, True
                 continue
             if not self.buffer:
                 self.wake.clear()

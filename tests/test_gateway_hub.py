@@ -98,10 +98,10 @@ async def test_a_resume_holds_a_few_events_at_a_time_not_the_whole_backlog(redis
         read: list[int] = []
         read_after = hub.read_after
 
-        async def counted(stream: str, cursor: str) -> list[HubEvent]:
-            events = await read_after(stream, cursor)
+        async def counted(stream: str, cursor: str) -> tuple[list[HubEvent], str]:
+            events, last = await read_after(stream, cursor)
             read.append(len(events))
-            return events
+            return events, last
 
         hub.read_after = counted  # type: ignore[method-assign]
         got: list[str] = []
@@ -115,6 +115,21 @@ async def test_a_resume_holds_a_few_events_at_a_time_not_the_whole_backlog(redis
                     assert sum(read) <= CATCH_UP_COUNT < 100
             await events.aclose()
     assert got == ids
+
+
+async def test_a_resume_reads_on_past_entries_that_are_no_event(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A catch-up read whose entries are none of them an event (junk a frontend of the
+    channel wrote into the stream, more than one read's ``CATCH_UP_COUNT``) returned
+    nothing, and the subscriber took that for "caught up": its cursor stayed behind the
+    junk, and the events after it never came. Now it reads on past them."""
+    r = redis_factory()
+    first = await _add(r, "web:j", 0)
+    for _ in range(CATCH_UP_COUNT * 2):
+        await r.xadd(K.out("web:j"), {"payload": "not an event"})
+    after = [await _add(r, "web:j", n) for n in (1, 2)]
+    async with _hub(redis_factory) as hub, hub.subscribe("web:j", "0") as sub:
+        got = await _take(sub, 3)
+        assert [e.entry_id for e in got] == [first, *after]
 
 
 async def test_a_cursor_older_than_what_is_kept_yields_a_gap_first(redis_factory) -> None:  # type: ignore[no-untyped-def]
