@@ -81,6 +81,24 @@ async def test_a_stopped_lease_is_never_declared_lost(redis: aioredis.Redis) -> 
     await bus.aclose()
 
 
+async def test_a_stopped_lease_holds_no_longer_than_its_last_term(redis: aioredis.Redis) -> None:
+    """``holds()`` looked at the term only while the lease was renewed: once stopped it
+    held for ever, so a wait that asks it (a write tried again while Redis is full)
+    reached after the stop would wait as long as Redis stayed full. Now a stopped lease
+    holds until its last term ends, and is not declared lost for it."""
+    import time
+
+    bus = RedisBus(redis, lock_ttl_ms=TTL_MS)
+    lease = await _held(bus, "web:term")
+    lease.start()
+    await lease.stop()
+    assert lease.holds()  # its term runs still
+    lease._deadline = time.monotonic() - 0.001  # (its term is over)
+    assert not lease.holds()
+    assert not lease.lost
+    await bus.aclose()
+
+
 async def test_a_stopped_lease_lets_go_of_its_holder(redis: aioredis.Redis) -> None:
     """The schedule names a stopped lease until its due time; the holder behind it (and
     the payload it read) is not kept that long."""

@@ -59,12 +59,14 @@ class Lease:
         """Whether the lease is still ours as far as this worker can tell: not lost, and
         its last renewal's term not over. A loop that stalled past the term (another worker
         may hold the session now) finds it over before it calls the model or a tool; the
-        lease is then marked lost. Writes need no such look: they are fenced."""
+        lease is then marked lost. Writes need no such look: they are fenced. A lease no
+        longer renewed (stopped) holds until its last term ends, never longer."""
         if self.lost:
             return False
-        if self.active and time.monotonic() >= self._deadline:
-            log.warning("lease of %s ran out while this worker stalled", self.key)
-            self.mark_lost()
+        if time.monotonic() >= self._deadline:
+            if self.active:
+                log.warning("lease of %s ran out while this worker stalled", self.key)
+                self.mark_lost()
             return False
         return True
 
