@@ -73,6 +73,9 @@ class LoopConfig(BaseModel):
     # ... of one scope (a user): one user cannot take every session slot of the channel
     subagent_sessions_per_scope: int = Field(default=2, ge=1)
     subagent_max_iterations: int = Field(default=8, ge=1)  # a subagent's tool rounds
+    # consolidation jobs of one channel a worker runs at once (a further one is left to
+    # the session's next commit): a channel's long sessions never take every job slot
+    consolidations_per_channel: int = Field(default=4, ge=1)
     # a subagent's time, at most (below the job queue's own limit, JOB_TIMEOUT_S = 900 s,
     # with room for its start's and its result's retries)
     subagent_timeout_s: float = Field(default=300.0, gt=0, le=550)

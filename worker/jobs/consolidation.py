@@ -14,6 +14,7 @@ the other's facts), at most ``FOLD_ATTEMPTS`` times.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -155,6 +156,7 @@ class Consolidator:
         self.rt = rt
         # the jobs running here, for a survivor should this worker die
         self.running = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS)
+        self._busy: collections.Counter[str] = collections.Counter()  # channel -> running
 
     def _job_id(self, key: str) -> str:
         return f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{key}"
@@ -181,6 +183,21 @@ class Consolidator:
         """The job: fold rows ``start:end`` of a stored session (counted from the hash's
         first row) into its scope's memory. While it runs, this worker's entry names it
         (a survivor runs it again at once should this worker die: ``rerun_orphans``)."""
+        channel = channel_of(key)
+        if self._busy[channel] >= self.rt.config.consolidations_per_channel:
+            # the channel's share of this worker's job slots is taken: left to the
+            # session's next commit, which queues it again (a slot is never held waiting)
+            log.info("consolidation of %s left: its channel's are running", safe(key))
+            return
+        self._busy[channel] += 1
+        try:
+            await self._run_named(key, start, end)
+        finally:
+            self._busy[channel] -= 1
+            if not self._busy[channel]:
+                del self._busy[channel]
+
+    async def _run_named(self, key: str, start: int, end: int) -> None:
         job_id = self._job_id(key)
         with contextlib.suppress(RedisError):  # (a job not named runs all the same)
             await self.running.started(
