@@ -75,18 +75,22 @@ def _summariser(gate: asyncio.Barrier | None = None) -> Any:
 
 
 async def test_two_consolidations_of_one_scope_keep_both_summaries(redis: aioredis.Redis) -> None:
-    """Both folds start from the same memory at the same time; the second to commit finds
-    the memory moved (compare-and-set on its version) and folds again from what the first
-    wrote, so the memory keeps both facts."""
+    """Both folds start from the same memory at the same time (on two workers: one worker
+    folds one part of a scope at a time); the second to commit finds the memory moved
+    (compare-and-set on its version) and folds again from what the first wrote, so the
+    memory keeps both facts."""
     handler = _summariser(asyncio.Barrier(2))
-    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=handler), config=LOW)
-    for chat in ("a", "b"):
+    loops = [
+        AgentLoop(RedisBus(redis), ScriptedProvider(handler=handler), config=LOW) for _ in range(2)
+    ]
+    for loop, chat in zip(loops, ("a", "b"), strict=True):
         for i in range(6):
             msg = InboundMessage(
                 channel="web", sender_id="u", chat_id=chat, content=f"{chat}{i} " * 9
             )
             await loop.process_message(msg)
-    await loop.jobs.aclose()
+    for loop in loops:
+        await loop.jobs.aclose()
 
     memory = await loop.memory.read_memory(SCOPE)
     assert "summary of a0" in memory

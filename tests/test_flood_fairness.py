@@ -142,3 +142,48 @@ async def test_one_channels_consolidations_in_flight_do_not_grow_with_its_sessio
     finally:
         model.release.set()
         await loop.jobs.aclose()
+
+
+async def test_one_users_long_chats_take_one_fold_not_the_channels_share(
+    redis: aioredis.Redis,
+) -> None:
+    """A channel's consolidations are bounded (``AGENT_CONSOLIDATIONS_PER_CHANNEL``), but
+    one user (one scope) with more long chats than that took the whole share: another
+    user's consolidation in the same channel (a gateway's) was left while they ran, and
+    the user's own folds made each other's work void (one memory: each fold after the
+    first is made again from the memory the first wrote). Now a scope folds one part at
+    a time on a worker; its other jobs are left to their sessions' next commits."""
+    model = Model()
+    folds: list[str] = []
+
+    async def recorded(**kw: Any) -> LLMResponse:
+        if kw.get("tools") is None and "Summarise" in kw["messages"][0]["content"]:
+            folds.append(json.dumps(kw["messages"]))
+        return await model(**kw)
+
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=recorded), config=LOW)
+    try:
+        await _long_sessions(loop, "web", 1)  # user u0's chat long0
+        for i in range(5):  # five more chats of u0 (one scope)
+            for n in range(5):
+                msg = InboundMessage(
+                    channel="web", sender_id="u0", chat_id=f"more{i}", content=f"fact {n} " * 12
+                )
+                await loop.process_message(msg)
+        other = [
+            InboundMessage(channel="web", sender_id="v", chat_id="v1", content=f"v {n} " * 12)
+            for n in range(5)
+        ]
+        for msg in other:  # another user of the channel, last
+            await loop.process_message(msg)
+
+        async def others_fold() -> bool:
+            return any("v 0" in f for f in folds)
+
+        assert await wait_until_async(others_fold, timeout_s=10), (
+            f"{model.folding} folds of one user run: the other user's consolidation was left"
+        )
+        assert model.folding == 2  # u0's one and v's one
+    finally:
+        model.release.set()
+        await loop.jobs.aclose()

@@ -157,6 +157,7 @@ class Consolidator:
         # the jobs running here, for a survivor should this worker die
         self.running = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS)
         self._busy: collections.Counter[str] = collections.Counter()  # channel -> running
+        self._folding: set[str] = set()  # scopes a job of this worker folds into now
 
     def _job_id(self, key: str) -> str:
         return f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{key}"
@@ -255,9 +256,17 @@ class Consolidator:
             if owner not in (None, self.rt.worker_id):  # its lease would be forwarded
                 log.info("consolidation of %s left: a private session holds its key", safe(key))
                 return None  # (the stored session's next commit queues it again)
-            cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row longer than a part)
-            folded = await fold(self.rt, snapshot.scope, part, max_chars=cap)
-            result = await self._commit(snapshot, at, at + len(part), folded)
+            scope = snapshot.scope
+            if scope in self._folding:  # one memory, one fold here at a time: another
+                log.info("consolidation of %s left: its scope folds", safe(key))
+                return None  # would be made again from the memory that one writes
+            self._folding.add(scope)
+            try:
+                cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row over a part)
+                folded = await fold(self.rt, scope, part, max_chars=cap)
+                result = await self._commit(snapshot, at, at + len(part), folded)
+            finally:
+                self._folding.discard(scope)
             if result == "ok":
                 return at + len(part)
             if result != "memory_moved":
