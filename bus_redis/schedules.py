@@ -80,12 +80,13 @@ class ScheduleStore:
         stored), -2 moved on without a message, -3 not now, put off to ``retry_ms`` (its
         first turn still runs, or waits to be run again after its worker died; a private
         session is open on its key).
-        ``key``: the session's effective key (its hash, lease and owner record)."""
+        ``key``: the session's effective key (its hash and lease; a private session is
+        looked for on ``session``, the stream the firing goes to)."""
         k, channel = self.keys, channel_of(session)
         keys = [k.cron_defs(channel), k.cron_due(channel), k.crons(session)]
         keys += [k.inbound(session), k.queued(channel), k.ready(channel)]
         keys += [k.session(key), k.lease(key), k.journal(key)]
-        keys += [k.cron_scope_of(channel), k.cron_per_scope(channel), k.owner(key)]
+        keys += [k.cron_scope_of(channel), k.cron_per_scope(channel), k.owner(session)]
         nxt = "" if next_ms is None else next_ms
         args = [sid, due_ms, payload, nxt, session, READY_MAXLEN, max(retry_ms, due_ms + 1)]
         args.append("1" if key != session else "")  # (folded: unified mode)

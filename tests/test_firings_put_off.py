@@ -114,3 +114,28 @@ async def test_firings_put_off_hold_up_none_of_their_channels_others(redis) -> N
     for i in range(SWEEP_BATCH + 1):
         assert not await redis.exists(K.inbound(f"web:held{i}"))
     await loop.jobs.aclose()
+
+
+async def test_an_every_schedule_the_tool_adds_keeps_step_with_its_first_firing(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """The cron tool's `every` schedule names its first firing (``anchor_ms``), which its
+    later times keep step with, whenever one of them is delivered (a second reading: a
+    firing put off moved every one after it)."""
+
+    async def model(**kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == "every hour":
+            args = {"action": "add", "every_seconds": 3600, "message": "stretch"}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=model))
+    client = FrontendClient(redis)
+    assert (await client.ask(_durable("ev", "every hour", "e1"), timeout_s=10)).type == "message"
+    [sid] = list(await redis.smembers(K.crons("web:ev")))
+    doc = Schedule.model_validate_json(await redis.hget(K.cron_defs("web"), sid))
+    first = int(await redis.zscore(K.cron_due("web"), sid))
+    assert doc.anchor_ms == first
+    put_off = first + 10_000  # delivered 10 s late: the next is still an hour after the first
+    assert doc.next_due(put_off, put_off) == first + 3_600_000

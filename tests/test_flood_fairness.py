@@ -132,7 +132,9 @@ async def test_one_channels_consolidations_in_flight_do_not_grow_with_its_sessio
         limit = LOW.consolidations_per_channel
 
         async def settled() -> bool:  # every job folding, or left (a bound in place)
-            left = len(loop.jobs._running) <= limit  # type: ignore[attr-defined]
+            jobs = loop.jobs
+            running = len(jobs._running) - len(jobs._waiting)  # type: ignore[attr-defined]
+            left = running <= limit  # (the rest put off: queued for later, not running)
             return model.folds >= 48 or (model.folding >= limit and left)
 
         await wait_until_async(settled, timeout_s=10)
@@ -145,14 +147,19 @@ async def test_one_channels_consolidations_in_flight_do_not_grow_with_its_sessio
 
 
 async def test_one_users_long_chats_take_one_fold_not_the_channels_share(
-    redis: aioredis.Redis,
+    redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A channel's consolidations are bounded (``AGENT_CONSOLIDATIONS_PER_CHANNEL``), but
     one user (one scope) with more long chats than that took the whole share: another
     user's consolidation in the same channel (a gateway's) was left while they ran, and
     the user's own folds made each other's work void (one memory: each fold after the
     first is made again from the memory the first wrote). Now a scope folds one part at
-    a time on a worker; its other jobs are left to their sessions' next commits."""
+    a time on a worker; its other jobs are put off, and run later without another turn."""
+    from test_consolidation import _last_consolidated
+
+    import worker.jobs.consolidation as consolidation_module
+
+    monkeypatch.setattr(consolidation_module, "AGAIN_AFTER_S", 0.05)  # (not 30 s)
     model = Model()
     folds: list[str] = []
 
@@ -184,6 +191,13 @@ async def test_one_users_long_chats_take_one_fold_not_the_channels_share(
             f"{model.folding} folds of one user run: the other user's consolidation was left"
         )
         assert model.folding == 2  # u0's one and v's one
+        model.release.set()  # the chats say nothing more: the folds put off run later
+
+        async def all_folded() -> bool:
+            keys = ["web:long0", *(f"web:more{i}" for i in range(5)), "web:v1"]
+            return all([await _last_consolidated(redis, k) > 0 for k in keys])
+
+        assert await wait_until_async(all_folded, timeout_s=15), "a put-off fold never ran"
     finally:
         model.release.set()
         await loop.jobs.aclose()

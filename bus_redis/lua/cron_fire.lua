@@ -7,7 +7,8 @@
 -- index  KEYS[6] channel's ready queue  KEYS[7] the session hash (of its effective key)
 -- KEYS[8] the lease of its effective key  KEYS[9] the tool journal of its effective key
 -- KEYS[10] channel's schedule id -> scope  KEYS[11] channel's scope -> schedules it holds
--- KEYS[12] the owner record of its effective key (a private session is open on it)
+-- KEYS[12] the owner record of its session's own key (a private session is open on the
+-- stream KEYS[4]; in unified mode that is the chat's key, not the effective one)
 -- ARGV[1] schedule id  ARGV[2] the firing (ms: its score in the due index)
 -- ARGV[3] the message (JSON)  ARGV[4] the next firing (ms, later than ARGV[2]; '' when
 -- this is the last)  ARGV[5] session key  ARGV[6] MAXLEN of the ready queue

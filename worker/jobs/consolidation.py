@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -48,6 +49,8 @@ MIN_PART_TOKENS = 4_000  # a part's transcript is cut at 4 characters a token of
 RAW_MAX_BYTES = 128 * 1024  # about the unconsolidated window (AGENT_CONSOLIDATE_ABOVE_TOKENS)
 RAW_CUT = "(older part cut)\n"  # where a [RAW] entry's transcript starts when it was cut
 JOB_NAME = "consolidate"
+AGAIN_AFTER_S = 30.0  # a job put off for its channel's bound runs again this much later,
+AGAIN_MAX_S = 3600.0  # twice as late each time it is put off again, an hour at most
 PROMPT = (
     "Summarise what is worth remembering. You keep a user's long-term memory. Given the "
     "current memory and a conversation, reply with only a JSON object "
@@ -56,6 +59,10 @@ PROMPT = (
     'at most {budget} characters; "history" is one line saying what the conversation was '
     "about."
 )
+
+
+class _ScopeBusyError(Exception):
+    """Another job of this worker folds into the same scope's memory now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,35 +187,51 @@ class Consolidator:
             end=session.base + end,
         )
 
-    async def run_job(self, *, key: str, start: int, end: int) -> None:
+    async def run_job(self, *, key: str, start: int, end: int, tries: int = 0) -> None:
         """The job: fold rows ``start:end`` of a stored session (counted from the hash's
         first row) into its scope's memory. While it runs, this worker's entry names it
         (a survivor runs it again at once should this worker die: ``rerun_orphans``)."""
         channel = channel_of(key)
         if self._busy[channel] >= self.rt.config.consolidations_per_channel:
-            # the channel's share of this worker's job slots is taken: left to the
-            # session's next commit, which queues it again (a slot is never held waiting)
-            log.info("consolidation of %s left: its channel's are running", safe(key))
+            # the channel's share of this worker's job slots is taken: queued again for
+            # later (a slot is never held waiting), each time twice as late
+            log.info("consolidation of %s put off: its channel's are running", safe(key))
+            await self._again(key, start, end, tries + 1)
             return
         self._busy[channel] += 1
         try:
-            await self._run_named(key, start, end)
+            put_off = await self._run_named(key, start, end)
+            if put_off is not None:  # its scope folds here now: again later
+                await self._again(key, put_off, end, tries + 1)
         finally:
             self._busy[channel] -= 1
             if not self._busy[channel]:
                 del self._busy[channel]
 
-    async def _run_named(self, key: str, start: int, end: int) -> None:
+    async def _run_named(self, key: str, start: int, end: int) -> int | None:
         job_id = self._job_id(key)
         with contextlib.suppress(RedisError):  # (a job not named runs all the same)
             await self.running.started(
                 job_id, JOB_NAME, channel_of(key), {"key": key, "start": start, "end": end}
             )
         try:
-            await self._run(key, start, end)
+            return await self._run(key, start, end)
         finally:
             with contextlib.suppress(RedisError):  # (it lives RUNNING_TTL_MS at most)
                 await self.running.ended(job_id)
+
+    async def _again(self, key: str, start: int, end: int, tries: int) -> None:
+        """Queue the job again ``AGAIN_AFTER_S * 2**(tries - 1)`` seconds from now (an
+        hour at most), under the other id of the session's pair: its own is this job's
+        while it runs. A session's next commit may queue it meanwhile (the job that comes
+        second finds the rows consolidated)."""
+        delay_s = min(AGAIN_AFTER_S * 2 ** min(tries - 1, 16), AGAIN_MAX_S)
+        job_id = self._job_id(key) + ("" if tries % 2 == 0 else ":again")
+        with contextlib.suppress(RedisError, OSError):  # (its next commit asks again)
+            await self.rt.jobs.enqueue(
+                JOB_NAME, job_id=job_id, defer_until_ms=int((time.time() + delay_s) * 1000),
+                key=key, start=start, end=end, tries=tries,
+            )  # fmt: skip
 
     async def rerun_orphans(self, dead: str, channels: Iterable[str]) -> int:
         """The consolidations worker ``dead`` ran (judged dead) for sessions of
@@ -226,16 +249,21 @@ class Consolidator:
                 raise
         return len(claimed)
 
-    async def _run(self, key: str, start: int, end: int) -> None:
+    async def _run(self, key: str, start: int, end: int) -> int | None:
         """Rows ``start:end`` folded part by part (``_part``: about the consolidation
         threshold each, so that no request outgrows the model's context however far
         behind the folds fell), at most ``MAX_PARTS`` a job: a backlog left over is
-        taken up by the job the next turn queues."""
+        taken up by the job the next turn queues. Returns where a fold was put off
+        because another job of its scope folds here now (None: done)."""
         for _ in range(MAX_PARTS):
-            reached = await self._fold_part(key, start, end)
+            try:
+                reached = await self._fold_part(key, start, end)
+            except _ScopeBusyError:
+                return start
             if reached is None or reached >= end:
-                return
+                return None
             start = reached
+        return None
 
     async def _fold_part(self, key: str, start: int, end: int) -> int | None:
         """Fold the first part of rows ``start:end`` not consolidated yet (a part of this
@@ -258,8 +286,8 @@ class Consolidator:
                 return None  # (the stored session's next commit queues it again)
             scope = snapshot.scope
             if scope in self._folding:  # one memory, one fold here at a time: another
-                log.info("consolidation of %s left: its scope folds", safe(key))
-                return None  # would be made again from the memory that one writes
+                log.info("consolidation of %s put off: its scope folds", safe(key))
+                raise _ScopeBusyError  # would be made again from the memory that one writes
             self._folding.add(scope)
             try:
                 cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row over a part)

@@ -81,6 +81,7 @@ class Schedule(BaseModel):
     tz: str = "UTC"
     created_ms: int
     origin: str = ""  # the stream entry whose turn added it (its firings say so: "from")
+    anchor_ms: int | None = None  # `every`: its first firing, which its times keep step with
 
     def first_due(self, now_ms: int) -> int:
         if self.kind == "at":
@@ -93,9 +94,10 @@ class Schedule(BaseModel):
         """The firing after ``due_ms``, coalescing missed ones: the first after now."""
         if self.kind == "at":
             return None
-        if self.kind == "every":
-            step = int(self.every_s or 1) * 1000
-            return due_ms + ((max(now_ms, due_ms) - due_ms) // step + 1) * step
+        if self.kind == "every":  # in step with its first firing (a firing put off, or
+            step = int(self.every_s or 1) * 1000  # late, moves none after it)
+            base = due_ms if self.anchor_ms is None else min(self.anchor_ms, due_ms)
+            return base + ((max(now_ms, due_ms) - base) // step + 1) * step
         return cron_after(str(self.cron_expr), self.tz, max(now_ms, due_ms))
 
     def describe(self) -> str:
@@ -289,6 +291,8 @@ class Schedules:
         schedule.key = origin.lease_key or origin.member
         schedule.origin = origin.entry_id or ""
         first = schedule.first_due(now)
+        if schedule.kind == "every":
+            schedule.anchor_ms = first
         added = await self.store.add(
             origin.lease_key, origin.token, origin.member, sid, schedule.model_dump_json(),
             first, limit=cfg.cron_max_per_session, channel_limit=cfg.cron_max_per_channel,
