@@ -12,6 +12,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from replies import collect, until
@@ -25,14 +26,17 @@ from worker.jobs.schedules import SWEEP_BATCH, Schedule
 K = Keys()
 
 
+@pytest.mark.parametrize("unified", [False, True])
 async def test_a_one_shot_firing_waits_out_the_private_session_on_its_key(  # type: ignore[no-untyped-def]
-    redis: aioredis.Redis, make_loop
+    redis: aioredis.Redis, make_loop, unified: bool
 ) -> None:
     """A one-shot ``at`` schedule of ``web:os`` comes due while a private session is open
     on ``web:os``. Before: the firing was delivered, refused (it must never run in the
     private conversation) and the schedule was gone: the reminder was lost. Now it is
     put off while the private session is open, and runs in the stored chat (with the
-    chat's history, none of the private one's) once the private session ended."""
+    chat's history, none of the private one's) once the private session ended. Unified
+    mode (a second reading: the put-off looked for the private session's owner record
+    under the shared key, where a chat's private session never has one)."""
     calls: list[str] = []
     at = (datetime.now(UTC) + timedelta(hours=1)).isoformat(timespec="seconds")
 
@@ -44,7 +48,9 @@ async def test_a_one_shot_firing_waits_out_the_private_session_on_its_key(  # ty
             return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
         return LLMResponse(content="ok")
 
-    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
+    loop = make_loop(
+        ScriptedProvider(handler=model), followup_mode="queue", unified_session=unified
+    )
     client = FrontendClient(redis)
     ask = _durable("os", "remind me about TEA-DURABLE", "r1", scope="u")
     assert (await client.ask(ask, timeout_s=10)).type == "message"
@@ -78,6 +84,24 @@ async def test_a_one_shot_firing_waits_out_the_private_session_on_its_key(  # ty
     assert await redis.hget(K.cron_defs("web"), sid) is None  # a one-shot: done now
 
 
+async def stored_every(
+    redis: aioredis.Redis, session: str, sid: str, due: int, *, anchored: bool = False
+) -> None:
+    """An hourly ``every`` schedule of stored session ``session`` due at ``due`` (with
+    ``anchored``, naming it its first firing, as the cron tool's add does)."""
+    store = AgentLoop(RedisBus(redis), ScriptedProvider([])).schedules.store
+    doc = Schedule(
+        id=sid, session=session, channel="web", chat_id=session.split(":", 1)[1],
+        message="tick", kind="every", every_s=3600, created_ms=0,
+        anchor_ms=due if anchored else None,
+    ).model_dump_json()  # fmt: skip
+    await redis.set(K.lease(session), "n|w", px=10_000)
+    caps = {"limit": 3, "channel_limit": 99, "scope": f"web/{sid}", "scope_limit": 9}
+    assert await store.add(session, "n|w", session, sid, doc, due, **caps) == 1
+    await redis.delete(K.lease(session))
+    await redis.hset(K.session(session), "count", 0)  # its turn was committed
+
+
 async def test_firings_put_off_hold_up_none_of_their_channels_others(redis) -> None:  # type: ignore[no-untyped-def]
     """More than ``SWEEP_BATCH`` overdue firings of ``web`` cannot be delivered now (the
     first turn of each one's session, which added it, still runs), and they are the most
@@ -86,25 +110,13 @@ async def test_firings_put_off_hold_up_none_of_their_channels_others(redis) -> N
     overdue firing never fired. Now a firing put off moves in the due index, so the next
     sweep reaches the other one."""
     loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
-    store = loop.schedules.store
     now = int(time.time() * 1000)
 
-    async def add(session: str, sid: str, due: int) -> None:
-        doc = Schedule(
-            id=sid, session=session, channel="web", chat_id=session.split(":", 1)[1],
-            message="tick", kind="every", every_s=3600, created_ms=0,
-        ).model_dump_json()  # fmt: skip
-        await redis.set(K.lease(session), "n|w", px=10_000)
-        caps = {"limit": 3, "channel_limit": 99, "scope": f"web/{sid}", "scope_limit": 9}
-        assert await store.add(session, "n|w", session, sid, doc, due, **caps) == 1
-        await redis.delete(K.lease(session))
-        await redis.hset(K.session(session), "count", 0)  # its turn was committed
-
     for i in range(SWEEP_BATCH + 1):
-        await add(f"web:held{i}", f"h{i}", now - 100_000 + i)
+        await stored_every(redis, f"web:held{i}", f"h{i}", now - 100_000 + i)
         await redis.delete(K.session(f"web:held{i}"))  # its first turn still runs
         await redis.set(K.lease(f"web:held{i}"), "n|w", px=60_000)
-    await add("web:free", "free", now - 1_000)
+    await stored_every(redis, "web:free", "free", now - 1_000)
 
     delivered = 0
     for _ in range(3):  # (the first sweep meets the put-off ones)

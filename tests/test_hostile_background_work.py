@@ -13,29 +13,14 @@ import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from replies import collect, until, wait_until_async
+from test_tool_calls_and_effects import _CronOnce
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from session_store import RedisSessionStore
 from worker import AgentLoop
-from worker.agent.providers import LLMResponse, ToolCallRequest
 
 K = Keys()
 UNIFIED = "unified:default"
-
-
-class _CronOnAsk:
-    """Adds a schedule with ``args`` when a user says "remind me"; answers the rest."""
-
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.args = args
-
-    async def __call__(self, **kw: Any) -> LLMResponse:
-        last = kw["messages"][-1]
-        if last["role"] == "user" and last["content"] == "remind me":
-            return LLMResponse(
-                tool_calls=[ToolCallRequest("c1", "cron", {"action": "add", **self.args})]
-            )
-        return LLMResponse(content=f"re: {str(last.get('content'))[:40]}")
 
 
 def _msg(chat: str, text: str, mid: str) -> InboundMessage:
@@ -84,7 +69,7 @@ async def test_unified_idle_prune_keeps_a_chat_with_schedules_and_its_firing_lan
     schedules, and the schedule fires into its chat when due."""
     at = (datetime.now(UTC) + timedelta(days=120)).isoformat(timespec="seconds")
     loop = make_loop(
-        ScriptedProvider(handler=_CronOnAsk({"at": at, "message": "renew"})),
+        ScriptedProvider(handler=_CronOnce({"at": at, "message": "renew"})),
         unified_session=True,
     )  # fmt: skip
     client = FrontendClient(redis)
@@ -124,7 +109,7 @@ async def test_unified_new_in_one_chat_does_not_silently_drop_another_chats_sche
     fires into chat B when due (unified mode is single-owner: a firing is not refused for
     its scope), or is removed by the ``new`` with B told so; never silently lost at a
     firing."""
-    model = _CronOnAsk({"every_seconds": 3600, "message": "stretch"})
+    model = _CronOnce({"every_seconds": 3600, "message": "stretch"})
     loop = make_loop(ScriptedProvider(handler=model), unified_session=True)
     client = FrontendClient(redis)
     await client.send(_msg("b", "remind me", "b1"))

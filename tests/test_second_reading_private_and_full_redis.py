@@ -57,6 +57,18 @@ class Held:
 # --- 1. a `new` of the private session while its turn runs ------------------------------
 
 
+async def hold_a_private_turn(client: FrontendClient, model: Held, chat: str) -> str:
+    """Two answered durable turns in ``web:<chat>``, then a private session opened on the
+    same key whose turn ("p1") is held in the model; the key."""
+    for i in range(2):
+        reply = await client.ask(_durable(chat, f"durable turn {i}", f"d{i}"), timeout_s=10)
+        assert reply.type == "message"
+    key = await open_private(client, chat)
+    await client.send(_private(key, "HOLD on", "p1"))
+    await asyncio.wait_for(model.entered.wait(), 10)  # the private turn runs
+    return key
+
+
 async def test_a_new_of_a_private_session_while_its_turn_runs_keeps_the_stored_history(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop
 ) -> None:
@@ -70,12 +82,7 @@ async def test_a_new_of_a_private_session_while_its_turn_runs_keeps_the_stored_h
     model = Held()
     loop = make_loop(model.provider)
     client = FrontendClient(redis)
-    for i in range(2):
-        reply = await client.ask(_durable("n", f"durable turn {i}", f"d{i}"), timeout_s=10)
-        assert reply.type == "message"
-    key = await open_private(client, "n")
-    await client.send(_private(key, "HOLD on", "p1"))
-    await asyncio.wait_for(model.entered.wait(), 10)  # the private turn runs
+    key = await hold_a_private_turn(client, model, "n")
     await client.new(key)
     got = await collect(client, "web", {"p1"}, timeout_s=10)
     assert [e.code for e in got["p1"] if e.is_terminal] == ["cancelled"]

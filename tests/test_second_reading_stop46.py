@@ -4,93 +4,26 @@ the defect it shows and the behaviour that is right; each failed on f5ce182."""
 
 from __future__ import annotations
 
-import json
 import time
-from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
-from replies import collect, until, wait_until_async
+from replies import until, wait_until_async
 from test_consolidation import _last_consolidated
+from test_firings_put_off import stored_every
 from test_flood_fairness import LOW, Model, _long_sessions
-from test_private_beside_durable import _durable, _private
 
-from bus_redis import FrontendClient, Keys, RedisBus
+from bus_redis import Keys, RedisBus
 from worker import AgentLoop
-from worker.agent.providers import LLMResponse, ToolCallRequest
-from worker.jobs.schedules import Schedule
 
 K = Keys()
 UNIFIED = "unified:default"
 
 
-async def test_unified_a_one_shot_firing_waits_out_the_private_session_on_its_chats_key(  # type: ignore[no-untyped-def]
-    redis: aioredis.Redis, make_loop
-) -> None:
-    """Defect (``bus_redis/schedules.py`` ``fire``: KEYS[12] is ``owner(key)``, the
-    *effective* key): in unified mode a chat's schedule has ``key = unified:default``,
-    but a private session opened on the chat's own key ``web:os`` has its owner record
-    under ``web:os``. ``cron_fire.lua`` looks at ``owner(unified:default)``, never there,
-    so the firing is delivered into ``web:os``'s stream while the private session is open
-    there, answered ``session_not_active`` (it must not run in the private conversation)
-    and the one-shot is gone: the very loss 89e37e3 fixed, left in unified mode. Right
-    (ARCHITECTURE "A private session opened on a key that holds a stored one", README:
-    "A schedule of the stored session that comes due while a private session is open on
-    its key is put off"): the firing is put off while the private session is open on the
-    stream it is delivered to, and fires once (in the stored conversation) after it ended."""
-    calls: list[str] = []
-    at = (datetime.now(UTC) + timedelta(hours=1)).isoformat(timespec="seconds")
-
-    async def model(**kw: Any) -> LLMResponse:
-        calls.append(json.dumps(kw["messages"]))
-        last = kw["messages"][-1]
-        if last["role"] == "user" and last["content"] == "remind me about TEA-DURABLE":
-            args = {"action": "add", "at": at, "message": "ONE-SHOT-NOW"}
-            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue", unified_session=True)
-    client = FrontendClient(redis)
-    ask = _durable("os", "remind me about TEA-DURABLE", "r1", scope="u")
-    assert (await client.ask(ask, timeout_s=10)).type == "message"
-    [sid] = list(await redis.smembers(K.crons("web:os")))
-    assert await redis.exists(K.session(UNIFIED))
-    key, opened = await client.open_transient("web", "os", session_key="web:os", scope="u")
-    await collect(client, "web", {opened}, timeout_s=10)
-    private = _private(key, "PRIVATE-SECRET-5", "p1", scope="u")
-    assert (await client.ask(private, timeout_s=10)).type == "message"
-    assert await redis.exists(K.owner(key))
-
-    due = int(time.time() * 1000) - 1000  # its time came
-    assert await redis.zadd(K.cron_due("web"), {sid: due}, xx=True, ch=True) == 1
-    delivered = await loop.schedules.fire(channel="web", sid=sid, due_ms=due)
-    firing = f"cron:{sid}:{due}"
-    if delivered:  # (what f5ce182 does: see how it is answered)
-        events = (await collect(client, "web", {firing}, timeout_s=10))[firing]
-        answer = [e for e in events if e.is_terminal][-1]
-        assert (answer.type, answer.code) == ("message", None), (
-            f"the one-shot fired into the private session's stream and was answered "
-            f"{answer.code}: the reminder is lost"
-        )
-    assert not delivered, "a firing was delivered into the private session's stream"
-    assert await redis.hget(K.cron_defs("web"), sid) is not None, "the one-shot was lost"
-
-
-async def _every_schedule(redis: aioredis.Redis, session: str, sid: str, due: int) -> None:
-    """An hourly ``every`` schedule of stored session ``session`` due at ``due``."""
-    store = AgentLoop(RedisBus(redis), ScriptedProvider([])).schedules.store
-    doc = Schedule(
-        id=sid, session=session, channel="web", chat_id=session.split(":", 1)[1],
-        message="tick", kind="every", every_s=3600, created_ms=0,
-        anchor_ms=due,  # (as the cron tool's add sets it since the fix)
-    ).model_dump_json()  # fmt: skip
-    await redis.set(K.lease(session), "n|w", px=10_000)
-    caps = {"limit": 3, "channel_limit": 99, "scope": f"web/{sid}", "scope_limit": 9}
-    assert await store.add(session, "n|w", session, sid, doc, due, **caps) == 1
-    await redis.delete(K.lease(session))
-    await redis.hset(K.session(session), "count", 0)  # its turn was committed
+# (its first finding, a unified chat's one-shot firing delivered into the private
+# session on the chat's key, is the `unified` case of the one-shot test in
+# test_firings_put_off.py)
 
 
 async def test_a_put_off_every_firing_keeps_the_schedules_cadence(redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -108,7 +41,7 @@ async def test_a_put_off_every_firing_keeps_the_schedules_cadence(redis, monkeyp
     monkeypatch.setattr(schedules_module, "PUT_OFF_MS", 1)  # (put off 1 ms, not 10 s)
     loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
     due = int(time.time() * 1000) - 1_000
-    await _every_schedule(redis, "web:cad", "cad", due)
+    await stored_every(redis, "web:cad", "cad", due, anchored=True)
     await redis.hset(K.owner("web:cad"), "worker", "elsewhere")  # a private session is open
     await redis.pexpire(K.owner("web:cad"), 60_000)
     assert not await loop.schedules.fire(channel="web", sid="cad", due_ms=due)

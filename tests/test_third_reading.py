@@ -17,10 +17,10 @@ import fakeredis
 import redis.asyncio as aioredis
 from helpers import answering
 from redis.exceptions import OutOfMemoryError
-from replies import collect, open_private, until
+from replies import collect, until
 from starlette.testclient import TestClient
-from test_private_beside_durable import _durable, _private
-from test_second_reading_private_and_full_redis import Held
+from test_private_beside_durable import _private
+from test_second_reading_private_and_full_redis import Held, hold_a_private_turn
 
 from bus_redis import FrontendClient, Keys, OutboundMessage
 from gateway.app import Gateway, create_app
@@ -102,12 +102,8 @@ async def test_a_new_of_a_private_session_handed_over_at_shutdown_keeps_the_stor
     model = Held()
     first = make_loop(model.provider, shutdown_grace_s=60)
     client = FrontendClient(redis)
-    for i in range(2):
-        reply = await client.ask(_durable("h", f"durable turn {i}", f"d{i}"), timeout_s=10)
-        assert reply.type == "message"
-    key = await open_private(client, "h")
-    await client.send(_private(key, "HOLD on", "p1"))
-    await asyncio.wait_for(model.entered.wait(), 10)  # the private turn runs
+    await hold_a_private_turn(client, model, "h")
+    key = "web:h"
     first.stop()  # a rolling restart: it finishes what it runs, takes nothing new
     await client.new(key)  # the user starts afresh in the private chat
     got = await collect(client, "web", {"p1"}, timeout_s=10)
