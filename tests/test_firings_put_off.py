@@ -21,7 +21,8 @@ from test_private_beside_durable import _durable, _private
 from bus_redis import FrontendClient, Keys, RedisBus
 from worker import AgentLoop
 from worker.agent.providers import LLMResponse, ToolCallRequest
-from worker.jobs.schedules import SWEEP_BATCH, Schedule
+from worker.jobs.schedule_rules import Schedule
+from worker.jobs.schedules import SWEEP_BATCH
 
 K = Keys()
 

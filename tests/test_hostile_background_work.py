@@ -174,7 +174,7 @@ def test_an_at_far_in_the_past_with_an_offset_says_why() -> None:
     """An ``at`` of year 1 with a positive offset made the "in the past" message raise
     ``ValueError`` itself (its time shown in UTC is year 0): the model got "cron failed:
     ValueError" without the reason. Right: it is told the time is in the past."""
-    from worker.jobs.schedules import ScheduleError, parse_schedule
+    from worker.jobs.schedule_rules import ScheduleError, parse_schedule
 
     args = {"at": "0001-01-01T00:00:00+00:01", "message": "x"}
     with pytest.raises(ScheduleError, match="in the past"):

@@ -23,7 +23,7 @@ from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse, ProviderError, ToolCallRequest
 from worker.agent.tools import ToolContext
 from worker.agent.tools.sessions import ReadSessionTool
-from worker.jobs.schedules import ScheduleError, parse_schedule
+from worker.jobs.schedule_rules import ScheduleError, parse_schedule
 
 K = Keys()
 SCOPE = "web/sender:u"

@@ -23,7 +23,7 @@ from bus_redis.schedules import ScheduleStore
 from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse, ToolCallRequest
 from worker.jobs import LocalJobQueue
-from worker.jobs.schedules import Schedule, ScheduleError, parse_schedule
+from worker.jobs.schedule_rules import Schedule, ScheduleError, parse_schedule
 
 K = Keys()
 NOW = int(datetime(2026, 3, 28, 12, 0, tzinfo=UTC).timestamp() * 1000)

@@ -21,7 +21,7 @@ from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.subagents import SubagentStore
 from worker import AgentLoop, LoopConfig
 from worker.jobs.arq_queue import JOB_TIMEOUT_S, ArqJobQueue
-from worker.jobs.schedules import ScheduleError, parse_schedule
+from worker.jobs.schedule_rules import ScheduleError, parse_schedule
 
 K = Keys()
 

@@ -20,7 +20,7 @@ from session_store import Session
 from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse, ToolCallRequest
 from worker.agent.tools import ToolContext, default_registry
-from worker.jobs.schedules import Schedule
+from worker.jobs.schedule_rules import Schedule
 
 K = Keys()
 

@@ -16,7 +16,7 @@ from bus_redis.keys import channel_of
 from bus_redis.schedules import ScheduleStore
 from worker.app import make_redis
 from worker.cli.admin import _channels, unknown_channel
-from worker.jobs.schedules import Schedule, iso
+from worker.jobs.schedule_rules import Schedule, iso
 from worker.settings import Settings
 
 
