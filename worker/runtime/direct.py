@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
+from bus_redis.codec import safe
 from bus_redis.results import CommitSpec
 from worker.runtime.acquiring import Acquirer
 from worker.runtime.context import Runtime
@@ -35,7 +36,7 @@ async def process_message(
         spec = CommitSpec(member=msg.session_key, transient=holder.transient)
         holder.fill_spec(spec, outcome)
         spec.reply = ""  # returned to the caller
-        await holder.commit(spec, select=None)
+        await holder.commit_full(f"commit of {safe(key)}", spec, select=None)
         return outcome.reply
     finally:
         rt.turns.end(key, holder.slot)

@@ -294,7 +294,7 @@ class SessionHolder(EntryPolicy):
         elsewhere) and release the lease."""
         self.pending = None
         what = f"last commit of {safe(self.key)}"  # (a full Redis: until the grace ends)
-        version, _ = await self._commit_full(what, spec, select=None)
+        version, _ = await self.commit_full(what, spec, select=None)
         if version >= 0:
             self._done(entry, spec, started)
         if not self.lease.lost:
@@ -308,7 +308,7 @@ class SessionHolder(EntryPolicy):
         the entry is tried again; ``Late`` when refused (``spec.late_after``)."""
         what = f"commit of a turn of {safe(self.key)}"
         try:  # (refused for memory: nothing written, tried again while the lease holds)
-            _, step = await self._commit_full(what, spec, select=sorted(self.members))
+            _, step = await self.commit_full(what, spec, select=sorted(self.members))
         except (RedisError, OSError):
             raise  # outcome unknown: the lease is given up and the entry is served again
         except Exception as exc:  # e.g. a value Redis cannot take: again, then dead letter
@@ -317,18 +317,17 @@ class SessionHolder(EntryPolicy):
             return await self._next(), False
         return step, True
 
-    async def _commit_full(
+    async def commit_full(
         self, what: str, spec: CommitSpec, *, select: list[str] | None
     ) -> tuple[int, Step | Late | None]:
         """:meth:`commit`, tried again while Redis refuses it for memory and the holder
-        waits; an opening whose commit is given up is opened no more (nothing will write
-        its owner record): until then it counts as opening, whose record is not missing."""
+        waits. An opening counts as opening (its owner record not missing) until its
+        commit landed or was given up: then the record is written, or never will be by it."""
         try:
             return await while_full(what, log, self.waits, lambda: self.commit(spec, select=select))
-        except OutOfMemoryError:
+        finally:
             if spec.owner_op == "set":
                 self.rt.turns.opened(spec.member)
-            raise
 
     async def _running(
         self, entry: Entry, work: Awaitable[CommitSpec | None]
@@ -361,23 +360,19 @@ class SessionHolder(EntryPolicy):
     async def commit(
         self, spec: CommitSpec, *, select: list[str] | None
     ) -> tuple[int, Step | Late | None]:
+        """One fenced commit (callers go through :meth:`commit_full`)."""
         rt = self.rt
         if spec.transient and spec.reply and spec.owner_op != "set" and not self.lease.lost:
             # delivered (XDEL'd) private events leave no bytes behind: a fresh stream
             await rt.bus.compact_private(self.key, self.token, spec.member)
-        refused = False
         try:
             version, gen, step = await rt.bus.commit(
                 self.key, self.token, rt.worker_id, spec, select=select
             )
-        except BaseException as exc:
+        except BaseException:
             # Unknown whether it landed: the next turn reloads the session from Redis.
             rt.sessions.invalidate_stored(self.key)
-            refused = isinstance(exc, OutOfMemoryError)  # nothing written: maybe again
             raise
-        finally:
-            if spec.owner_op == "set" and not refused:  # the record is written (or never
-                rt.turns.opened(spec.member)  # will be by it); refused: `_commit_full`
         if isinstance(step, Late):  # nothing written: the turn goes on
             return version, step
         if version < 0:
