@@ -174,7 +174,7 @@ async def test_consolidation_runs_as_a_deduplicated_arq_job(
 
 def test_an_empty_memory_answer_forgets_nothing() -> None:
     """Review: ``{"memory": ""}`` once replaced every fact; it keeps the current memory."""
-    from worker.jobs.consolidation import _read, bounded
+    from worker.jobs.folds import _read, bounded
 
     assert _read('{"memory": "", "history": "chat"}', "user is Alice") == ("user is Alice", "chat")
     assert _read('{"memory": "  ", "history": ""}', "") == ("", "consolidated")

@@ -16,7 +16,7 @@ from replies import wait_until_async
 from bus_redis import FrontendClient, InboundMessage, Keys
 from session_store import RedisSessionStore
 from worker.agent.providers import LLMResponse
-from worker.jobs.consolidation import RAW_CUT, RAW_MAX_BYTES, raw_fold
+from worker.jobs.folds import RAW_CUT, RAW_MAX_BYTES, raw_fold
 
 K = Keys()
 

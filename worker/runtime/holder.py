@@ -33,7 +33,7 @@ from bus_redis.results import (
     Step,
 )
 from session_store import UNIFIED_SESSION_KEY
-from worker.jobs.consolidation import fold_into_memory
+from worker.jobs.folds import fold_into_memory
 from worker.runtime.backoff import while_full
 from worker.runtime.context import Runtime
 from worker.runtime.entry import EntryPolicy
