@@ -7,21 +7,48 @@ workers' inboxes and consumers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterable, Sequence
 
 from redis.exceptions import NoScriptError
 
-from bus_redis.codec import safe, server_ms, strict_text, text, texts
+from bus_redis.codec import safe, server_ms, stream_id_ms, strict_text, text, texts
 from bus_redis.keys import channel_of, valid_channel
-from bus_redis.schema import CONTROL_OPS
+from bus_redis.schema import CONTROL_OPS, OutboundMessage
 from bus_redis.scripts import script_sha
 from bus_redis.streams import WORKER_GROUP, RedisBus
 from bus_redis.sweeps import SCAN_COUNT, Sweeps
 
 DISCOVER_STEPS = 10  # SCAN steps per discovery call (each visits SCAN_COUNT keys)
+LOST = "the worker holding this private session is gone"
 log = logging.getLogger(__name__)
+
+
+def lost_event(member: str, why: str = LOST) -> str:
+    """The ``session_lost`` event of the private session registered as ``member``."""
+    key, channel, chat_id = json.loads(member)
+    out = OutboundMessage(
+        type="error", channel=channel, chat_id=chat_id, session_key=key,
+        code="session_lost", content=why,
+    )  # fmt: skip
+    return out.model_dump_json(exclude_none=True)
+
+
+def published_before(marker: str, end: str) -> bool:
+    """Whether stream entry ``marker`` was published before private session end ``end``
+    (``Keys.private_end``): an entry id, or a provisional ``<ms>|<member>`` (the session
+    was open when last renewed, until ``ms``)."""
+    ms, sep, _ = end.partition("|")
+    if sep:
+        return stream_id_ms(marker) <= int(ms)
+    return _id(marker) <= _id(end)
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class Registry:
@@ -86,11 +113,20 @@ class Registry:
     def _owner_keys(self, key: str) -> list[str]:
         k = self.keys
         return [k.owner(key), k.owners(channel_of(key)), k.out(key), k.private_mark(key),
-                k.private_end(key)]  # fmt: skip
+                k.private_end(key), k.inbound(key)]  # fmt: skip
 
     async def renew_owner(self, key: str, worker_id: str, member: str) -> bool:
-        args = ["renew", worker_id, member, self.bus.owner_ttl_ms, self._mark_ms, 0]
+        args = ["renew", worker_id, member, self.bus.owner_ttl_ms, self._mark_ms]
+        args.append(self.bus.private_end_ms)
         return bool(await self.bus.scripts.call("owner", self._owner_keys(key), args))
+
+    async def opening_owner(self, key: str, member: str) -> None:
+        """Per-session mode: the private session ``member`` is being opened on ``key``: its
+        provisional end is written before its record (``owner.lua``), so that the loss of
+        a worker killed before its first renewal is an end too."""
+        if self.bus.private_end_ms:
+            args = ["open", "", member, self.bus.owner_ttl_ms, 0, self.bus.private_end_ms]
+            await self.bus.scripts.call("owner", self._owner_keys(key), args)
 
     async def drop_owner(self, key: str, worker_id: str, member: str) -> None:
         args = ["drop", worker_id, member, 0, self._mark_ms, self.bus.private_end_ms]
@@ -99,14 +135,30 @@ class Registry:
     async def abandon_owner(self, key: str, worker_id: str) -> None:
         """Delete our owner record but keep its registry entry, so that
         :meth:`report_owner_lost` tells the frontend."""
-        args = ["abandon", worker_id, "", 0, self._mark_ms, 0]
+        args = ["abandon", worker_id, "", 0, self._mark_ms, self.bus.private_end_ms]
         await self.bus.scripts.call("owner", self._owner_keys(key), args)
 
-    async def private_ended_ms(self, key: str) -> int | None:
-        """Per-session mode: when the private session last open on ``key`` ended (Redis
-        ms), if it ended lately (``Keys.private_end``)."""
+    async def private_end(self, key: str) -> str | None:
+        """Per-session mode: where the private session last open on ``key`` ended, if it
+        ended lately (``Keys.private_end``: an entry id of its inbound stream), or when
+        its record runs out, ``<ms>|<member>``, if it was open when last renewed."""
         raw = await self.redis.get(self.keys.private_end(key))
-        return None if raw is None else int(text(raw))
+        return None if raw is None else text(raw)
+
+    async def new_was_private(self, key: str, marker: str) -> bool:
+        """Per-session mode: whether the ``new`` marker ``marker`` of ``key`` was published
+        while a private session was open on it (its own: a discard). One that was open when
+        last renewed, and whose record ran out (its worker was killed), is reported lost
+        first (as a maintenance tick would): its end is then where it was reported."""
+        end = await self.private_end(key)
+        if end is not None and "|" in end:
+            member = end.partition("|")[2]
+            with contextlib.suppress(ValueError, TypeError):
+                if json.loads(member)[0] == key and await self.report_owner_lost(
+                    member, lost_event(member)
+                ):
+                    end = await self.private_end(key)
+        return end is not None and published_before(marker, end)
 
     async def owner_of(self, key: str) -> str | None:
         """The worker whose private session is open on ``key`` now, if any."""
@@ -136,7 +188,7 @@ class Registry:
         key = json.loads(member)[0]
         k = self.keys
         keys = [k.owner(key), k.owners(channel_of(key)), k.out(key), k.ready(channel_of(key))]
-        keys += [k.pulse(channel_of(key)), k.private_end(key)]
+        keys += [k.pulse(channel_of(key)), k.private_end(key), k.inbound(key)]
         retention = self.bus.retention
         args = [member, event_json, key, retention.maxlen, retention.transient_ttl_ms]
         args.append(self.bus.private_end_ms)

@@ -1,5 +1,5 @@
--- Shared prelude of the scripts that end a session's events (owner_lost, delete). Not a
--- script of its own.
+-- Shared prelude of the scripts that end a session's events (owner, owner_lost, delete).
+-- Not a script of its own.
 local ERROR_PREFIX = '{"v":2,"type":"error",'  -- how a worker writes an error event
 
 -- Rewrite event stream `key` to hold only its error events with ids from `from` ('-': all)
@@ -34,4 +34,19 @@ local function keep_error_events(key, from)
   redis.call('XDEL', key, floor)
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) end  -- as long-lived as it was
   return true
+end
+
+-- Per-session mode: write where private session S ended into `key` (Keys.private_end),
+-- kept `keep` ms (0: not kept, unified mode): the id of the last entry of S's inbound
+-- stream `inbound` ('0-0' when none waits). A `new` marker at or before it was published
+-- while S was open (S's own, a discard whoever reaches it later); one after it, after S
+-- ended (the stored session's). Ids, not milliseconds: a marker in the very millisecond
+-- S ended is told apart.
+local function write_private_end(key, inbound, keep)
+  keep = tonumber(keep) or 0
+  if keep <= 0 then return end
+  local last = redis.pcall('XREVRANGE', inbound, '+', '-', 'COUNT', 1)
+  local id = '0-0'
+  if type(last) == 'table' and not last.err and last[1] then id = last[1][1] end
+  redis.call('SET', key, id, 'PX', keep)
 end

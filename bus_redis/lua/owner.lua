@@ -1,13 +1,18 @@
 -- owner: renew or drop the owner record of a transient session.
 -- KEYS[1] owner  KEYS[2] owners registry  KEYS[3] the session's event stream
 -- KEYS[4] the session's private mark (content-free: it was opened private)
--- KEYS[5] the session's end (per-session mode: when it ended, Redis ms)
--- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry)
+-- KEYS[5] the session's end (per-session mode, _events.lua)  KEYS[6] its inbound stream
+-- ARGV[1] op ('renew' | 'drop' | 'abandon': delete the record, keep the registry entry |
+-- 'open': only the provisional end, before the opening's commit writes the record)
 -- ARGV[2] worker id  ARGV[3] registry member  ARGV[4] ttl ms
 -- ARGV[5] how long the mark outlives the session, ms (0: no mark, per-session mode)
--- ARGV[6] 'drop': how long its end is kept, ms (0: not kept, unified mode): a `new`
--- marker published before it was the private session's, a discard when reached later
--- (by the next holder after a handover: never a fold of the stored session beside it)
+-- ARGV[6] how long its end is kept, ms (0: not kept, unified mode): a `new` marker
+-- published before it was the private session's, a discard when reached later (by the
+-- next holder after a handover: never a fold of the stored session beside it). While
+-- the session is open its renewal writes a provisional end, '<ms>|<member>': when its
+-- record expires (ms) and its registry member, with which a holder that reaches a
+-- `new` before the loss was reported reports it first (owner_lost), so that the loss
+-- of a killed worker's session is an end too.
 -- returns 1 done, 0 the record is not ours (renew: it expired or moved)
 -- The mark is renewed with the record (a session that predates it gets one) and set to
 -- outlive the session by ARGV[5] when it ends: a `new` reached on its stream later (a
@@ -33,17 +38,35 @@ local function empty_events(key)
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('DEL', key) end
 end
 
+local function ended()
+  write_private_end(KEYS[5], KEYS[6], ARGV[6])
+end
+
 local function mark(extra_ms)
   local ms = tonumber(ARGV[5]) or 0
   if ms > 0 then redis.call('SET', KEYS[4], '1', 'PX', ms + extra_ms) end
 end
 
+local function provisional(ttl)  -- open until ttl ms from now, as far as known
+  local keep = tonumber(ARGV[6]) or 0
+  if keep > 0 then
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('SET', KEYS[5], (now + ttl) .. '|' .. ARGV[3], 'PX', keep)
+  end
+end
+
+if ARGV[1] == 'open' then
+  provisional(tonumber(ARGV[4]))
+  return 1
+end
 local cur = redis.call('HGET', KEYS[1], 'worker')
 if ARGV[1] == 'abandon' then
   if cur == ARGV[2] then
     redis.call('DEL', KEYS[1])
     empty_events(KEYS[3])
     mark(0)
+    ended()
   end
   return 1
 end
@@ -52,11 +75,7 @@ if ARGV[1] == 'drop' then
     redis.call('DEL', KEYS[1])
     empty_events(KEYS[3])
     mark(0)
-    local keep = tonumber(ARGV[6]) or 0
-    if keep > 0 then
-      local t = redis.call('TIME')
-      redis.call('SET', KEYS[5], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'PX', keep)
-    end
+    ended()
   end
   -- the registry entry is the session's whoever holds it: a late drop of ours leaves
   -- another worker's (same key, channel and chat) alone
@@ -69,4 +88,5 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 mark(tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
+provisional(tonumber(ARGV[4]))
 return 1

@@ -111,7 +111,7 @@ class EntryPolicy(Held):
                 await self.discarded(entry.member)  # a delete applies at its own marker
             return fail("cancelled", f"cancelled by {entry.covered_by}")
         if isinstance(payload, OpenTransient):
-            return self._open_transient(spec, payload, reply_to)
+            return await self._open_transient(spec, payload, reply_to)
         return await self._turn(entry, payload, spec, reply_to, fail)
 
     async def _turn(
@@ -169,7 +169,9 @@ class EntryPolicy(Held):
             spec.rows = encode_rows(session.unpersisted())
             spec.scope = session.scope
 
-    def _open_transient(self, spec: CommitSpec, op: OpenTransient, reply_to: str) -> CommitSpec:
+    async def _open_transient(
+        self, spec: CommitSpec, op: OpenTransient, reply_to: str
+    ) -> CommitSpec:
         key = op.session_key
         rt = self.rt
         same_channel = [k for k in rt.turns.owned() if channel_of(k) == op.channel]
@@ -198,7 +200,11 @@ class EntryPolicy(Held):
         if not session.born:  # what the stored session on the key made (a schedule's
             session.born = spec.entry_ids[0]  # firing) is older: never runs in this one
         member = owner_member(key, op.channel, op.chat_id)
-        self.rt.turns.own(key, member, opening=True)
+        self.rt.turns.own(key, member, opening=True)  # (counted at once: the bound above)
+        await while_full(  # (per-session mode: its provisional end, before its record)
+            "opening a private session", log, self.waits,
+            lambda: rt.registry.opening_owner(key, member),
+        )  # fmt: skip
         spec.owner_op, spec.owner_member, spec.transient = "set", member, True
         out = OutboundMessage(
             type="message",

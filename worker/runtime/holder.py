@@ -177,9 +177,9 @@ class SessionHolder(EntryPolicy):
             return  # a private session's new is a discard, also once it ended
         if op == "new" and not private and stored == member and marker:
             # per-session mode: published before the private session last open on the
-            # key ended (a control ended it on a worker that then handed the lease over)
-            ended = await self.rt.registry.private_ended_ms(member)
-            private = ended is not None and stream_id_ms(marker) <= ended
+            # key ended (a control ended it on a worker that then handed the lease over,
+            # or its worker was killed)
+            private = await self.rt.registry.new_was_private(member, marker)
         if op == "new" and not private:
             self.rt.sessions.invalidate_stored(stored)
             folded = await fold_into_memory(self.rt, self.key, self.token, stored, self.waits)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -17,9 +16,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from bus_redis import OutboundMessage
 from bus_redis.codec import safe, stream_id_ms, text
 from bus_redis.keys import UNIFIED_CHANNEL
+from bus_redis.registry import lost_event
 from bus_redis.results import Notification
 from worker.runtime.context import Runtime
 from worker.runtime.registration import eviction_policy, mode_of
@@ -144,7 +143,7 @@ class Maintenance:
     async def _lost_owners(self) -> None:
         rt = self.rt
         for member in await rt.registry.due_owners(self.channels):
-            await rt.registry.report_owner_lost(member, self._lost_event(member))
+            await rt.registry.report_owner_lost(member, lost_event(member))
 
     async def _prune_workers(self) -> None:
         rt = self.rt
@@ -301,26 +300,11 @@ class Maintenance:
         rt.turns.closing(key, True)
         try:
             await rt.registry.abandon_owner(key, rt.worker_id)
-            await rt.registry.report_owner_lost(member, self._lost_event(member, why))
+            await rt.registry.report_owner_lost(member, lost_event(member, why))
             if rt.turns.is_closing(key):  # (opened again meanwhile: a session to keep)
                 rt.forget(key)
         finally:
             rt.turns.closing(key, False)
-
-    @staticmethod
-    def _lost_event(
-        member: str, why: str = "the worker holding this private session is gone"
-    ) -> str:
-        key, channel, chat_id = json.loads(member)
-        out = OutboundMessage(
-            type="error",
-            channel=channel,
-            chat_id=chat_id,
-            session_key=key,
-            code="session_lost",
-            content=why,
-        )
-        return out.model_dump_json(exclude_none=True)
 
     async def leave(self) -> None:
         """On shutdown: our transient sessions die with us; tell their frontends now."""
@@ -329,7 +313,7 @@ class Maintenance:
             rt.turns.closing(key, True)  # as in close_private
             try:
                 await rt.registry.abandon_owner(key, rt.worker_id)
-                await rt.registry.report_owner_lost(member, self._lost_event(member))
+                await rt.registry.report_owner_lost(member, lost_event(member))
             except (RedisError, OSError):
                 log.warning("could not report a transient session as lost")
             if rt.turns.is_closing(key):
