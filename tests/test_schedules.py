@@ -613,3 +613,23 @@ async def test_an_unreadable_schedule_purged_frees_its_sessions_place(redis) -> 
     assert await add("c") == 1
     assert await redis.smembers(K.crons("web:u")) == {"b", "c"}
     assert await add("d") == 0  # the limit still holds
+
+
+def test_a_put_off_firing_names_the_schedules_own_time() -> None:
+    """A firing put off (moved later in the due index while a private session held its
+    chat) names the time it was due: an `every` its last step at or before it, a cron
+    its last time at or before it (in its zone), an `at` its time; a firing on time names
+    its own time, and an `every` stored before anchors were kept names when it fired."""
+    base = {"id": "s", "session": "web:c", "channel": "web", "chat_id": "c", "message": "m"}
+    hour = int(datetime(2026, 3, 1, 9, 0, tzinfo=UTC).timestamp() * 1000)
+    at = Schedule(kind="at", at_ms=hour, created_ms=0, **base)
+    assert at.named_due(hour + 10_000) == hour
+    every = Schedule(kind="every", every_s=60, anchor_ms=hour, created_ms=0, **base)
+    assert every.named_due(hour + 60_000) == hour + 60_000  # on time
+    assert every.named_due(hour + 130_000) == hour + 120_000  # put off 10 s
+    legacy = Schedule(kind="every", every_s=60, created_ms=0, **base)
+    assert legacy.named_due(hour + 130_000) == hour + 130_000
+    cron = Schedule(kind="cron", cron_expr="0 * * * *", tz="Europe/Berlin", created_ms=0, **base)
+    assert cron.named_due(hour) == hour  # on time
+    assert cron.named_due(hour + 10_000) == hour
+    assert cron.named_due(hour + 3_599_999) == hour

@@ -4,6 +4,7 @@ zone, read by ``cronsim``). No Redis here: ``worker.jobs.schedules`` stores and 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -58,6 +59,20 @@ class Schedule(BaseModel):
             return base + ((max(now_ms, due_ms) - base) // step + 1) * step
         return cron_after(str(self.cron_expr), self.tz, max(now_ms, due_ms))
 
+    def named_due(self, due_ms: int) -> int:
+        """The time the firing at ``due_ms`` names as due: its own, or, for a firing put
+        off (moved later in the due index while it could not be delivered), the
+        schedule's last time at or before it (an `every` stored before its anchor was kept
+        knows none: ``due_ms``)."""
+        if self.kind == "at":
+            return int(self.at_ms or due_ms)
+        if self.kind == "every":
+            if self.anchor_ms is None or due_ms < self.anchor_ms:
+                return due_ms
+            step = int(self.every_s or 1) * 1000
+            return self.anchor_ms + (due_ms - self.anchor_ms) // step * step
+        return cron_at_or_before(str(self.cron_expr), self.tz, due_ms)
+
     def describe(self) -> str:
         if self.kind == "at":
             return "once"
@@ -76,6 +91,18 @@ def cron_after(expr: str, tz: str, after_ms: int) -> int:
         if nxt > after_ms:
             return nxt
     raise ValueError(f"cron expression {expr!r} names no time after {after_ms}")
+
+
+def cron_at_or_before(expr: str, tz: str, ms: int) -> int:
+    """The last time of ``expr`` at or before ``ms`` (``ms`` when none is found: a time
+    the zone skipped, say)."""
+    with contextlib.suppress(StopIteration, CronSimError, ValueError):
+        it = CronSim(expr, datetime.fromtimestamp((ms + 1) / 1000, ZoneInfo(tz)), reverse=True)
+        for _ in range(64):
+            at = int(next(it).timestamp() * 1000)
+            if at <= ms:
+                return at
+    return ms
 
 
 def now_ms() -> int:

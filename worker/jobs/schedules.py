@@ -217,7 +217,9 @@ class Schedules:
 
     @staticmethod
     def _message(s: Schedule, due_ms: int) -> str:
-        member = s.session
+        """The firing at ``due_ms`` (its id, for exactly once), naming the time it was due
+        (``Schedule.named_due``: a firing put off names its own time, not when it fired)."""
+        member, named = s.session, s.named_due(due_ms)
         msg = InboundMessage(
             id=f"cron:{s.id}:{due_ms}",
             channel=s.channel,
@@ -225,8 +227,8 @@ class Schedules:
             session_key_override=member if member != f"{s.channel}:{s.chat_id}" else None,
             sender_id="cron",
             input_role="system",
-            content=f"Scheduled ({s.describe()}, due {iso(due_ms, s.tz)}): {s.message}",
-            metadata={"cron": {"id": s.id, "due_ms": due_ms}, "from": s.origin},
+            content=f"Scheduled ({s.describe()}, due {iso(named, s.tz)}): {s.message}",
+            metadata={"cron": {"id": s.id, "due_ms": named}, "from": s.origin},
         )
         return msg.model_dump_json(exclude_none=True)
 
