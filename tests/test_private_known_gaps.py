@@ -323,6 +323,34 @@ async def test_a_schedule_added_by_a_turn_never_committed_does_not_fire(  # type
     )
 
 
+async def test_a_schedule_of_a_lost_attempt_goes_when_a_stop_cancels_its_rerun(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop
+) -> None:
+    """A turn adds a schedule and then fails; before its entry runs again, the user's
+    stop covers it: the entry is answered ``cancelled`` without running again, none of
+    its rows is kept, and so the schedule its lost attempt added (the journal names the
+    call) goes with it, as a discard of the running turn would take it (it stayed)."""
+    at = (datetime.now(UTC) + timedelta(hours=1)).isoformat(timespec="seconds")
+    client = FrontendClient(redis)
+    key = "web:sc"
+
+    async def model(**kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == "remind me":
+            args = {"action": "add", "at": at, "message": "STOPPED"}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        if last["role"] == "tool":
+            assert await client.stop(key) >= 1  # the user stops it before its re-run
+            raise RuntimeError("the attempt fails after its tool call")
+        return LLMResponse(content="ok")
+
+    make_loop(ScriptedProvider(handler=model), max_deliveries=3, followup_mode="queue")
+    assert (await client.ask(_durable("sc", "hello", "m0"), timeout_s=10)).type == "message"
+    reply = await client.ask(_durable("sc", "remind me", "m1"), timeout_s=15)
+    assert reply.code == "cancelled"
+    assert not await redis.smembers(K.crons(key)), "the lost attempt's schedule stayed"
+
+
 # --- 5. a put-off firing's message names when it fired, not when it was due ------------
 
 

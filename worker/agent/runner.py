@@ -115,6 +115,17 @@ def _exchanges(
     return out
 
 
+def _enter(state: TurnState, ctx: ToolContext, tool_call_id: str) -> None:
+    """Count the next call of the turn and name it in ``ctx`` (its round, its id: the same
+    call in a re-run gets the same id)."""
+    state.calls += 1
+    ctx.tool_call_id = tool_call_id
+    ctx.round = sum(1 for r in state.rows if r.get("role") == "assistant" and r.get("tool_calls"))
+    if not ctx.turn_id:
+        ctx.turn_id = uuid.uuid4().hex
+    ctx.call_id = f"{ctx.turn_id}#{state.calls}"
+
+
 async def _record(state: TurnState, rows: list[dict[str, Any]]) -> None:
     if state.journal is not None:
         await state.journal.record(rows)
@@ -277,14 +288,7 @@ class TurnRunner:
         ctx: ToolContext,
         tool_call_id: str = "",
     ) -> str:
-        state.calls += 1
-        ctx.tool_call_id = tool_call_id
-        ctx.round = sum(
-            1 for r in state.rows if r.get("role") == "assistant" and r.get("tool_calls")
-        )
-        if not ctx.turn_id:
-            ctx.turn_id = uuid.uuid4().hex
-        ctx.call_id = f"{ctx.turn_id}#{state.calls}"  # the same call in a re-run: same id
+        _enter(state, ctx, tool_call_id)
         _still_held(state)
         return await self.tools.execute(name, arguments, ctx)
 
@@ -329,7 +333,10 @@ class TurnRunner:
                     result = await self._execute(state, name, _arguments(fn), ctx, str(call_id))
                     await self._answer(state, messages, call_id, name, result)
                     continue
-                state.calls += 1
+                _enter(state, ctx, str(call_id))  # what it did is this turn's to undo
+                undo = self.tools.undo_of(name, _arguments(fn) or {}, ctx)  # when cut
+                if undo is not None:
+                    ctx.undo.append((ctx.round, undo))
                 if journaled is not None:
                     if journaled.get("unknown"):
                         state.unknown.append(name)

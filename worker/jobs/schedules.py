@@ -29,9 +29,9 @@ the channel's other overdue firings; it is delivered once it can be, as a late o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from cronsim import CronSimError
@@ -42,7 +42,7 @@ from bus_redis import InboundMessage
 from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.schedules import ScheduleStore
-from worker.agent.tools.base import ToolContext
+from worker.agent.tools.base import Origin, ToolContext, call_sid
 from worker.jobs.schedule_rules import (
     Schedule,
     ScheduleError,
@@ -123,7 +123,7 @@ class Schedules:
     async def _add(self, ctx: ToolContext, args: dict[str, Any]) -> str:
         origin, cfg = ctx.origin, self.rt.config
         assert origin is not None
-        sid = hashlib.sha256(ctx.call_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        sid = call_sid(ctx.call_id)
         now = now_ms()
         try:
             schedule = parse_schedule(
@@ -154,10 +154,16 @@ class Schedules:
         if added == 0:
             return f"Error: this conversation has {cfg.cron_max_per_session} schedules already; remove one first"
         if added == 1:
-            fence = {"lease_key": origin.lease_key or origin.member, "token": origin.token}
-            ctx.undo.append((ctx.round, lambda: self.store.remove(origin.member, sid, **fence)))
+            ctx.undo.append((ctx.round, self.undo_add(origin, ctx.call_id)))
         await self.enqueue(schedule.channel, sid, first)
         return f"Scheduled {sid}: {schedule.describe()}, next at {iso(first, schedule.tz)}"
+
+    def undo_add(self, origin: Origin, call_id: str) -> Callable[[], Awaitable[Any]]:
+        """The removal of the schedule call ``call_id`` added (if it did), fenced by the
+        lease of ``origin``'s turn."""
+        fence = {"lease_key": origin.lease_key or origin.member, "token": origin.token}
+        sid = call_sid(call_id)
+        return lambda: self.store.remove(origin.member, sid, **fence)
 
     @staticmethod
     def _public(doc: str, due: int | None) -> dict[str, Any]:

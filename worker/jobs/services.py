@@ -3,9 +3,10 @@ protocol (``worker.agent.tools.base``): the tools never import the jobs."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from worker.agent.tools.base import ToolContext
+from worker.agent.tools.base import Origin, ToolContext
 from worker.jobs.schedules import Schedules
 from worker.jobs.subagents import Subagents
 
@@ -20,3 +21,12 @@ class BackgroundServices:
 
     async def schedule(self, ctx: ToolContext, action: str, args: dict[str, Any]) -> str:
         return await self.schedules.handle(ctx, action, args)
+
+    def undo_of(
+        self, name: str, args: dict[str, Any], origin: Origin, call_id: str
+    ) -> Callable[[], Awaitable[Any]] | None:
+        if name == "cron" and args.get("action") == "add":
+            return self.schedules.undo_add(origin, call_id)
+        if name == "spawn":
+            return self.subagents.undo_spawn(origin, call_id)
+        return None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import secrets
@@ -42,6 +41,7 @@ from worker.agent.prompt import ContextBuilder
 from worker.agent.providers import ProviderError
 from worker.agent.runner import TurnRunner, TurnState
 from worker.agent.tools import ToolContext, ToolRegistry
+from worker.agent.tools.base import Origin, call_sid
 from worker.jobs.subagent_orphans import Orphans, until_rerun
 from worker.runtime.context import Runtime
 from worker.runtime.outcomes import TurnAbortedError
@@ -96,7 +96,7 @@ class Subagents:
             return "Error: subagents are for stored conversations only"
         if not task.strip():
             return "Error: 'task' is empty"
-        sid = hashlib.sha256(ctx.call_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        sid = call_sid(ctx.call_id)
         label = (label.strip() or task.strip()).splitlines()[0][:60]
         doc = {
             "id": sid,
@@ -133,7 +133,7 @@ class Subagents:
         # a cut turn that does not keep this call (a discard; an interrupt or stop that
         # drops its tool round) takes the subagent with it, as it takes a schedule
         fence = (origin.lease_key or origin.member, origin.token)
-        ctx.undo.append((ctx.round, lambda: self._undo(origin.member, sid, fence)))
+        ctx.undo.append((ctx.round, self.undo_spawn(origin, ctx.call_id)))
         try:
             await self.rt.jobs.enqueue(
                 JOB_NAME, job_id=self._job_id(sid), session=origin.member, sid=sid
@@ -336,6 +336,13 @@ class Subagents:
                 task.cancel()
         if session in self.spawned_here.get(channel_of(session), {}):  # the ones not started yet
             self.rt.spawn(self._abort(session, at))
+
+    def undo_spawn(self, origin: Origin, call_id: str) -> Callable[[], Awaitable[None]]:
+        """The end of the subagent call ``call_id`` spawned (if it did), fenced by the
+        lease of ``origin``'s turn."""
+        fence = (origin.lease_key or origin.member, origin.token)
+        sid = call_sid(call_id)
+        return lambda: self._undo(origin.member, sid, fence)
 
     async def _undo(self, session: str, sid: str, fence: tuple[str, str]) -> None:
         """End one subagent of a cut turn: unregistered (a job that starts later finds

@@ -21,9 +21,11 @@ from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.results import CommitSpec, Entry, owner_member
 from session_store.codec import encode_meta, encode_rows
+from worker.agent.tools.base import Origin
 from worker.runtime.backoff import while_full
 from worker.runtime.controls import FORGETTING
 from worker.runtime.execution import Held, Outcome, TurnExecution
+from worker.runtime.journal import undo_journaled
 from worker.runtime.outcomes import (
     ScopeMismatchError,
     SessionNotActiveError,
@@ -60,6 +62,20 @@ class EntryPolicy(Held):
     def _private(self, entry: Entry) -> bool:
         sessions = self.rt.sessions
         return self.transient or sessions.is_transient(entry.member) or looks_private(entry.payload)
+
+    async def _undo_lost_attempts(self, entry: Entry, msg: InboundMessage | OpenTransient) -> None:
+        """The entry's turn ends without running again: what its lost attempts did outside
+        their uncommitted rows (their journal) is undone (``undo_journaled``)."""
+        if entry.attempts <= 1 or self._private(entry):
+            return  # (no attempt before this one; a private session keeps no journal)
+        origin = Origin(
+            msg.session_key, msg.channel, msg.chat_id, self.key, self.token, entry.entry_id
+        )
+        try:
+            await undo_journaled(self.rt.bus, self.rt.services, origin)
+        except (RedisError, OSError) as exc:  # (its effects stay: as before)
+            log.warning("the effects of a lost turn of %s were not undone: %s",
+                        safe(entry.member), type(exc).__name__)  # fmt: skip
 
     async def handle(self, entry: Entry) -> CommitSpec | None:
         """What one entry becomes: a rejection, a dead letter, a cancellation, an opened
@@ -98,6 +114,7 @@ class EntryPolicy(Held):
                     await rt.bus.mark_private(entry.member)
             cause = await rt.registry.last_failure(entry.member, entry.entry_id)
             reason = f"failed {entry.attempts - 1} times; last error: {cause or 'unknown'}"
+            await self._undo_lost_attempts(entry, payload)
             spec.dead = dead_letter(entry, reason, rt.worker_id, private=self._private(entry))
             spec.dead_reason = "failed"
             return fail("dead_lettered", f"gave up after {entry.attempts - 1} failed attempts")
@@ -107,6 +124,7 @@ class EntryPolicy(Held):
                 lambda: rt.bus.mark_private(entry.member),
             )  # fmt: skip
         if entry.covered_by:
+            await self._undo_lost_attempts(entry, payload)
             if entry.covered_by in FORGETTING:
                 await self.discarded(entry.member)  # a delete applies at its own marker
             return fail("cancelled", f"cancelled by {entry.covered_by}")

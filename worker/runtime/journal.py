@@ -22,8 +22,10 @@ from typing import Any
 from redis.exceptions import OutOfMemoryError
 
 from bus_redis import RedisBus
+from bus_redis.codec import safe
 from bus_redis.journal import JournalStore
 from session_store.codec import readable_rows
+from worker.agent.tools.base import Origin, Services
 from worker.runtime.backoff import while_full
 from worker.runtime.outcomes import TurnAbortedError
 
@@ -72,3 +74,37 @@ class TurnJournal:
     async def drop(self) -> None:
         """Drop the journal of this entry (the commit does it for a committed turn)."""
         await self.store.append(self.key, self.token, self.entry, [])
+
+
+async def undo_journaled(bus: RedisBus, services: Services | None, origin: Origin) -> int:
+    """The turn of ``origin``'s entry will never be committed (dead-lettered, or cancelled
+    before its re-run): the outside effects its lost attempts journaled (a schedule added,
+    a subagent spawned) are undone, the newest first, fenced by the lease it ran under
+    (``origin.lease_key``), as a discard of a running turn undoes them. Its calls are
+    named as its re-run would name them (``<session>|<entry>#<n>``). How many were undone."""
+    if services is None or not origin.entry_id:
+        return 0
+    turn = f"{origin.member}|{origin.entry_id}"
+    rows = readable_rows(await JournalStore(bus).read(origin.lease_key, turn))
+    undos, calls = [], 0
+    for row in rows:
+        if row.get("role") != "assistant" or not isinstance(row.get("tool_calls"), list):
+            continue
+        for call in row["tool_calls"]:
+            calls += 1
+            fn = call.get("function") if isinstance(call, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except (ValueError, TypeError, RecursionError):
+                args = {}
+            args = args if isinstance(args, dict) else {}
+            undo = services.undo_of(str(fn.get("name")), args, origin, f"{turn}#{calls}")
+            if undo is not None:
+                undos.append(undo)
+    for undo in reversed(undos):
+        try:
+            await undo()
+        except Exception as exc:  # one failed undo must not keep the others from running
+            log.warning("undoing an effect of %s failed: %s", safe(turn), type(exc).__name__)
+    return len(undos)

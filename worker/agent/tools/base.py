@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -14,6 +15,12 @@ from worker.runtime.outcomes import TurnAbortedError
 
 log = logging.getLogger(__name__)
 Emit = Callable[[str], Awaitable[None]]
+
+
+def call_sid(call_id: str) -> str:
+    """The id of what call ``call_id`` made (a schedule, a subagent): the same in a re-run
+    of the turn, which replays the call."""
+    return hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +42,15 @@ class Services(Protocol):
     async def spawn(self, ctx: ToolContext, task: str, label: str) -> str: ...
 
     async def schedule(self, ctx: ToolContext, action: str, args: dict[str, Any]) -> str: ...
+
+    def undo_of(
+        self, name: str, args: dict[str, Any], origin: Origin, call_id: str
+    ) -> Callable[[], Awaitable[Any]] | None:
+        """What undoes the outside effect call ``call_id`` of tool ``name`` made, or may
+        have made, in the turn of ``origin`` (None: none): a re-run that replays a
+        journaled call registers it, as the call itself did; a turn never committed (dead
+        lettered, or cancelled before its re-run) runs it."""
+        ...
 
 
 @dataclass(slots=True)
@@ -121,6 +137,14 @@ class ToolRegistry:
             )
         names = [n for n in self._tools if (not allow or n in allow) and n not in deny]
         return ToolRegistry(self._tools[n] for n in names)
+
+    def undo_of(
+        self, name: str, args: dict[str, Any], ctx: ToolContext
+    ) -> Callable[[], Awaitable[Any]] | None:
+        """What undoes the effect of call ``ctx.call_id`` (``Services.undo_of``)."""
+        if ctx.services is None or ctx.origin is None:
+            return None
+        return ctx.services.undo_of(name, args, ctx.origin, ctx.call_id)
 
     def is_idempotent(self, name: str) -> bool:
         return bool(getattr(self._tools.get(name), "idempotent", False))
