@@ -140,8 +140,9 @@ class Registry:
 
     async def private_end(self, key: str) -> str | None:
         """Per-session mode: where the private session last open on ``key`` ended, if it
-        ended lately (``Keys.private_end``: an entry id of its inbound stream), or when
-        its record runs out, ``<ms>|<member>``, if it was open when last renewed."""
+        ended lately (``Keys.private_end``: an entry id of its inbound stream), or, while
+        it is open, ``<ms>|<member>`` (its registry member; when its opening's record
+        would run out)."""
         raw = await self.redis.get(self.keys.private_end(key))
         return None if raw is None else text(raw)
 
@@ -153,10 +154,11 @@ class Registry:
         end = await self.private_end(key)
         if end is not None and "|" in end:
             member = end.partition("|")[2]
-            with contextlib.suppress(ValueError, TypeError):
-                if json.loads(member)[0] == key and await self.report_owner_lost(
-                    member, lost_event(member)
-                ):
+            with contextlib.suppress(ValueError, TypeError, IndexError):
+                if json.loads(member)[0] == key:
+                    reported = await self.report_owner_lost(member, lost_event(member))
+                    if not reported and await self.redis.exists(self.keys.owner(key)):
+                        return True  # open (its worker holds the key again)
                     end = await self.private_end(key)
         return end is not None and published_before(marker, end)
 

@@ -9,10 +9,11 @@
 -- ARGV[6] how long its end is kept, ms (0: not kept, unified mode): a `new` marker
 -- published before it was the private session's, a discard when reached later (by the
 -- next holder after a handover: never a fold of the stored session beside it). While
--- the session is open its renewal writes a provisional end, '<ms>|<member>': when its
--- record expires (ms) and its registry member, with which a holder that reaches a
--- `new` before the loss was reported reports it first (owner_lost), so that the loss
--- of a killed worker's session is an end too.
+-- the session is open its end is provisional, '<ms>|<member>', written by 'open' (before
+-- the opening's commit writes the record) and kept by each renewal: its registry member,
+-- with which a holder that reaches a `new` before the loss was reported reports it
+-- first (owner_lost), so that the loss of a killed worker's session is an end too, and
+-- when the opening's record would run out (ms), for an opening that came to nothing.
 -- returns 1 done, 0 the record is not ours (renew: it expired or moved)
 -- The mark is renewed with the record (a session that predates it gets one) and set to
 -- outlive the session by ARGV[5] when it ends: a `new` reached on its stream later (a
@@ -47,17 +48,16 @@ local function mark(extra_ms)
   if ms > 0 then redis.call('SET', KEYS[4], '1', 'PX', ms + extra_ms) end
 end
 
-local function provisional(ttl)  -- open until ttl ms from now, as far as known
-  local keep = tonumber(ARGV[6]) or 0
-  if keep > 0 then
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    redis.call('SET', KEYS[5], (now + ttl) .. '|' .. ARGV[3], 'PX', keep)
-  end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 if ARGV[1] == 'open' then
-  provisional(tonumber(ARGV[4]))
+  local keep = tonumber(ARGV[6]) or 0
+  if keep > 0 then
+    redis.call('SET', KEYS[5], (now_ms() + tonumber(ARGV[4])) .. '|' .. ARGV[3], 'PX', keep)
+  end
   return 1
 end
 local cur = redis.call('HGET', KEYS[1], 'worker')
@@ -83,10 +83,10 @@ if ARGV[1] == 'drop' then
   return 1
 end
 if cur ~= ARGV[2] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 mark(tonumber(ARGV[4]))
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
-provisional(tonumber(ARGV[4]))
+local keep = tonumber(ARGV[6]) or 0  -- its provisional end (the opening's) kept with it
+if keep > 0 then redis.call('PEXPIRE', KEYS[5], keep) end
 return 1
