@@ -89,9 +89,17 @@ end
 -- has live ones, so a processed message's text stayed in memory and in snapshots while
 -- messages waited behind it. Ids, the id floor (the next entry's id stays greater than
 -- any so far) and the TTL are kept.
+local SHED_MAX_BYTES = 1048576  -- copied at most by one rewrite (else left as it is)
+local SHED_MAX_VALUES = 256  -- an entry's fields and values (a frontend's wide entry: left)
 local function shed_deleted(key, max)
   local live = redis.call('XRANGE', key, '-', '+', 'COUNT', max + 1)
   if #live == 0 or #live > max then return end
+  local bytes = 0
+  for _, e in ipairs(live) do
+    if #e[2] > SHED_MAX_VALUES then return end
+    for _, v in ipairs(e[2]) do bytes = bytes + #v end
+    if bytes > SHED_MAX_BYTES then return end
+  end
   local floor = redis.pcall('XADD', key, '*', '_', '')
   if type(floor) == 'table' then return end  -- an entry at the maximal id: left as it is
   local ttl = redis.call('PTTL', key)
@@ -251,6 +259,7 @@ end
 -- alone empty: its head read met the end): forget them; release the lease only when the
 -- pending set is empty (a stream notified meanwhile keeps the lease: 'more'; a key that
 -- is its own stream only has one when streams are folded under it: acquire.lua).
+local PENDING_BATCH = 64
 local function try_release(lease, pending, registry, key, streams)
   local emptied = {}
   for _, s in ipairs(streams) do
@@ -260,15 +269,12 @@ local function try_release(lease, pending, registry, key, streams)
       redis.call('ZREM', s[8], s[6])
     end
   end
-  local left = {}
-  for _, m in ipairs(redis.call('SMEMBERS', pending)) do
-    if not emptied[m] then left[#left + 1] = m end
-  end
-  if #left > 0 then
-    for m in pairs(emptied) do redis.call('SREM', pending, m) end
-    return {'more', unpack(left)}
-  end
-  redis.call('DEL', lease, pending)  -- (the emptied streams' members go with it)
+  for m in pairs(emptied) do redis.call('SREM', pending, m) end
+  -- the streams left (PENDING_BATCH at most: a frontend may notify any number of chats
+  -- folded under one key; the holder drains these, and the next 'more' names others)
+  local left = redis.call('SRANDMEMBER', pending, PENDING_BATCH)
+  if #left > 0 then return {'more', unpack(left)} end
+  redis.call('DEL', lease, pending)
   redis.call('ZREM', registry, key)
   return {'released'}
 end
