@@ -269,12 +269,18 @@ local function try_release(lease, pending, registry, key, streams)
       redis.call('ZREM', s[8], s[6])
     end
   end
-  for m in pairs(emptied) do redis.call('SREM', pending, m) end
   -- the streams left (PENDING_BATCH at most: a frontend may notify any number of chats
   -- folded under one key; the holder drains these, and the next 'more' names others)
-  local left = redis.call('SRANDMEMBER', pending, PENDING_BATCH)
-  if #left > 0 then return {'more', unpack(left)} end
-  redis.call('DEL', lease, pending)
+  local n, left = 0, {}
+  for _ in pairs(emptied) do n = n + 1 end
+  for _, m in ipairs(redis.call('SRANDMEMBER', pending, PENDING_BATCH + n)) do
+    if not emptied[m] and #left < PENDING_BATCH then left[#left + 1] = m end
+  end
+  if #left > 0 then
+    for m in pairs(emptied) do redis.call('SREM', pending, m) end
+    return {'more', unpack(left)}
+  end
+  redis.call('DEL', lease, pending)  -- (the emptied streams' members go with it)
   redis.call('ZREM', registry, key)
   return {'released'}
 end
