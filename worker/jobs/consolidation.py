@@ -85,7 +85,7 @@ class Consolidator:
             return
         self._busy[channel] += 1
         try:
-            put_off = await self._run_named(key, start, end)
+            put_off = await self._run_named(key, start, end, tries)
             if put_off is not None:  # its scope folds here now: again later
                 await self._again(key, put_off, end, tries + 1)
         finally:
@@ -93,14 +93,13 @@ class Consolidator:
             if not self._busy[channel]:
                 del self._busy[channel]
 
-    async def _run_named(self, key: str, start: int, end: int) -> int | None:
-        job_id = self._job_id(key)
+    async def _run_named(self, key: str, start: int, end: int, tries: int) -> int | None:
+        job_id = self._job_id(key) + ("" if tries % 2 == 0 else ":again")  # (its own id)
+        kwargs = {"key": key, "start": start, "end": end, "tries": tries}
         with contextlib.suppress(RedisError):  # (a job not named runs all the same)
-            await self.running.started(
-                job_id, JOB_NAME, channel_of(key), {"key": key, "start": start, "end": end}
-            )
+            await self.running.started(job_id, JOB_NAME, channel_of(key), kwargs)
         try:
-            return await self._run(key, start, end)
+            return await self._run(key, start, end, stretch=tries > 0)
         finally:
             with contextlib.suppress(RedisError):  # (it lives RUNNING_TTL_MS at most)
                 await self.running.ended(job_id)
@@ -109,7 +108,9 @@ class Consolidator:
         """Queue the job again ``AGAIN_AFTER_S * 2**(tries - 1)`` seconds from now (an
         hour at most), under the other id of the session's pair: its own is this job's
         while it runs. A session's next commit may queue it meanwhile (the job that comes
-        second finds the rows consolidated)."""
+        second finds the rows consolidated), and may find the id taken by this one, whose
+        range then ends before the rows it asked for: so a job queued again folds up to
+        where the session's consolidation would end when it runs (``stretch``)."""
         delay_s = min(AGAIN_AFTER_S * 2 ** min(tries - 1, 16), AGAIN_MAX_S)
         job_id = self._job_id(key) + ("" if tries % 2 == 0 else ":again")
         with contextlib.suppress(RedisError, OSError):  # (its next commit asks again)
@@ -134,30 +135,38 @@ class Consolidator:
                 raise
         return len(claimed)
 
-    async def _run(self, key: str, start: int, end: int) -> int | None:
+    async def _run(self, key: str, start: int, end: int, *, stretch: bool = False) -> int | None:
         """Rows ``start:end`` folded part by part (``part_of``: about the consolidation
         threshold each, so that no request outgrows the model's context however far
         behind the folds fell), at most ``MAX_PARTS`` a job: a backlog left over is
         taken up by the job the next turn queues. Returns where a fold was put off
-        because another job of its scope folds here now (None: done)."""
+        because another job of its scope folds here now (None: done). ``stretch``: up to
+        where the session's consolidation ends now (``KEEP_RECENT`` rows kept), if later."""
         for _ in range(MAX_PARTS):
             try:
-                reached = await self._fold_part(key, start, end)
+                reached = await self._fold_part(key, start, end, stretch)
             except _ScopeBusyError:
                 return start
-            if reached is None or reached >= end:
+            if reached is None:
                 return None
-            start = reached
+            start, end = reached
+            if start >= end:
+                return None
         return None
 
-    async def _fold_part(self, key: str, start: int, end: int) -> int | None:
+    async def _fold_part(
+        self, key: str, start: int, end: int, stretch: bool
+    ) -> tuple[int, int] | None:
         """Fold the first part of rows ``start:end`` not consolidated yet (a part of this
         job that ran before, maybe on a worker that died, stays done): where the
-        consolidated rows end now, or None when there is nothing (more) to do here."""
+        consolidated rows end now and the job's end (stretched, ``_run``), or None when
+        there is nothing (more) to do here."""
         for _ in range(FOLD_ATTEMPTS):
             snapshot = await self.rt.sessions.store.load_recent(key)
             if snapshot is None or not snapshot.scope:
                 return None  # gone, or transient (never stored)
+            if stretch:
+                end = max(end, snapshot.base + len(snapshot.messages) - KEEP_RECENT)
             at = snapshot.base + snapshot.last_consolidated
             if not start <= at < end:
                 return None  # consolidated meanwhile
@@ -181,7 +190,7 @@ class Consolidator:
             finally:
                 self._folding.discard(scope)
             if result == "ok":
-                return at + len(part)
+                return at + len(part), end
             if result != "memory_moved":
                 return None
         log.warning("consolidation of %s gave up: its memory kept changing", safe(key))
