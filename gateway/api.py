@@ -14,11 +14,11 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from bus_redis import OutboundMessage, SessionBusyError
-from bus_redis.schema import FollowUp
+from bus_redis.schema import MAX_DEPTH, FollowUp
 from gateway.app import Gateway
 from gateway.auth import User
 from gateway.backlog import BacklogFullError, ChatGoneError, TooLargeError
@@ -107,6 +107,30 @@ class NewMessage(BaseModel):
         "(cancel it and start again with everything pending) or reject (409 busy); "
         "default AGENT_GATEWAY_FOLLOWUP, else the workers' AGENT_FOLLOWUP_MODE",
     )
+
+    @field_validator("metadata")
+    @classmethod
+    def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """As deep as the workers take a payload (``MAX_DEPTH``, the message around it
+        counted): deeper was queued and refused by the worker, or, past what pydantic
+        writes, a 500."""
+        if _nesting(value, MAX_DEPTH) >= MAX_DEPTH:
+            raise ValueError(f"metadata nests deeper than {MAX_DEPTH - 1} levels")
+        return value
+
+
+def _nesting(value: Any, cap: int) -> int:
+    """How deep ``value`` nests (objects and arrays), counted up to ``cap``, without
+    recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if deepest >= cap:
+                return deepest
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 class Accepted(BaseModel):
@@ -204,8 +228,8 @@ async def send(
         timeout_s = min(wait, g.settings.wait_max_s)
         try:
             event = await g.wait_terminal(user, chat, ids, cursor, timeout_s)
-        except TooManyStreamsError as exc:
-            raise HTTPException(429, f"sent, but cannot wait: {exc}") from None
+        except TooManyStreamsError:  # sent: answered as a wait that ran out (202), never
+            return accepted  # 429, which says nothing was sent
         if event is not None:
             response.status_code = 200
             accepted.event = public_event(chat, event)

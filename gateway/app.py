@@ -37,7 +37,7 @@ from gateway.auth import Authenticator, RedactTickets, User
 from gateway.backlog import Backlog, TooLargeError
 from gateway.bodylimit import BodyLimit
 from gateway.charge import Charge
-from gateway.chats import Chat, Chats
+from gateway.chats import Chat, Chats, end_user_of
 from gateway.deadline import Deadline
 from gateway.errors import invalid, redis_failed
 from gateway.health import Readiness
@@ -93,13 +93,20 @@ class Gateway:
     def message(self, user: User, chat: Chat, content: str, **fields: object) -> InboundMessage:
         """The inbound message for a user's chat. Everything that decides where it runs
         and whose it is comes from here, never from the client: the session, the scope
-        (the user), ``require_existing_session`` and ``session_key_override``."""
+        (the user; a bot's end user's chat, the end user's, counted as the user's own
+        against the per-scope limits), ``require_existing_session`` and
+        ``session_key_override``."""
+        scope, quota = f"user-{user.hash}", None
+        end_user = end_user_of(chat.id)
+        if end_user is not None:  # (the page, or X-Session-Id, continuing such a chat)
+            scope, quota = f"{scope}-oa-{end_user}", scope
         return InboundMessage(
             channel=self.settings.channel,
             sender_id=user.id,
             chat_id=chat.id,
             content=content,
-            scope=f"user-{user.hash}",
+            scope=scope,
+            quota=quota,
             require_existing_session=chat.temporary,
             session_key_override=chat.session_key if chat.temporary else None,
             **fields,  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ is read from the session hash the workers write.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -30,6 +31,26 @@ TITLE_MAX = 80
 # a history read answers at most this many characters of stored rows (older rows left out)
 HISTORY_MAX_CHARS = 2 << 20
 HISTORY_BATCH = 20
+
+
+def end_user_digest(end_user: str | None) -> str:
+    """The OpenAI endpoint's chat of a bot's end user (its ``user`` field) is
+    ``<user hash>-oa-<this>``."""
+    return hashlib.sha256(f"openai|{end_user or ''}".encode()).hexdigest()[:24]
+
+
+NO_END_USER = end_user_digest(None)
+
+
+def end_user_of(chat_id: str) -> str | None:
+    """The digest of the bot's end user whose chat ``chat_id`` is (the OpenAI endpoint's
+    ``user``), None for any other chat: each end user is a scope of its own (memory,
+    session tools), whatever route a message of the chat comes by."""
+    m = CHAT_ID_RE.fullmatch(chat_id)
+    if m is None or m["kind"] != "oa-":
+        return None
+    digest = chat_id.rsplit("-", 1)[1]
+    return None if digest == NO_END_USER else digest
 
 
 class ChatLimitError(Exception):

@@ -37,7 +37,7 @@ from gateway.api import CLIENT_ID, MAX_MESSAGE_CHARS, caller, gw
 from gateway.app import Gateway, answers
 from gateway.auth import User
 from gateway.backlog import BacklogFullError, ChatGoneError, TooLargeError
-from gateway.chats import Chat, ChatLimitError
+from gateway.chats import Chat, ChatLimitError, end_user_digest
 from gateway.hub import TooManyStreamsError
 
 router = APIRouter(prefix="/v1")
@@ -93,11 +93,9 @@ async def completions(
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
     if not g.has_room(user, chat):
         return _error(429, "rate_limit_exceeded", "too many open streams for this user")
+    # a bot's end users: each a scope of its own (memory, session tools), counted as the
+    # caller's own against the per-scope limits: the chat's, whichever route it comes by
     message = g.message(user, chat, content, id=message_id)
-    if body.user:  # a bot's end users: each a scope of its own (memory, session tools)
-        # ... counted as the caller's own against the per-scope limits (quota)
-        scoped = f"{message.scope}-oa-{_digest(body.user)}"
-        message = message.model_copy(update={"scope": scoped, "quota": message.scope})
     try:
         ids = await g.publish(user, chat, message)
     except BacklogFullError as exc:
@@ -145,7 +143,7 @@ async def _pick(g: Gateway, user: User, session_id: str | None, end_user: str | 
             raise HTTPException(404, "no such session")
         return chat
     try:
-        return await g.chats.ensure(user, f"{user.hash}-oa-{_digest(end_user)}")
+        return await g.chats.ensure(user, f"{user.hash}-oa-{end_user_digest(end_user)}")
     except ChatLimitError as exc:
         raise HTTPException(409, str(exc)) from None
 
@@ -157,10 +155,6 @@ def _message_id(chat: Chat, idempotency_key: str | None) -> str:
         return f"oa-{uuid.uuid4().hex}"
     digest = hashlib.sha256(f"{chat.session_key}|{idempotency_key}".encode()).hexdigest()
     return f"oa-{digest[:32]}"
-
-
-def _digest(end_user: str | None) -> str:
-    return hashlib.sha256(f"openai|{end_user or ''}".encode()).hexdigest()[:24]
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str | None:
