@@ -38,12 +38,21 @@ def lost_event(member: str, why: str = LOST) -> str:
 
 def published_before(marker: str, end: str) -> bool:
     """Whether stream entry ``marker`` was published before private session end ``end``
-    (``Keys.private_end``): an entry id, or a provisional ``<ms>|<member>`` (the session
-    was open when last renewed, until ``ms``)."""
-    ms, sep, _ = end.partition("|")
-    if sep:
-        return stream_id_ms(marker) <= int(ms)
-    return _id(marker) <= _id(end)
+    (``Keys.private_end``): ``<ms>:<id>`` (when it ended and the last entry then: an
+    earlier millisecond, or that one up to the id), a provisional ``<ms>|<member>`` (open;
+    its opening's record ran out at ``ms``), or Redis ms (a worker before stop 47). Junk
+    (only workers write the key) is no end."""
+    try:
+        at = stream_id_ms(marker)
+        ms, sep, _ = end.partition("|")
+        if sep:
+            return at <= int(ms)
+        ms, sep, last = end.partition(":")
+        if not sep:
+            return at <= int(ms)
+        return at < int(ms) or (at == int(ms) and _id(marker) <= _id(last))
+    except ValueError:
+        return False
 
 
 def _id(entry_id: str) -> tuple[int, int]:

@@ -37,16 +37,26 @@ local function keep_error_events(key, from)
 end
 
 -- Per-session mode: write where private session S ended into `key` (Keys.private_end),
--- kept `keep` ms (0: not kept, unified mode): the id of the last entry of S's inbound
--- stream `inbound` ('0-0' when none waits). A `new` marker at or before it was published
--- while S was open (S's own, a discard whoever reaches it later); one after it, after S
--- ended (the stored session's). Ids, not milliseconds: a marker in the very millisecond
--- S ended is told apart.
-local function write_private_end(key, inbound, keep)
+-- kept `keep` ms (0: not kept, unified mode): '<ms>:<id>', Redis' time and the id of the
+-- last entry of S's inbound stream `inbound` ('0-0' when none waits). A `new` marker
+-- published in an earlier millisecond, or in that one at or before the id, was published
+-- while S was open (S's own, a discard whoever reaches it later); a later one, after S
+-- ended (the stored session's): a marker in the very millisecond S ended is told apart,
+-- and a frontend's junk id (the maximal one, a day ahead) moves no end. `reported` (a
+-- loss report, whose session's record ran out): a provisional end still ahead of now is
+-- a newer opening's on the key (reported between its opening and its commit), left to it.
+local function write_private_end(key, inbound, keep, reported)
   keep = tonumber(keep) or 0
   if keep <= 0 then return end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local cur = reported and redis.call('GET', key)
+  if cur then
+    local ahead = tonumber(string.match(cur, '^(%d+)|'))
+    if ahead and ahead > now then return end
+  end
   local last = redis.pcall('XREVRANGE', inbound, '+', '-', 'COUNT', 1)
   local id = '0-0'
   if type(last) == 'table' and not last.err and last[1] then id = last[1][1] end
-  redis.call('SET', key, id, 'PX', keep)
+  redis.call('SET', key, now .. ':' .. id, 'PX', keep)
 end

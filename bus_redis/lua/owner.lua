@@ -40,7 +40,7 @@ local function empty_events(key)
 end
 
 local function ended()
-  write_private_end(KEYS[5], KEYS[6], ARGV[6])
+  write_private_end(KEYS[5], KEYS[6], ARGV[6], false)
 end
 
 local function mark(extra_ms)

@@ -14,7 +14,7 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
 -- another worker may have answered a message of it before this notice
 keep_error_events(KEYS[3], '-')
 -- a `new` published before now was the private session's (its frontend was not told)
-write_private_end(KEYS[6], KEYS[7], ARGV[6])
+write_private_end(KEYS[6], KEYS[7], ARGV[6], true)
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'payload', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 local pulsed = redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', 'o', KEYS[3])  -- PULSE_MAXLEN
