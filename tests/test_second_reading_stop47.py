@@ -42,19 +42,6 @@ def _final(end: str | None) -> bool:
     return end is not None and "|" not in end
 
 
-class _Clock:
-    """fakeredis' clock for ``TIME`` (scripts included) and ``XADD *``: real, or frozen."""
-
-    def __init__(self) -> None:
-        self.frozen: float | None = None
-
-    def time(self) -> float:
-        return time.time() if self.frozen is None else self.frozen
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-
 # --- 1. an end read from a junk entry id outlives the stream that held it -------------
 
 
