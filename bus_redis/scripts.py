@@ -19,9 +19,8 @@ from redis.exceptions import NoScriptError
 from bus_redis.mux import Multiplexed
 
 _WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers", "release"})
-_WITH_EVENTS = frozenset(
-    {"owner", "owner_lost", "delete"}
-)  # _events.lua: ending a session's events
+# _events.lua: ending a session's events (and where a private session ended)
+_WITH_EVENTS = frozenset({"owner", "owner_lost", "delete"})
 _WITH_CRONS = frozenset({"cron_remove", "cron_fire", "delete"})  # _crons.lua: a scope's count
 SCRIPT_NAMES = (
     "acquire",

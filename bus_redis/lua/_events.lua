@@ -45,11 +45,15 @@ end
 -- and a frontend's junk id (the maximal one, a day ahead) moves no end. `reported` (a
 -- loss report, whose session's record ran out): a provisional end still ahead of now is
 -- a newer opening's on the key (reported between its opening and its commit), left to it.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
 local function write_private_end(key, inbound, keep, reported)
   keep = tonumber(keep) or 0
   if keep <= 0 then return end
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local now = now_ms()
   local cur = reported and redis.call('GET', key)
   if cur then
     local ahead = tonumber(string.match(cur, '^(%d+)|'))

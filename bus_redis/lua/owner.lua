@@ -48,11 +48,6 @@ local function mark(extra_ms)
   if ms > 0 then redis.call('SET', KEYS[4], '1', 'PX', ms + extra_ms) end
 end
 
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
 if ARGV[1] == 'open' then
   local keep = tonumber(ARGV[6]) or 0
   if keep > 0 then

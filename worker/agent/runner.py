@@ -115,6 +115,17 @@ def _exchanges(
     return out
 
 
+def journaled_calls(journal: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Each journaled call's tool name and arguments (``{}`` when they are no JSON
+    object), in the order a re-run counts them (``_enter``: its ``n``-th is call ``n``)."""
+    return [
+        (str((call.get("function") or {}).get("name")),
+         _arguments(call.get("function") or {}) or {})
+        for row, _ in _exchanges(journal)
+        for call in row["tool_calls"]
+    ]  # fmt: skip
+
+
 def _enter(state: TurnState, ctx: ToolContext, tool_call_id: str) -> None:
     """Count the next call of the turn and name it in ``ctx`` (its round, its id: the same
     call in a re-run gets the same id)."""

@@ -25,6 +25,7 @@ from bus_redis import RedisBus
 from bus_redis.codec import safe
 from bus_redis.journal import JournalStore
 from session_store.codec import readable_rows
+from worker.agent.runner import journaled_calls
 from worker.agent.tools.base import Origin, Services
 from worker.runtime.backoff import while_full
 from worker.runtime.outcomes import TurnAbortedError
@@ -86,22 +87,11 @@ async def undo_journaled(bus: RedisBus, services: Services | None, origin: Origi
         return 0
     turn = f"{origin.member}|{origin.entry_id}"
     rows = readable_rows(await JournalStore(bus).read(origin.lease_key, turn))
-    undos, calls = [], 0
-    for row in rows:
-        if row.get("role") != "assistant" or not isinstance(row.get("tool_calls"), list):
-            continue
-        for call in row["tool_calls"]:
-            calls += 1
-            fn = call.get("function") if isinstance(call, dict) else None
-            fn = fn if isinstance(fn, dict) else {}
-            try:
-                args = json.loads(fn.get("arguments") or "{}")
-            except (ValueError, TypeError, RecursionError):
-                args = {}
-            args = args if isinstance(args, dict) else {}
-            undo = services.undo_of(str(fn.get("name")), args, origin, f"{turn}#{calls}")
-            if undo is not None:
-                undos.append(undo)
+    undos = [
+        undo
+        for n, (name, args) in enumerate(journaled_calls(rows), 1)
+        if (undo := services.undo_of(name, args, origin, f"{turn}#{n}")) is not None
+    ]
     for undo in reversed(undos):
         try:
             await undo()
