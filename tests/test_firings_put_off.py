@@ -152,3 +152,77 @@ async def test_an_every_schedule_the_tool_adds_keeps_step_with_its_first_firing(
     assert doc.anchor_ms == first
     put_off = first + 10_000  # delivered 10 s late: the next is still an hour after the first
     assert doc.next_due(put_off, put_off) == first + 3_600_000
+
+
+@pytest.mark.parametrize("backlog", [0, 17])
+async def test_a_firing_waits_out_a_private_opening_not_handled_yet(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis, make_loop, backlog: int
+) -> None:
+    """An hourly schedule of the stored chat ``web:ow`` comes due in the moment between a
+    private opening's publish on ``web:ow`` and its handling (no owner record yet).
+    Before: the firing was delivered behind the opening, refused there (it must never run
+    in the private conversation) and lost. Now it is put off while the opening waits in
+    the stream, and runs in the stored chat once the private session ended. With a queue
+    longer than the script looks at (``backlog``: 17 plain messages before the opening)
+    it is put off too."""
+    calls: list[str] = []
+
+    async def model(**kw: Any) -> LLMResponse:
+        calls.append(json.dumps(kw["messages"]))
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == "tick hourly about TEA-DURABLE":
+            args = {"action": "add", "every_seconds": 3600, "message": "HOURLY"}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        return LLMResponse(content="ok")
+
+    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
+    client = FrontendClient(redis)
+    ask = _durable("ow", "tick hourly about TEA-DURABLE", "r1", scope="u")
+    assert (await client.ask(ask, timeout_s=10)).type == "message"
+    [sid] = list(await redis.smembers(K.crons("web:ow")))
+
+    # published, not yet handled: in the stream, its notification not read yet
+    stream = K.inbound("web:ow")
+    for i in range(backlog):
+        await redis.xadd(stream, {"payload": _durable("ow", f"q{i}", f"q{i}").model_dump_json()})
+    opening = {"op": "open_transient", "id": "o1", "channel": "web", "chat_id": "ow",
+               "session_key_override": "web:ow", "scope": "u"}  # fmt: skip
+    await redis.xadd(stream, {"payload": json.dumps(opening)})
+    due = int(time.time() * 1000) - 1000
+    assert await redis.zadd(K.cron_due("web"), {sid: due}, xx=True, ch=True) == 1
+    assert not await loop.schedules.fire(channel="web", sid=sid, due_ms=due)
+    assert await redis.xlen(stream) == backlog + 1, "the firing followed the opening"
+    assert float(await redis.zscore(K.cron_due("web"), sid) or 0) > due  # put off
+
+    await redis.xadd(K.ready("web"), {"session": "web:ow"})  # the opening is handled now
+    await collect(client, "web", {"o1"}, timeout_s=10)
+    assert await client.discard("web:ow") >= 1  # the private session ends
+
+    async def ended() -> bool:
+        return not await redis.exists(K.owner("web:ow")) and not await redis.xlen(stream)
+
+    await until(ended, timeout_s=10)
+    later = int(time.time() * 1000) - 1  # (its put-off time came)
+    assert await redis.zadd(K.cron_due("web"), {sid: later}, xx=True, ch=True) == 1
+    assert await loop.schedules.fire(channel="web", sid=sid, due_ms=later)
+    firing = f"cron:{sid}:{later}"
+    reply = [e for e in (await collect(client, "web", {firing}, timeout_s=10))[firing]
+             if e.is_terminal][-1]  # fmt: skip
+    assert (reply.type, reply.code) == ("message", None)
+    [ran] = [c for c in calls if "HOURLY" in c and "Scheduled (" in c]
+    assert "TEA-DURABLE" in ran, "the firing ran without the stored chat's history"
+
+
+async def test_a_firing_behind_a_short_queue_of_messages_is_delivered(redis) -> None:  # type: ignore[no-untyped-def]
+    """The look for a waiting opening reads a few entries: plain messages queued in the
+    stream do not put a firing off (it is queued behind them, as before)."""
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
+    now = int(time.time() * 1000)
+    await stored_every(redis, "web:busy", "b1", now - 1_000)
+    for i in range(3):
+        await redis.xadd(
+            K.inbound("web:busy"), {"payload": _durable("busy", "hi", f"m{i}").model_dump_json()}
+        )
+    assert await loop.schedules.fire(channel="web", sid="b1", due_ms=now - 1_000)
+    assert await redis.xlen(K.inbound("web:busy")) == 4
+    await loop.jobs.aclose()
