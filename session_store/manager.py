@@ -1,23 +1,29 @@
 """SessionManager: the worker's session cache in front of a SessionStore.
 
-Durable sessions sit in an LRU bounded both in sessions and in rows (a few long sessions
-and many short ones cost alike), valid only while their version equals the version in
-Redis (checked by the lease script). Transient sessions are pinned in a
-separate table: never evicted while open, never written anywhere.
+Durable sessions sit in a cache bounded in sessions, in rows and in characters (a few
+long sessions, many short ones and a few of huge messages cost alike), valid only while
+their version equals the version in Redis (checked by the lease script). Over a bound,
+the least recently used session *of the channel holding the most of it* goes
+(``Shares``): one channel's flood of new or long chats evicts its own sessions, not
+another channel's. Transient sessions are pinned in a separate table: never evicted
+while open, never written anywhere; each keeps its newest rows within a row and a
+character budget (``trim_transient``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from bus_redis.naming import channel_of
 from bus_redis.results import Ahead, Cached
 from session_store.models import RECENT_ROWS, Session, SessionPolicy
 from session_store.protocol import SessionInfo, SessionStore
+from session_store.shares import Shares
 
 SESSION_CACHE_MAX_SIZE = 16_384  # durable sessions cached, at most
 SESSION_CACHE_MAX_ROWS = 250_000  # and their rows, at most (~600 B each: ~150 MB)
+SESSION_CACHE_MAX_CHARS = 256 << 20  # and the characters of their rows, at most
 SCOPE_HINTS_MAX = 65_536  # scopes of sessions seen, kept after their eviction
 
 
@@ -28,15 +34,15 @@ class SessionManager:
         *,
         cache_size: int = SESSION_CACHE_MAX_SIZE,
         cache_rows: int = SESSION_CACHE_MAX_ROWS,
+        cache_chars: int = SESSION_CACHE_MAX_CHARS,
     ) -> None:
         self.store = store
-        self._cache: OrderedDict[str, Session] = OrderedDict()
-        self._sizes: dict[str, int] = {}  # rows of each cached session when last counted
-        self._rows = 0  # their sum
+        self._cache: dict[str, Session] = {}
+        self._shares = Shares(3)  # each cached session's weights (1, rows, characters)
         self._transient: dict[str, Session] = {}
-        self._cache_size = cache_size
-        self._cache_rows = cache_rows
-        self._scopes: OrderedDict[str, str] = OrderedDict()  # key -> scope, outlives the cache
+        self._bounds = (cache_size, cache_rows, cache_chars)
+        self._scopes: dict[str, str] = {}  # key -> scope, outlives the cache
+        self._scope_shares = Shares(1)
 
     # --- cache (plain methods: no I/O) -------------------------------------------------
     def get_cached(self, key: str) -> Session | None:
@@ -45,7 +51,7 @@ class SessionManager:
             return session
         session = self._cache.get(key)
         if session is not None:
-            self._cache.move_to_end(key)
+            self._shares.touch(key)
         return session
 
     def is_transient(self, key: str) -> bool:
@@ -68,13 +74,18 @@ class SessionManager:
         self._transient[key] = session
         return session
 
-    def trim_transient(self, key: str, keep_rows: int) -> None:
-        """Keep a private session's newest ``keep_rows`` rows (from a user row on): its
-        history lives in the worker's memory, which a frontend must not be able to fill."""
+    def trim_transient(self, key: str, keep_rows: int, keep_chars: int | None = None) -> None:
+        """Keep a private session's newest ``keep_rows`` rows, and of them the newest that
+        hold at most ``keep_chars`` characters (``Session.held_chars``), from a user row on:
+        its history lives in the worker's memory, which a frontend must not be able to
+        fill."""
         session = self._transient.get(key)
-        if session is None or len(session.messages) <= keep_rows:
+        if session is None:
             return
-        tail = session.messages[-keep_rows:]
+        start = session.first_within(keep_rows, keep_chars)
+        if start == 0:
+            return
+        tail = session.messages[start:]
         first_user = next((i for i, r in enumerate(tail) if r.get("role") == "user"), len(tail))
         self._transient[key] = Session(
             key=key,
@@ -91,8 +102,7 @@ class SessionManager:
         """Forget every copy of a durable session (Redis came back as another server: the
         same versions may hold other rows); private sessions live here only and stay."""
         self._cache.clear()
-        self._sizes.clear()
-        self._rows = 0
+        self._shares.clear()
 
     def invalidate(self, key: str) -> None:
         """Forget every copy of ``key`` here: the stored one cached and a private one."""
@@ -107,12 +117,12 @@ class SessionManager:
 
     def _drop(self, key: str) -> None:
         self._cache.pop(key, None)
-        self._rows -= self._sizes.pop(key, 0)
+        self._shares.drop(key)
 
     def _count(self, session: Session) -> None:
-        rows = len(session.messages)
-        self._rows += rows - self._sizes.get(session.key, 0)
-        self._sizes[session.key] = rows
+        """(Re)count a cached session's weights, as its channel's most recently used."""
+        weights = (1, len(session.messages), session.held_chars)
+        self._shares.put(channel_of(session.key), session.key, weights)
 
     def scope_hint(self, key: str) -> str:
         """The scope of a durable session seen before (even if evicted since), or ''."""
@@ -122,25 +132,33 @@ class SessionManager:
         return self._scopes.get(key, "")
 
     def _remember(self, session: Session) -> Session:
+        key = session.key
         if session.scope:
-            self._scopes[session.key] = session.scope
-            self._scopes.move_to_end(session.key)
+            self._scopes[key] = session.scope
+            self._scope_shares.put(channel_of(key), key, (1,))
             while len(self._scopes) > SCOPE_HINTS_MAX:
-                self._scopes.popitem(last=False)
-        if self._cache.get(session.key) is not session:
-            self._drop(session.key)
-        self._cache[session.key] = session
-        self._cache.move_to_end(session.key)
+                victim = self._scope_shares.victim(0, key)
+                if victim is None:
+                    break
+                self._scope_shares.drop(victim)
+                del self._scopes[victim]
+        if self._cache.get(key) is not session:
+            self._drop(key)
+        self._cache[key] = session
         self._count(session)
-        self._evict()
+        self._evict(key)
         return session
 
-    def _evict(self) -> None:
-        """The least recently used go while over either bound (the newest stays)."""
-        while len(self._cache) > 1 and (
-            len(self._cache) > self._cache_size or self._rows > self._cache_rows
-        ):
-            self._drop(next(iter(self._cache)))
+    def _evict(self, keep: str) -> None:
+        """While over a bound, the least recently used session of the channel holding
+        the most of it goes (``keep``, the session just used, stays)."""
+        totals = self._shares.totals
+        while True:
+            over = next((i for i, b in enumerate(self._bounds) if totals[i] > b), None)
+            victim = None if over is None else self._shares.victim(over, keep)
+            if victim is None:
+                return
+            self._drop(victim)
 
     # --- storage -------------------------------------------------------------------------
     async def get_or_create(self, key: str) -> Session:
@@ -173,9 +191,8 @@ class SessionManager:
             and not cached.unpersisted()
         ):
             _trim(cached)
-            self._cache.move_to_end(key)
             self._count(cached)  # it grew by the turns committed since
-            self._evict()
+            self._evict(key)
             return cached
         if (  # behind by a few turns (they ran on other workers): read only what it lacks
             cached is not None

@@ -7,6 +7,9 @@ from redis.asyncio import Redis
 from bus_redis.codec import text
 from bus_redis.keys import Keys
 from session_store.models import OWNER_SCOPE
+from session_store.shares import Shares
+
+MEMORY_CACHE_SCOPES = 1024  # scopes whose memory text a worker keeps (~4,000 characters each)
 
 
 class MemoryStore:
@@ -15,16 +18,22 @@ class MemoryStore:
     Turns never write memory: consolidation replaces it, compare-and-set on its version, with
     a fenced script
     (``bus_redis/lua/consolidate.lua``). ``write_memory`` replaces it (administration).
+
+    The cache holds ``MEMORY_CACHE_SCOPES`` scopes; past it, the least recently used scope
+    of the channel holding the most goes (a scope is ``<channel>/...``): one channel's
+    many users never push another channel's memory out.
     """
 
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
         self._cached: dict[str, tuple[int, str]] = {}
+        self._shares = Shares(1)
 
     def forget_cached(self) -> None:
         """Forget every cached memory (Redis came back as another server)."""
         self._cached.clear()
+        self._shares.clear()
 
     def key(self, scope: str = OWNER_SCOPE) -> str:
         return self.keys.memory(scope)
@@ -49,6 +58,7 @@ class MemoryStore:
         cached = self._cached.get(scope)
         if cached is None or cached[0] != version:
             return await self.read_memory(scope)
+        self._shares.touch(scope)
         return cached[1]
 
     def version(self, scope: str = OWNER_SCOPE) -> int:
@@ -56,7 +66,12 @@ class MemoryStore:
         return self._cached.get(scope, (-1, ""))[0]
 
     def _remember(self, scope: str, version: int, content: str) -> str:
-        if len(self._cached) > 1024:
-            self._cached.clear()
         self._cached[scope] = (version, content)
+        self._shares.put(scope.partition("/")[0], scope, (1,))
+        while len(self._cached) > MEMORY_CACHE_SCOPES:
+            victim = self._shares.victim(0, scope)
+            if victim is None:
+                break
+            self._shares.drop(victim)
+            del self._cached[victim]
         return content

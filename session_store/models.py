@@ -269,6 +269,19 @@ class Session:
         return bool(message_id) and message_id in self._seen_ids
 
     @property
+    def held_chars(self) -> int:
+        """About the characters its rows hold (4 a token, as the history counts them), O(1)."""
+        return 4 * self._prefix[-1]
+
+    def first_within(self, rows: int, chars: int | None = None) -> int:
+        """The first of the newest ``rows`` rows that hold at most ``chars`` characters
+        (``held_chars``' measure): 0 when every row does. O(log n)."""
+        start = max(0, len(self.messages) - rows)
+        if chars is not None and 4 * (self._prefix[-1] - self._prefix[start]) > chars:
+            start = bisect_left(self._prefix, self._prefix[-1] - chars // 4, lo=start)
+        return start
+
+    @property
     def token_count(self) -> int:
         """Estimated tokens of the unconsolidated history, O(1)."""
         return self._prefix[-1] - self._prefix[self.last_consolidated]

@@ -51,10 +51,12 @@ class LoopConfig(BaseModel):
     consolidate_above_tokens: int = Field(default=24_000, ge=1)
     session_cache_sessions: int = Field(default=16_384, ge=1)  # durable sessions cached
     session_cache_rows: int = Field(default=250_000, ge=1)  # their rows, at most (~150 MB)
+    session_cache_chars: int = Field(default=256 << 20, ge=1)  # their rows' characters, at most
     memory_max_chars: int = Field(default=4_000, ge=200)  # a scope's long-term memory, at most
     max_private_sessions: int = Field(default=1000, ge=1)  # open at once, per worker and channel
     private_idle_s: float = Field(default=3600.0, ge=1)  # a private session idle this long closes
     private_history_rows: int = Field(default=400, ge=10)  # rows a private session keeps
+    private_history_chars: int = Field(default=1 << 20, ge=65_536)  # ... and their characters
     followup_mode: Literal["inject", "queue"] = "inject"
     followups_per_pull: int = Field(default=3, ge=1)
     stream_deltas: bool = False  # forward the provider's streamed text as `delta` events

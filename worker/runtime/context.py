@@ -87,6 +87,7 @@ class Runtime:
                 store,
                 cache_size=config.session_cache_sessions,
                 cache_rows=config.session_cache_rows,
+                cache_chars=config.session_cache_chars,
             )
         rt = cls(
             config=config,

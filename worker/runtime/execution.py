@@ -331,11 +331,15 @@ class TurnExecution:
 
     def _append(self, session: Session, rows: list[dict[str, Any]]) -> None:
         """A turn's rows, whatever its end; a private session keeps its newest
-        ``private_history_rows`` only (the worker's memory holds it: a frontend must not
-        fill it, with answers or with failures)."""
+        ``private_history_rows`` only, within ``private_history_chars`` (the worker's
+        memory holds it: a frontend must not fill it, with answers, failures or huge
+        messages)."""
         session.append_rows(rows)
         if not session.policy.persist:
-            self.rt.sessions.trim_transient(self.key, self.rt.config.private_history_rows)
+            cfg = self.rt.config
+            self.rt.sessions.trim_transient(
+                self.key, cfg.private_history_rows, cfg.private_history_chars
+            )
 
     async def _emit(
         self, msg: InboundMessage, reply_to: str, text: str, *, kind: str = "progress"
