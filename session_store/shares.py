@@ -30,6 +30,15 @@ class Shares:
 
     def put(self, channel: str, key: str, weights: tuple[int, ...]) -> None:
         """Add ``key`` (or update its weights), as the most recently used of its channel."""
+        if self._channel.get(key) == channel:  # (every turn: counted again, in place)
+            entries, sums = self._lru[channel], self._sums[channel]
+            old = entries[key]
+            for i, w in enumerate(weights):
+                sums[i] += w - old[i]
+                self.totals[i] += w - old[i]
+            entries[key] = weights
+            entries.move_to_end(key)
+            return
         self.drop(key)
         self._channel[key] = channel
         self._lru.setdefault(channel, OrderedDict())[key] = weights
