@@ -121,16 +121,29 @@ class NewMessage(BaseModel):
 
 def _nesting(value: Any, cap: int) -> int:
     """How deep ``value`` nests (objects and arrays), counted up to ``cap``, without
-    recursion."""
+    recursion. A string (a value or a key) that is no UTF-8 (a lone surrogate: valid
+    JSON) raises ValueError: the message could not be written (a 500 before)."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         item, depth = todo.pop()
+        if isinstance(item, str):
+            _utf8(item)
+        elif isinstance(item, dict):
+            for key in item:
+                _utf8(key)
         if isinstance(item, dict | list):
             deepest = max(deepest, depth)
             if deepest >= cap:
                 return deepest
             todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
     return deepest
+
+
+def _utf8(value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("metadata holds a string that is no UTF-8 (a lone surrogate)") from None
 
 
 class Accepted(BaseModel):

@@ -23,9 +23,11 @@ def waits(scope: Scope) -> bool:
     # ?wait= lifts it on the one route that takes it (a send), not on any other route
     if scope.get("method") != "POST" or not path.endswith("/messages"):
         return False
-    query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+    # the route reads the last of a repeated parameter: so does this (with ?wait=5&wait=0
+    # the deadline was lifted from a send that did not wait)
+    query = parse_qs((scope.get("query_string") or b"").decode("latin-1"), keep_blank_values=True)
     try:
-        return any(float(w) > 0 for w in query.get("wait", []))
+        return float(query.get("wait", ["0"])[-1]) > 0
     except ValueError:
         return False  # (refused by the route as invalid)
 

@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bus_redis import OutboundMessage
 from gateway.api import CLIENT_ID, MAX_MESSAGE_CHARS, caller, gw
@@ -54,6 +54,23 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        """A ``text`` part's text is a string of UTF-8 (``null`` was asked as "None", an
+        object as its repr, a lone surrogate a 500); parts of other types are ignored."""
+        for part in value if isinstance(value, list) else ():
+            if part.get("type") != "text":
+                continue
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError("a text part's text must be a string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a text part holds no UTF-8 (a lone surrogate)") from None
+        return value
 
 
 class CompletionRequest(BaseModel):
@@ -166,9 +183,9 @@ def _last_user_text(messages: list[ChatMessage]) -> str | None:
     content = messages[-1].content
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = [p.get("text", "") for p in content if p.get("type") == "text"]
-        return "\n".join(str(p) for p in parts)
+    if isinstance(content, list):  # (text parts hold strings: ChatMessage)
+        parts = [p["text"] for p in content if p.get("type") == "text"]
+        return "\n".join(parts) if parts else None  # (an image alone asks nothing)
     return None
 
 

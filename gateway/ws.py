@@ -148,14 +148,22 @@ class Connection:
                 await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.ended.set()
+        except BaseException:  # a writer gone for any reason ends the socket, never mutes it
+            self.ended.set()
+            raise
 
     async def _handle(self, raw: str) -> None:
         try:
             frame = json.loads(raw)
             op, session_id = frame["op"], str(frame["session_id"])
-            after = str(frame.get("after") or "$")
+            after = frame.get("after")
+            after = "$" if after is None else after  # (the number 0 was taken for "$")
+            session_id.encode("utf-8")  # (a lone surrogate, echoed, killed the writer)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             self.put({"type": "error", "message": "expected {op, session_id}"})
+            return
+        if not isinstance(after, str):
+            self.put({"type": "error", "session_id": session_id, "message": "after: a string"})
             return
         if op == "unsubscribe":
             task = self.pumps.pop(session_id, None)
