@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from helpers import answering
 from hypothesis import given
 from hypothesis import strategies as st
-from helpers import answering
 from replies import open_private
 
 from bus_redis import FrontendClient, InboundMessage, Keys
@@ -184,7 +184,8 @@ def test_shares_evict_from_the_channel_holding_most_and_keep_their_sums(ops: lis
         if not others:
             assert victim is None
             continue
-        assert victim is not None and victim != keep
+        assert victim is not None
+        assert victim != keep
         sums: dict[str, int] = {}
         for c, weights, _ in model.values():
             sums[c] = sums.get(c, 0) + weights[1]
