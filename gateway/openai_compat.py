@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -106,6 +106,8 @@ async def completions(
         )
         return _error(413, "invalid_request_error", detail)
     chat = await _pick(g, user, x_session_id, body.user)
+    if isinstance(chat, JSONResponse):
+        return chat
     message_id = _message_id(chat, idempotency_key)
     cursor = await g.hub.last_id(g.keys.out(chat.session_key))
     if not g.has_room(user, chat):
@@ -153,16 +155,21 @@ async def completions(
     return JSONResponse(doc, headers={"X-Session-Id": chat.id})
 
 
-async def _pick(g: Gateway, user: User, session_id: str | None, end_user: str | None) -> Chat:
+async def _pick(
+    g: Gateway, user: User, session_id: str | None, end_user: str | None
+) -> Chat | JSONResponse:
+    """The conversation, or the error answer (OpenAI's shape, as every answer here)."""
     if session_id:
         chat = await g.chats.owned(user, session_id)
         if chat is None:
-            raise HTTPException(404, "no such session")
+            return _error(404, "invalid_request_error", "no such session")
         return chat
     try:
         return await g.chats.ensure(user, f"{user.hash}-oa-{end_user_digest(end_user)}")
-    except ChatLimitError as exc:
-        raise HTTPException(409, str(exc)) from None
+    except ChatLimitError as exc:  # (a retry meets the same limit: the SDK is told so)
+        refused = _error(409, "invalid_request_error", str(exc))
+        refused.headers["x-should-retry"] = "false"
+        return refused
 
 
 def _message_id(chat: Chat, idempotency_key: str | None) -> str:

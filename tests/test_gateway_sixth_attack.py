@@ -280,3 +280,28 @@ def test_a_websocket_frame_naming_a_lone_surrogate_is_answered_and_the_socket_se
         assert types == ["error", "subscribed"], f"frames in 5 s: {frames}"
     finally:
         gw.close()
+
+
+# --- 8. the OpenAI route's own refusals, in OpenAI's shape (mine, after the attack) ------------
+
+
+async def test_an_openai_conversation_refused_is_answered_as_openai_errors_are(
+    redis_factory: Any,
+) -> None:
+    """An unknown ``X-Session-Id`` and a caller past its chats were FastAPI's
+    ``{"detail": ...}`` (an SDK reads ``error.message``), and the 409 was retried by the
+    openai SDK though a retry meets the same limit. Now both are OpenAI errors, the 409
+    with ``x-should-retry: false``."""
+    async with _client(redis_factory, max_sessions_per_user=1) as http:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        headers = {**JSON_ALICE, "X-Session-Id": "nope"}
+        r = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "no such session"
+        await http.post("/api/sessions", json={}, headers=ALICE)  # (its one chat)
+        r = await http.post(
+            "/v1/chat/completions", json={**body, "user": "bob"}, headers=JSON_ALICE
+        )
+        assert r.status_code == 409, r.text
+        assert "error" in r.json()
+        assert r.headers["x-should-retry"] == "false"
