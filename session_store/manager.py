@@ -133,7 +133,9 @@ class SessionManager:
 
     def _remember(self, session: Session) -> Session:
         key = session.key
-        if session.scope:
+        if session.scope and self._scopes.get(key) == session.scope:
+            self._scope_shares.touch(key)
+        elif session.scope:
             self._scopes[key] = session.scope
             self._scope_shares.put(channel_of(key), key, (1,))
             while len(self._scopes) > SCOPE_HINTS_MAX:
@@ -152,10 +154,10 @@ class SessionManager:
     def _evict(self, keep: str) -> None:
         """While over a bound, the least recently used session of the channel holding
         the most of it goes (``keep``, the session just used, stays)."""
-        totals = self._shares.totals
-        while True:
-            over = next((i for i, b in enumerate(self._bounds) if totals[i] > b), None)
-            victim = None if over is None else self._shares.victim(over, keep)
+        totals, (sessions, rows, chars) = self._shares.totals, self._bounds
+        while totals[0] > sessions or totals[1] > rows or totals[2] > chars:
+            over = 0 if totals[0] > sessions else 1 if totals[1] > rows else 2
+            victim = self._shares.victim(over, keep)
             if victim is None:
                 return
             self._drop(victim)
