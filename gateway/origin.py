@@ -3,8 +3,11 @@
 Behind an authenticating proxy (a login cookie turned into ``X-Forwarded-User``) the
 browser sends the user's credentials with any request to the gateway, whichever page
 makes it: a WebSocket handshake (no CORS for WebSockets) or an HTML form's POST (no
-preflight). So every WebSocket handshake and every request that is not GET, HEAD or
-OPTIONS must come from the gateway's own origin, or one the operator lists
+preflight). So every WebSocket handshake, every request that is not GET, HEAD or
+OPTIONS, and every GET of an event stream (``.../events``: an ``<img>`` or an
+``EventSource`` of another site's page opens it in the user's name and holds one of the
+user's stream slots, though the browser hides the answer) must come from the gateway's
+own origin, or one the operator lists
 (``AGENT_GATEWAY_ALLOWED_ORIGINS``), when the browser says where it comes from:
 
 - ``Origin`` (browsers send it with every cross-origin request and every POST and
@@ -43,7 +46,10 @@ class SameOrigin:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        checked = kind == "websocket" or (kind == "http" and scope["method"] not in SAFE_METHODS)
+        checked = kind == "websocket" or (
+            kind == "http"
+            and (scope["method"] not in SAFE_METHODS or scope.get("path", "").endswith("/events"))
+        )
         if not checked or self._same_site(scope):
             await self.app(scope, receive, send)
             return

@@ -305,3 +305,22 @@ async def test_an_openai_conversation_refused_is_answered_as_openai_errors_are(
         assert r.status_code == 409, r.text
         assert "error" in r.json()
         assert r.headers["x-should-retry"] == "false"
+
+
+def test_an_event_stream_another_sites_page_opens_is_refused() -> None:
+    """Behind an authenticating proxy, a page of another site can make the user's browser
+    GET a chat's event stream (an ``<img>``, an ``EventSource`` with credentials): the
+    browser hides the answer, but the stream is opened in the user's name and holds one
+    of the user's few stream slots while the page stays open. SameOrigin checked only
+    WebSockets and unsafe methods; a GET of ``/events`` from another site is refused now
+    (a page of the gateway's own origin, and a client that is no browser, still read)."""
+    from test_gateway_hostile import _proxied_app
+
+    app, _ = _proxied_app()
+    with TestClient(app, client=("127.0.0.1", 5555)) as c:
+        user = {"X-Forwarded-User": "alice"}
+        sid = c.post("/api/sessions", json={}, headers=user).json()["id"]
+        path = f"/api/sessions/{sid}/events"
+        for foreign in ({"Sec-Fetch-Site": "cross-site"}, {"Origin": "https://evil.example"}):
+            with c.stream("GET", path, headers={**user, **foreign}) as r:
+                assert r.status_code == 403, f"{foreign}: {r.status_code}"
