@@ -203,10 +203,10 @@ class EntryPolicy(Held):
         if (
             live is not None
             and live.scope
-            and wanted is not None
-            and wanted != live.scope
+            and rt.scope_for(op.channel, op.scope, op.sender_id) != live.scope
             and not rt.config.owner_mode
-        ):  # a live private session is its scope's: another one's opening takes nothing of it
+        ):  # a live private session is its scope's: another one's opening takes nothing of
+            # it (one that names no scope asks for its sender's: it wiped the live one)
             detail = "this private session is open under another scope"
             self._set_reply(
                 spec, error(op.channel, op.chat_id, key, reply_to, "invalid_message", detail)

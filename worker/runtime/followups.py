@@ -97,6 +97,8 @@ class FollowUpPuller:
             return None
         if msg.session_key != self.member or self.scope_of(msg) != self.session.scope:
             return None
+        if msg.require_existing_session and self.session.policy.persist:
+            return None  # (a private one's: never a durable turn's, never stored)
         if (msg.followup or self.default_mode) != "inject":  # queue: a turn of its own
             return None
         return msg
