@@ -18,8 +18,7 @@ fails on the code it was written against for the reason its docstring gives.
   skipped, while the client is told it is subscribed.
 
 In process (httpx over ASGI) on both backends (``redis_factory``) where no worker is
-needed; starlette's TestClient over fakeredis for the WebSocket cursor, a real gateway
-process for what uvicorn itself does. No sleeps synchronize
+needed; a real gateway process for the WebSockets. No sleeps synchronize
 anything.
 """
 
@@ -31,7 +30,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import fakeredis
 import httpx
 import pytest
 from starlette.testclient import TestClient
@@ -189,20 +187,7 @@ async def test_an_openai_user_message_without_any_text_is_refused_not_sent_empty
 # --- 4. WebSocket cursors -------------------------------------------------------------------------
 
 
-def _ws_app() -> tuple[Any, fakeredis.FakeRedis]:
-    server = fakeredis.FakeServer()
-
-    def make() -> fakeredis.FakeAsyncRedis:
-        return fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
-
-    settings = GatewaySettings(tokens=TOKENS)
-    gw = Gateway(settings, make(), [make()])
-    gw.hub.block_ms = 100  # (a fake blocked read ends only at its timeout: the app's end waits it)
-    admin = fakeredis.FakeRedis(server=server, decode_responses=True)
-    return create_app(settings, gw), admin
-
-
-def _add_event(admin: fakeredis.FakeRedis, chat_id: str, content: str) -> str:
+def _add_event(admin: Any, chat_id: str, content: str) -> str:
     """An event of a chat as a worker adds it: to its stream, its name to the pulse."""
     session = f"web:{chat_id}"
     doc = OutboundMessage(
@@ -218,23 +203,36 @@ def _add_event(admin: fakeredis.FakeRedis, chat_id: str, content: str) -> str:
     return entry_id
 
 
-def test_a_websocket_subscription_after_the_number_0_is_not_taken_as_only_new_events() -> None:
+@pytest.mark.real_redis
+def test_a_websocket_subscription_after_the_number_0_is_not_taken_as_only_new_events(
+    redis_server: Any,
+) -> None:
     """``_handle`` reads the cursor as ``str(frame.get("after") or "$")``: the JSON number
     0 (falsy) becomes ``$``. A client asking for everything kept (``?after=0`` on SSE)
     with a number is told it is subscribed, and every event already written is skipped
     (lost for it); any other number is refused as an invalid cursor. It should be taken
     as ``0`` (replayed) or refused with an error frame. Fix: ``after = frame.get("after")``,
-    ``"$"`` only when it is missing or null, and a non-string refused."""
-    app, admin = _ws_app()
-    with TestClient(app) as c:
-        sid = c.post("/api/sessions", json={}, headers=ALICE).json()["id"]
+    ``"$"`` only when it is missing or null, and a non-string refused. A real gateway
+    process (starlette's TestClient, cancelling the app as the socket closes, failed
+    now and then under load)."""
+    from gateways import GatewayProcess
+    from redis import Redis
+    from websockets.sync.client import connect
+
+    gw = GatewayProcess(
+        redis_server.url, name="ws-after-0", env={"AGENT_GATEWAY_TOKENS": TOKENS_ENV}
+    )
+    admin = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        sid = httpx.post(f"{gw.url}/api/sessions", json={}, headers=ALICE).json()["id"]
         old = _add_event(admin, sid, "already answered")
-        with c.websocket_connect("/api/ws", headers=dict(ALICE)) as ws:  # (it adds to them)
-            ws.send_text(json.dumps({"op": "subscribe", "session_id": sid, "after": 0}))
-            frame = ws.receive_json()
+        url = f"ws://127.0.0.1:{gw.port}/api/ws"
+        with connect(url, additional_headers=dict(ALICE), open_timeout=5) as ws:
+            ws.send(json.dumps({"op": "subscribe", "session_id": sid, "after": 0}))
+            frame = json.loads(ws.recv(timeout=5))
             if frame["type"] == "subscribed":
-                new = _add_event(admin, sid, "answered later")  # (something comes either way)
-                frame = ws.receive_json()
+                new = _add_event(admin, sid, "answered later")
+                frame = json.loads(ws.recv(timeout=5))
                 assert frame["type"] == "event", frame
                 assert frame["id"] == old, (
                     f'subscribed with "after": 0; the first event given is {frame["id"]} '
@@ -242,6 +240,9 @@ def test_a_websocket_subscription_after_the_number_0_is_not_taken_as_only_new_ev
                 )
             else:
                 assert frame["type"] == "error", frame
+    finally:
+        admin.close()
+        gw.close()
 
 
 @pytest.mark.real_redis
