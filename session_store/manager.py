@@ -138,12 +138,7 @@ class SessionManager:
         elif session.scope:
             self._scopes[key] = session.scope
             self._scope_shares.put(channel_of(key), key, (1,))
-            while len(self._scopes) > SCOPE_HINTS_MAX:
-                victim = self._scope_shares.victim(0, key)
-                if victim is None:
-                    break
-                self._scope_shares.drop(victim)
-                del self._scopes[victim]
+            self._scope_shares.trim(self._scopes, SCOPE_HINTS_MAX, key)
         if self._cache.get(key) is not session:
             self._drop(key)
         self._cache[key] = session

@@ -68,10 +68,5 @@ class MemoryStore:
     def _remember(self, scope: str, version: int, content: str) -> str:
         self._cached[scope] = (version, content)
         self._shares.put(scope.partition("/")[0], scope, (1,))
-        while len(self._cached) > MEMORY_CACHE_SCOPES:
-            victim = self._shares.victim(0, scope)
-            if victim is None:
-                break
-            self._shares.drop(victim)
-            del self._cached[victim]
+        self._shares.trim(self._cached, MEMORY_CACHE_SCOPES, scope)
         return content

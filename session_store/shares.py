@@ -11,6 +11,7 @@ holds an entry (frontends are configured, not made by users: a few to hundreds).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 
 class Shares:
@@ -69,6 +70,16 @@ class Shares:
         self._lru.clear()
         self._sums.clear()
         self._channel.clear()
+
+    def trim(self, table: dict[str, Any], bound: int, keep: str) -> None:
+        """Evict from ``table`` (the cache these entries weigh, one weight: 1 each) while
+        it holds more than ``bound`` entries (``keep`` stays)."""
+        while len(table) > bound:
+            victim = self.victim(0, keep)
+            if victim is None:
+                return
+            self.drop(victim)
+            del table[victim]
 
     def victim(self, weight: int, keep: str = "") -> str | None:
         """The entry to evict for bound ``weight``: the least recently used of the channel

@@ -72,17 +72,24 @@ async def test_a_one_shot_firing_waits_out_the_private_session_on_its_key(  # ty
         return not await redis.exists(K.owner(key))
 
     await until(ended, timeout_s=10)
-    later = int(time.time() * 1000) - 1  # (its put-off time came)
+    await fired_late(redis, loop, client, sid)
+    [ran] = [c for c in calls if "Scheduled (once" in c]
+    assert "TEA-DURABLE" in ran, "the firing ran without the stored chat's history"
+    assert "PRIVATE-SECRET-5" not in ran, "the firing ran in the private conversation"
+    assert await redis.hget(K.cron_defs("web"), sid) is None  # a one-shot: done now
+
+
+async def fired_late(
+    redis: aioredis.Redis, loop: AgentLoop, client: FrontendClient, sid: str
+) -> None:
+    """Schedule ``sid``'s put-off time came: it fires, and its turn is answered."""
+    later = int(time.time() * 1000) - 1
     assert await redis.zadd(K.cron_due("web"), {sid: later}, xx=True, ch=True) == 1
     assert await loop.schedules.fire(channel="web", sid=sid, due_ms=later)
     firing = f"cron:{sid}:{later}"
     reply = [e for e in (await collect(client, "web", {firing}, timeout_s=10))[firing]
              if e.is_terminal][-1]  # fmt: skip
     assert (reply.type, reply.code) == ("message", None)
-    [ran] = [c for c in calls if "Scheduled (once" in c]
-    assert "TEA-DURABLE" in ran, "the firing ran without the stored chat's history"
-    assert "PRIVATE-SECRET-5" not in ran, "the firing ran in the private conversation"
-    assert await redis.hget(K.cron_defs("web"), sid) is None  # a one-shot: done now
 
 
 async def stored_every(
@@ -202,13 +209,7 @@ async def test_a_firing_waits_out_a_private_opening_not_handled_yet(  # type: ig
         return not await redis.exists(K.owner("web:ow")) and not await redis.xlen(stream)
 
     await until(ended, timeout_s=10)
-    later = int(time.time() * 1000) - 1  # (its put-off time came)
-    assert await redis.zadd(K.cron_due("web"), {sid: later}, xx=True, ch=True) == 1
-    assert await loop.schedules.fire(channel="web", sid=sid, due_ms=later)
-    firing = f"cron:{sid}:{later}"
-    reply = [e for e in (await collect(client, "web", {firing}, timeout_s=10))[firing]
-             if e.is_terminal][-1]  # fmt: skip
-    assert (reply.type, reply.code) == ("message", None)
+    await fired_late(redis, loop, client, sid)
     [ran] = [c for c in calls if "HOURLY" in c and "Scheduled (" in c]
     assert "TEA-DURABLE" in ran, "the firing ran without the stored chat's history"
 

@@ -73,6 +73,20 @@ async def _never_answering() -> AsyncIterator[aioredis.Redis]:
         await frozen.aclose()
 
 
+@contextlib.asynccontextmanager
+async def frozen_gateway(timeout_s: float = 0.3) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the gateway in process over a Redis that never answers, its
+    request deadline ``timeout_s``."""
+    config = GatewaySettings(tokens=TOKENS, request_timeout_s=timeout_s)
+    async with _never_answering() as frozen:
+        gw = Gateway(config, frozen, [frozen])
+        app = create_app(config, gw)
+        app.state.gw = gw
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            yield http
+
+
 async def test_every_route_refuses_a_caller_without_credentials(redis_factory) -> None:  # type: ignore[no-untyped-def]
     async with _client(redis_factory, tokens={}) as http:  # nothing configured: deny all
         assert (await http.get("/api/sessions", headers=ALICE)).status_code == 401
@@ -697,19 +711,13 @@ def test_a_websocket_client_that_stops_reading_is_let_go_by_bytes_too() -> None:
 async def test_a_redis_that_stops_answering_is_503_after_the_deadline() -> None:
     """A Redis that accepts and never answers (frozen, or busy with a long command): a
     request that does not wait by design is answered 503 at the deadline, not held."""
-    config = GatewaySettings(tokens=TOKENS, request_timeout_s=0.3)
-    async with _never_answering() as frozen:
-        gw = Gateway(config, frozen, [frozen])
-        app = create_app(config, gw)
-        app.state.gw = gw
-        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            for method, path in [("GET", "/api/sessions"), ("POST", "/api/sessions")]:
-                # (held for ever without the deadline: a failure here, not a hung suite)
-                r = await asyncio.wait_for(http.request(method, path, json={}, headers=ALICE), 10)
-                assert r.status_code == 503, (method, path)
-                assert "did not answer in time" in r.json()["detail"]
-            assert (await asyncio.wait_for(http.get("/readyz"), 10)).status_code == 503
+    async with frozen_gateway() as http:
+        for method, path in [("GET", "/api/sessions"), ("POST", "/api/sessions")]:
+            # (held for ever without the deadline: a failure here, not a hung suite)
+            r = await asyncio.wait_for(http.request(method, path, json={}, headers=ALICE), 10)
+            assert r.status_code == 503, (method, path)
+            assert "did not answer in time" in r.json()["detail"]
+        assert (await asyncio.wait_for(http.get("/readyz"), 10)).status_code == 503
 
 
 def test_the_routes_that_wait_by_design_have_no_deadline() -> None:

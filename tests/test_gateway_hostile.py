@@ -12,11 +12,10 @@ import socket
 from typing import Any
 
 import fakeredis
-import httpx
 import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
-from test_gateway_api import ALICE, TOKENS, _client, _never_answering
+from test_gateway_api import ALICE, _client, frozen_gateway
 
 from bus_redis.keys import Keys
 from gateway.app import Gateway, create_app
@@ -117,18 +116,12 @@ async def test_a_wait_query_on_any_route_does_not_lift_the_deadline() -> None:
     """``Deadline`` exempts every request whose query has ``wait=`` > 0, whatever the
     route: ``GET /api/sessions?wait=1`` against a Redis that stopped answering is held for
     ever instead of the documented 503 at AGENT_GATEWAY_REQUEST_TIMEOUT_S."""
-    config = GatewaySettings(tokens=TOKENS, request_timeout_s=0.3)
-    async with _never_answering() as frozen:
-        gw = Gateway(config, frozen, [frozen])
-        app = create_app(config, gw)
-        app.state.gw = gw
-        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            try:  # (a failure guard only: the 503 is due at 0.3 s)
-                r = await asyncio.wait_for(http.get("/api/sessions?wait=1", headers=ALICE), 5)
-            except TimeoutError:
-                pytest.fail("GET /api/sessions?wait=1 still unanswered 5 s past a 0.3 s deadline")
-            assert r.status_code == 503
+    async with frozen_gateway() as http:
+        try:  # (a failure guard only: the 503 is due at 0.3 s)
+            r = await asyncio.wait_for(http.get("/api/sessions?wait=1", headers=ALICE), 5)
+        except TimeoutError:
+            pytest.fail("GET /api/sessions?wait=1 still unanswered 5 s past a 0.3 s deadline")
+        assert r.status_code == 503
 
 
 async def test_the_openai_endpoint_keeps_the_message_limit(redis_factory) -> None:  # type: ignore[no-untyped-def]

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 from starlette.testclient import TestClient
-from test_gateway_api import ALICE, TOKENS, _never_answering
+from test_gateway_api import ALICE, TOKENS, frozen_gateway
 
 from bus_redis import OutboundMessage
 from bus_redis.keys import Keys
@@ -90,24 +90,18 @@ async def test_a_send_with_wait_given_twice_keeps_its_deadline() -> None:
     Redis that stopped answering it is held for ever instead of the documented 503 at
     AGENT_GATEWAY_REQUEST_TIMEOUT_S. Fix: decide from the value the route will use (the
     last), or the route itself applies the deadline up to the wait."""
-    config = GatewaySettings(tokens=TOKENS, request_timeout_s=0.3)
     chat_id = f"{User('alice').hash}-{'0' * 24}"
-    async with _never_answering() as frozen:
-        gw = Gateway(config, frozen, [frozen])
-        app = create_app(config, gw)
-        app.state.gw = gw
-        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            send = http.post(
-                f"/api/sessions/{chat_id}/messages?wait=5&wait=0",
-                json={"content": "hi"},
-                headers=ALICE,
-            )
-            try:  # (a failure guard only: the 503 is due at 0.3 s)
-                r = await asyncio.wait_for(send, 3)
-            except TimeoutError:
-                pytest.fail("a send with ?wait=5&wait=0 unanswered 3 s past a 0.3 s deadline")
-            assert r.status_code == 503
+    async with frozen_gateway() as http:
+        send = http.post(
+            f"/api/sessions/{chat_id}/messages?wait=5&wait=0",
+            json={"content": "hi"},
+            headers=ALICE,
+        )
+        try:  # (a failure guard only: the 503 is due at 0.3 s)
+            r = await asyncio.wait_for(send, 3)
+        except TimeoutError:
+            pytest.fail("a send with ?wait=5&wait=0 unanswered 3 s past a 0.3 s deadline")
+        assert r.status_code == 503
 
 
 # --- 2. lone surrogates --------------------------------------------------------------------------
