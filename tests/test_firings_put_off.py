@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from replies import collect, until
-from test_private_beside_durable import _durable, _private
+from test_private_beside_durable import _durable, _private, scheduling
 
 from bus_redis import FrontendClient, Keys, RedisBus
 from worker import AgentLoop
@@ -173,16 +173,8 @@ async def test_a_firing_waits_out_a_private_opening_not_handled_yet(  # type: ig
     longer than the script looks at (``backlog``: 17 plain messages before the opening)
     it is put off too."""
     calls: list[str] = []
-
-    async def model(**kw: Any) -> LLMResponse:
-        calls.append(json.dumps(kw["messages"]))
-        last = kw["messages"][-1]
-        if last["role"] == "user" and last["content"] == "tick hourly about TEA-DURABLE":
-            args = {"action": "add", "every_seconds": 3600, "message": "HOURLY"}
-            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
-        return LLMResponse(content="ok")
-
-    loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
+    model = scheduling(calls, "tick hourly about TEA-DURABLE", "HOURLY")
+    loop = make_loop(model, followup_mode="queue")
     client = FrontendClient(redis)
     ask = _durable("ow", "tick hourly about TEA-DURABLE", "r1", scope="u")
     assert (await client.ask(ask, timeout_s=10)).type == "message"

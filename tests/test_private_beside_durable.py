@@ -83,6 +83,21 @@ async def _next_private_turn_sees_the_first(
 # --- 1. consolidation of the durable session --------------------------------------------
 
 
+def scheduling(calls: list[str], ask: str, message: str) -> ScriptedProvider:
+    """A model that adds an hourly schedule saying ``message`` when asked ``ask`` and
+    answers "ok" otherwise; every prompt it gets goes to ``calls``."""
+
+    async def model(**kw: Any) -> LLMResponse:
+        calls.append(json.dumps(kw["messages"]))
+        last = kw["messages"][-1]
+        if last["role"] == "user" and last["content"] == ask:
+            args = {"action": "add", "every_seconds": 3600, "message": message}
+            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
+        return LLMResponse(content="ok")
+
+    return ScriptedProvider(handler=model)
+
+
 async def test_consolidating_the_durable_session_keeps_the_private_session_on_its_key(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop
 ) -> None:
@@ -311,18 +326,8 @@ async def test_a_durable_schedule_never_fires_into_the_private_session_on_its_ke
     key: the model gets the private history with the firing, and the firing's exchange
     lands in the private session."""
     calls: list[str] = []
-
-    async def model(**kw: Any) -> LLMResponse:
-        calls.append(json.dumps(kw["messages"]))
-        last = kw["messages"][-1]
-        if last["role"] == "user" and last["content"] == "remind me":
-            args = {"action": "add", "every_seconds": 3600, "message": "STRETCH-NOW"}
-            return LLMResponse(tool_calls=[ToolCallRequest("c1", "cron", args)])
-        return LLMResponse(content="ok")
-
-    loop = make_loop(
-        ScriptedProvider(handler=model), followup_mode="queue", single_owner=single_owner
-    )
+    model = scheduling(calls, "remind me", "STRETCH-NOW")
+    loop = make_loop(model, followup_mode="queue", single_owner=single_owner)
     client = FrontendClient(redis)
     reply = await client.ask(_durable("cr", "remind me", "r1", scope="u"), timeout_s=10)
     assert reply.type == "message"

@@ -25,6 +25,21 @@ def _said(provider: ScriptedProvider) -> list[str]:
     return [json.dumps(call["messages"]) for call in provider.calls]
 
 
+async def alices_private(client: FrontendClient, text: str) -> tuple[str, dict[str, Any]]:
+    """Alice's private session on ``web:42-private`` (her scope vouched), told ``text``;
+    its key and the fields every message of it carries."""
+    key = "web:42-private"
+    _, opened = await client.open_transient("web", "42", session_key=key, scope="alice")
+    await collect(client, "web", {opened})
+    private = {"session_key_override": key, "require_existing_session": True}
+    alice = InboundMessage(
+        channel="web", sender_id="alice", chat_id="42", scope="alice",
+        content=text, id="a1", **private,
+    )  # fmt: skip
+    assert (await client.ask(alice, timeout_s=10)).type == "message"
+    return key, private
+
+
 async def test_reopening_a_live_private_session_under_another_scope_does_not_hand_it_over(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop
 ) -> None:
@@ -44,15 +59,7 @@ async def test_reopening_a_live_private_session_under_another_scope_does_not_han
     provider = ScriptedProvider(handler=answer)
     make_loop(provider)
     client = FrontendClient(redis)
-    key = "web:42-private"
-    _, opened = await client.open_transient("web", "42", session_key=key, scope="alice")
-    await collect(client, "web", {opened})
-    private = {"session_key_override": key, "require_existing_session": True}
-    alice = InboundMessage(
-        channel="web", sender_id="alice", chat_id="42", scope="alice",
-        content="my PIN is ALICE-SECRET-4711", id="a1", **private,
-    )  # fmt: skip
-    assert (await client.ask(alice, timeout_s=10)).type == "message"
+    key, private = await alices_private(client, "my PIN is ALICE-SECRET-4711")
 
     # bob, in the same chat, opens "his" private session: the frontend vouches his scope
     _, again = await client.open_transient("web", "42", session_key=key, scope="bob")

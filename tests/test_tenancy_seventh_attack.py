@@ -13,6 +13,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from replies import collect, until
+from test_private_leaks import alices_private
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 from worker.agent.providers import LLMResponse
@@ -47,15 +48,7 @@ async def test_an_opening_that_vouches_no_scope_does_not_wipe_another_users_priv
     provider = ScriptedProvider(handler=_noted)
     make_loop(provider)
     client = FrontendClient(redis)
-    key = "web:42-private"
-    _, opened = await client.open_transient("web", "42", session_key=key, scope="alice")
-    await collect(client, "web", {opened})
-    private = {"session_key_override": key, "require_existing_session": True}
-    alice = InboundMessage(
-        channel="web", sender_id="alice", chat_id="42", scope="alice",
-        content=f"remember {SECRET}", id="a1", **private,
-    )  # fmt: skip
-    assert (await client.ask(alice, timeout_s=10)).type == "message"
+    key, private = await alices_private(client, f"remember {SECRET}")
 
     # bob's side of the same chat opens the key without vouching a scope (his sender's)
     _, again = await client.open_transient(
