@@ -22,6 +22,8 @@ _WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers", "release"})
 # _events.lua: ending a session's events (and where a private session ended)
 _WITH_EVENTS = frozenset({"owner", "owner_lost", "delete"})
 _WITH_CRONS = frozenset({"cron_remove", "cron_fire", "delete"})  # _crons.lua: a scope's count
+# _openings.lua: whether a private session is open on a chat's key or its opening waits
+_WITH_OPENINGS = frozenset({"cron_fire", "spawn_done"})
 SCRIPT_NAMES = (
     "acquire",
     "next",
@@ -59,6 +61,8 @@ def script_source(name: str) -> str:
     body = (folder / f"{name}.lua").read_text(encoding="utf-8")
     if name in _WITH_PRELUDE:
         return (folder / "_common.lua").read_text(encoding="utf-8") + "\n" + body
+    if name in _WITH_OPENINGS:
+        body = (folder / "_openings.lua").read_text(encoding="utf-8") + "\n" + body
     if name in _WITH_CRONS:
         body = (folder / "_crons.lua").read_text(encoding="utf-8") + "\n" + body
     if name in _WITH_EVENTS:

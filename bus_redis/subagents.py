@@ -49,23 +49,40 @@ class SubagentStore:
         lease_key: str = "",
         token: str = "",
         run: str = "",
-    ) -> bool:
+    ) -> int:
         k, channel = self.keys, channel_of(session)
         keys = [k.spawned(session), k.subagents(channel), k.inbound(session)]
         keys += [k.queued(channel), k.ready(channel)]
         keys.append(k.lease(lease_key) if token else keys[0])
-        keys.append(k.subagent_scopes(channel))
+        keys += [k.subagent_scopes(channel), k.owner(session)]
         args = [sid, op, doc, session, READY_MAXLEN, token, REGISTRATION_TTL_MS, run]
-        return int(text(await self.bus.scripts.call("spawn_done", keys, args))) == 1
+        return int(text(await self.bus.scripts.call("spawn_done", keys, args)))
 
     async def running(self, session: str, sid: str, doc: str) -> bool:
         """Record who runs it; False when it was aborted before it started."""
-        return await self._done(session, sid, "running", doc)
+        return await self._done(session, sid, "running", doc) == 1
 
-    async def finish(self, session: str, sid: str, payload: str, *, run: str = "") -> bool:
-        """Publish the result message; False when it was aborted, or when ``run`` is given
-        and the registration names another run (nothing published)."""
+    async def finish(self, session: str, sid: str, payload: str, *, run: str = "") -> int:
+        """Publish the result message: 1 published; 0 not, when it was aborted, or when
+        ``run`` is given and the registration names another run; -3 not now (a private
+        session is open on the session's key, or its opening waits in the stream: the
+        result would be refused there), still registered (``put_off`` keeps it)."""
         return await self._done(session, sid, "done", payload, run=run)
+
+    async def put_off(self, session: str, sid: str, payload: str, run: str) -> int:
+        """Keep a result that could not be published now in its registration (``finished``)
+        for a later try; how many times it was put off (0: no longer registered, or
+        another run's)."""
+        count = 0
+
+        def finished(spec: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal count
+            if run and spec.get("run") != run:
+                return None
+            count = int(spec.get("put_off") or 0) + 1
+            return spec | {"state": "finished", "result": payload, "put_off": count}
+
+        return count if await self._rewrite(session, sid, finished) else 0
 
     async def drop(
         self, session: str, sid: str, *, lease_key: str = "", token: str = "", run: str = ""
@@ -73,7 +90,8 @@ class SubagentStore:
         """Unregister it; with ``token``, only while the turn dropping it still holds the
         lease of ``lease_key``, with ``run`` only while it names that run (False
         otherwise)."""
-        return await self._done(session, sid, "drop", lease_key=lease_key, token=token, run=run)
+        done = await self._done(session, sid, "drop", lease_key=lease_key, token=token, run=run)
+        return done == 1
 
     async def run_of(self, session: str, sid: str) -> str | None:
         """The run a registered subagent names ('' when none: not started, or claimed by a

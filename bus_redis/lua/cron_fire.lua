@@ -44,28 +44,8 @@ local function later()
   redis.call('ZADD', KEYS[2], ARGV[7], ARGV[1])
   return -3
 end
-if redis.call('EXISTS', KEYS[12]) == 1 then return later() end
--- ... or one published and not handled yet (no owner record until then): the firing
--- would follow it into the private conversation. The stream's entries are read one at a
--- time, at most OPEN_SCAN of them or SCAN_BYTES; a longer queue puts the firing off too
--- (it would wait behind that queue anyway). A message that merely names the op is taken
--- for an opening: that only puts the firing off until the message was handled.
-local OPEN_SCAN, SCAN_BYTES = 16, 1048576
-local read, bytes, from = 0, 0, '-'
-while true do
-  local r = redis.pcall('XRANGE', KEYS[4], from, '+', 'COUNT', 1)
-  if type(r) ~= 'table' or r.err or #r == 0 then break end  -- (junk: the XADD below says)
-  if read == OPEN_SCAN or bytes >= SCAN_BYTES then return later() end
-  local e = r[1]
-  for i = 1, #e[2] - 1, 2 do
-    local v = e[2][i + 1]
-    bytes = bytes + #v
-    if e[2][i] == 'payload' and string.find(v, 'open_transient', 1, true) then
-      return later()
-    end
-  end
-  read, from = read + 1, '(' .. e[1]
-end
+-- a private session open on its key, or its opening waiting (_openings.lua)
+if private_waits(KEYS[12], KEYS[4]) then return later() end
 if redis.call('EXISTS', KEYS[7]) == 0 then
   if redis.call('EXISTS', KEYS[8]) == 1 then return later() end
   -- a turn of this session whose worker died: its entry still waits in the stream, and

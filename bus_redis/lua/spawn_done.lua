@@ -5,6 +5,7 @@
 -- KEYS[3] the session's inbound stream  KEYS[4] channel's queued index  KEYS[5] its ready queue
 -- KEYS[6] the lease of the turn dropping it (an undo; else KEYS[1])
 -- KEYS[7] the scopes of the channel's sessions with subagents (hash)
+-- KEYS[8] the owner record of the session's own key (a private session open on KEYS[3])
 -- ARGV[1] subagent id  ARGV[2] 'running' (ARGV[3]: what it does now, JSON), 'done'
 -- (ARGV[3]: the result message, JSON) or 'drop'  ARGV[4] session key  ARGV[5] ready MAXLEN
 -- ARGV[6] that turn's lease token ('': not fenced)  ARGV[7] the registrations' TTL (ms):
@@ -19,7 +20,10 @@
 -- be taken by that worker too
 -- returns 1 done, 0 not registered (aborted, done already, or superseded), -1 the
 -- dropping turn's lease is lost (a stalled worker's cut turn must not undo what the
--- holder after it kept)
+-- holder after it kept), -3 'done' not now: a private session is open on the session's
+-- key or its opening waits in the stream (_openings.lua), whose conversation the result
+-- must not run in (it would be refused there and lost); nothing published, the
+-- registration kept (its TTL renewed) for a later try
 if ARGV[6] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[6] then return -1 end
 local doc = redis.call('HGET', KEYS[1], ARGV[1])
 if not doc then return 0 end
@@ -41,6 +45,10 @@ if ARGV[2] == 'running' then
   return 1
 end
 if ARGV[2] == 'done' then
+  if private_waits(KEYS[8], KEYS[3]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[7])
+    return -3
+  end
   local added = redis.pcall('XADD', KEYS[3], '*', 'payload', ARGV[3])
   if type(added) == 'table' and added.err then
     local err = tostring(added.err)

@@ -10,7 +10,9 @@ Three cases, each claimed once among the survivors that judged the worker dead:
   job marked it ``running``) or ``running`` on it;
 - a subagent ``running`` on it whose job it did not name (an older worker): claimed from
   the registration (``SubagentStore.claim_orphan``, ``WATCH``ed), which also ends the
-  run there should the worker only have stalled.
+  run there should the worker only have stalled;
+- a result it put off for a private session (``finished``, ``subagent_results``): its
+  delivery queued again, since an in-process queue's deferred job died with it.
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class Orphans:
                 return False  # another survivor took it
         elif state == "running" and worker == me and not run:
             pass
+        elif state == "finished":
+            pass  # its result put off (``subagent_results``): delivered by a job again, at
+            # once (its deferred job died with an in-process queue; a second is harmless:
+            # the result is published once, by ``spawn_done.lua``)
         elif state != "queued" or not await self._take(session, sid, dead):
             return False  # ended, or running again elsewhere
         await self.rt.jobs.orphaned(

@@ -26,7 +26,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -43,6 +43,7 @@ from worker.agent.runner import TurnRunner, TurnState
 from worker.agent.tools import ToolContext, ToolRegistry
 from worker.agent.tools.base import Origin, call_sid
 from worker.jobs.subagent_orphans import Orphans, until_rerun
+from worker.jobs.subagent_results import Results, retried
 from worker.runtime.context import Runtime
 from worker.runtime.outcomes import TurnAbortedError
 
@@ -51,8 +52,6 @@ JOB_NAME = "subagent"
 SUBAGENT_TOOLS = ("read_session", "search_sessions")  # reads within the session's scope
 ABORTING = ("stop", "discard", "delete", "new")
 MAX_TASK_CHARS = 8000
-FINISH_ATTEMPTS = 7  # starting a subagent, publishing its result: tried for about a minute
-T = TypeVar("T")
 SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
 # how often a running subagent's registration is looked at: a cut turn on another worker
 # undoes it there (one HGET per running subagent, bounded by the slots)
@@ -77,6 +76,7 @@ class Subagents:
         # the subagent jobs running here (their own hash: see Keys.worker_jobs)
         self.here = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS, kind="subagents")
         self.orphans = Orphans(rt, self.store, self.here, JOB_NAME, self._job_id)
+        self.results = Results(rt, self.store, JOB_NAME, self._job_id)
         # session -> id -> (task, what it does)
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
@@ -179,13 +179,11 @@ class Subagents:
         the publish, and a start still refused then publishes a failure note (arq never
         runs a job that raised again). Only a registration that cannot even be read for
         that minute fails the job; it runs out with its TTL (an hour)."""
-        docs = await _retried(f"start of subagent {sid}", lambda: self.store.of_session(session))
-        doc = docs.get(sid)
-        if doc is None:
-            return  # aborted before it started (or done already)
-        spec = json.loads(doc)
-        if self._stopped_after(spec):
-            await self.store.drop(session, sid)
+        spec = await self._registered(session, sid)
+        if spec is None:
+            return
+        if spec.get("state") == "finished":  # put off for a private session: its result
+            await self.results.deliver(session, sid, spec)
             return
         run = secrets.token_hex(8)  # this run: a survivor's re-run supersedes it
         spec |= {"state": "running", "worker": self.rt.worker_id, "run": run}
@@ -196,14 +194,14 @@ class Subagents:
         try:
             running = json.dumps(spec)
             what = f"start of subagent {sid}"
-            if not await _retried(what, lambda: self.store.running(session, sid, running)):
+            if not await retried(what, lambda: self.store.running(session, sid, running)):
                 # refused: ended, or taken from this worker (judged dead) and queued again
                 # as the same job, which the queue drops once this run returns
                 await until_rerun(self.store, session, sid, every_s=WATCH_S)
                 return
         except RedisError as exc:
             text = f"[{name} failed: it could not start ({type(exc).__name__})]"
-            await self._publish(session, sid, self._message(spec, text))
+            await self.results.publish(session, sid, self._message(spec, text))
             return
         task = asyncio.create_task(self._work(spec), name=f"subagent:{sid}")
         self.running.setdefault(session, {})[sid] = (task, spec)
@@ -234,7 +232,20 @@ class Subagents:
         if self._stopped_after(spec):
             await self.store.drop(session, sid)
             return
-        await self._publish(session, sid, self._message(spec, text), run)
+        await self.results.publish(session, sid, self._message(spec, text), run)
+
+    async def _registered(self, session: str, sid: str) -> dict[str, Any] | None:
+        """Subagent ``sid``'s registration, or None: aborted before it started (or done
+        already), or by a control this worker heard (then unregistered here)."""
+        docs = await retried(f"start of subagent {sid}", lambda: self.store.of_session(session))
+        doc = docs.get(sid)
+        if doc is None:
+            return None
+        spec: dict[str, Any] = json.loads(doc)
+        if self._stopped_after(spec):
+            await self.store.drop(session, sid)
+            return None
+        return spec
 
     async def _watched(self, task: asyncio.Task[str], session: str, sid: str, run: str) -> str:
         """``task``'s result within the subagent timeout (else TimeoutError). A subagent
@@ -269,21 +280,6 @@ class Subagents:
             del tasks[sid]
         if not tasks:
             self.running.pop(session, None)
-
-    async def _publish(self, session: str, sid: str, payload: str, run: str = "") -> None:
-        """The result into the session's stream (by ``run`` only, when given); Redis
-        refusing it (full) is tried again for about a minute, then the registration is
-        dropped (its slots freed)."""
-        what = f"result of subagent {sid}"
-        try:
-            if await _retried(what, lambda: self.store.finish(session, sid, payload, run=run)):
-                log.info("subagent %s of %s ended", sid, safe(session))
-            return
-        except RedisError:
-            log.error("result of subagent %s of %s lost: Redis kept refusing it", sid,
-                      safe(session))  # fmt: skip
-        with contextlib.suppress(RedisError):
-            await self.store.drop(session, sid, run=run)
 
     async def _work(self, spec: dict[str, Any]) -> str:
         policy = SessionPolicy(persist=False, log_content=True)
@@ -384,15 +380,3 @@ def _lru(table: dict[Any, Any], key: Any, value: Any) -> None:
     table[key] = value
     while len(table) > SPAWNED_HERE_MAX:
         table.pop(next(iter(table)))
-
-
-async def _retried(what: str, op: Callable[[], Awaitable[T]]) -> T:
-    """``op()``, tried again while Redis refuses it (full, a blip), about a minute in all
-    (``FINISH_ATTEMPTS``); then its last error is raised."""
-    for attempt in range(FINISH_ATTEMPTS - 1):
-        try:
-            return await op()
-        except RedisError as exc:
-            log.warning("%s refused (%s); trying again", what, type(exc).__name__)
-            await asyncio.sleep(min(2**attempt, 16))
-    return await op()
