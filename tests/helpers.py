@@ -156,3 +156,19 @@ class Spawner:
             self.subagent_runs += 1
             return LLMResponse(content="found: 42")
         return LLMResponse(content=f"re: {last['content']}")
+
+
+def held_jobs(loop: Any, name: str) -> list[dict[str, Any]]:
+    """The keyword arguments of every job named ``name`` that ``loop`` queues from now
+    on, held instead of run (a test runs them: ``loop.subagents.run_job(...)``)."""
+    queued: list[dict[str, Any]] = []
+    enqueue = loop.jobs.enqueue
+
+    async def hold(job: str, **kw: Any) -> bool:
+        if job == name:
+            queued.append(kw)
+            return True
+        return bool(await enqueue(job, **kw))
+
+    loop.jobs.enqueue = hold
+    return queued

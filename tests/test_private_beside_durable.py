@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from helpers import ScriptedProvider, Spawner, answering
+from helpers import ScriptedProvider, Spawner, answering, held_jobs
 from replies import channel_events, collect, open_private, until
 
 import worker.jobs.subagents as subagents_module
@@ -276,16 +276,7 @@ async def test_a_stop_unregisters_a_queued_subagent_after_another_channels_spawn
     monkeypatch.setattr(subagents_module, "SPAWNED_HERE_MAX", 4)
     spawner = Spawner()
     loop = make_loop(ScriptedProvider(handler=spawner), followup_mode="queue")
-    queued: list[dict[str, Any]] = []  # the subagent jobs, held in the queue (a backlog)
-    enqueue = loop.jobs.enqueue
-
-    async def backlog(name: str, **kw: Any) -> bool:
-        if name == SUBAGENT_JOB:
-            queued.append(kw)
-            return True
-        return await enqueue(name, **kw)
-
-    loop.jobs.enqueue = backlog
+    queued = held_jobs(loop, SUBAGENT_JOB)  # the subagent jobs, held in the queue (a backlog)
     client = FrontendClient(redis)
     reply = await client.ask(_durable("s", "research the answer", "q"), timeout_s=10)
     assert reply.type == "message"

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import redis.asyncio as aioredis
-from helpers import ScriptedProvider, Spawner
+from helpers import ScriptedProvider, Spawner, held_jobs
 from replies import channel_events, collect, open_private, until
 from test_private_beside_durable import _durable, _private
 
@@ -35,21 +35,6 @@ class Recording(Spawner):
         return await super().__call__(**kw)
 
 
-def _held(loop: AgentLoop) -> list[dict[str, Any]]:
-    """The subagent jobs ``loop`` queues, held instead of run (the test runs them)."""
-    queued: list[dict[str, Any]] = []
-    enqueue = loop.jobs.enqueue
-
-    async def hold(name: str, **kw: Any) -> bool:
-        if name == SUBAGENT_JOB:
-            queued.append(kw)
-            return True
-        return await enqueue(name, **kw)
-
-    loop.jobs.enqueue = hold  # type: ignore[method-assign]
-    return queued
-
-
 async def test_a_result_waits_out_the_private_session_on_its_key(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop
 ) -> None:
@@ -59,7 +44,7 @@ async def test_a_result_waits_out_the_private_session_on_its_key(  # type: ignor
     chat, whose history it sees; the subagent ran once."""
     model = Recording()
     loop = make_loop(ScriptedProvider(handler=model), followup_mode="queue")
-    queued = _held(loop)
+    queued = held_jobs(loop, SUBAGENT_JOB)
     client = FrontendClient(redis)
     assert (await client.ask(_durable("sp", "research TEA-DURABLE", "q"), timeout_s=10)).type == (
         "message"
@@ -131,7 +116,7 @@ async def test_a_put_off_result_left_by_a_dead_worker_is_delivered_again(  # typ
     assert await store.add("web:sd", "n|w", "web:sd", "s2", doc, **caps) == 1
     assert await store.put_off("web:sd", "s2", '{"content": "result"}', "r2") == 1
     survivor = AgentLoop(RedisBus(redis), ScriptedProvider([]))
-    queued = _held(survivor)
+    queued = held_jobs(survivor, SUBAGENT_JOB)
     try:
         assert await survivor.subagents.rerun_orphans("dead", {"web"}) == 1
     finally:
