@@ -1,7 +1,9 @@
 """Cancel latency on loopback against a real redis-server, two ways:
 
 1. in-process: from a frontend's ``stop`` (control script + PUBLISH) until the worker's
-   running turn task is cancelled (both ends read one monotonic clock);
+   running turn task is cancelled (both ends read one monotonic clock); then the same for
+   a ``followup="interrupt"`` message (its MULTI + PUBLISH, and the worker's read of the
+   message after the marker);
 2. across processes: an ``agent-worker run`` process whose LLM call (a local
    OpenAI-compatible server) hangs; from ``stop`` until the frontend holds the
    ``cancelled`` error event (pub/sub, cancel, fenced commit, reply stream, read).
@@ -12,7 +14,7 @@
    another frontend; from ``stop`` until that frontend holds the ``cancelled`` event, and
    on Redis' clock until the event is written.
 
-    python bench/cancel.py [--turns 200] [--load 60] [--stops 20] [--only saturated]
+    python bench/cancel.py [--turns 200] [--load 60] [--stops 20] [--only saturated|in-process]
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def quantiles(samples: list[float]) -> str:
     )
 
 
-async def run(url: str, turns: int) -> list[float]:
+async def run(url: str, turns: int, *, interrupt: bool = False) -> list[float]:
+    """``interrupt``: the turn is cut by a ``followup="interrupt"`` message of the same
+    sender instead of a ``stop`` (the worker reads the message after the marker first)."""
     provider = BlockingProvider()
     loop = AgentLoop(
         RedisBus(aioredis.from_url(url, decode_responses=True)),
@@ -83,8 +87,17 @@ async def run(url: str, turns: int) -> list[float]:
         done = asyncio.get_running_loop().create_future()
         turn.add_done_callback(lambda _t, f=done: f.done() or f.set_result(time.perf_counter()))
         t0 = time.perf_counter()
-        await frontend.stop(key)
+        if interrupt:
+            again = InboundMessage(
+                channel="bench", sender_id="u", chat_id=f"c{i}", content="no", followup="interrupt"
+            )
+            await frontend.send(again)
+        else:
+            await frontend.stop(key)
         samples.append((await done - t0) * 1000)
+        if interrupt:  # the interrupting message's turn: stopped too
+            await provider.started.get()
+            await frontend.stop(key)
     loop.stop()
     await task
     return samples
@@ -230,7 +243,7 @@ async def main() -> None:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--load", type=int, default=60)
     parser.add_argument("--stops", type=int, default=20)
-    parser.add_argument("--only", choices=["saturated"])
+    parser.add_argument("--only", choices=["saturated", "in-process"])
     parser.add_argument("--keep-busy", metavar="URL", help=argparse.SUPPRESS)  # the load
     args = parser.parse_args()
     if args.keep_busy:
@@ -243,6 +256,12 @@ async def main() -> None:
             return
         samples = await run(server.url, args.turns)
         print(f"in-process, {len(samples)} stops (stop -> turn task cancelled): {summary(samples)}")
+        samples = await run(server.url, args.turns, interrupt=True)
+        print(
+            f"in-process, {len(samples)} interrupts (send -> turn task cancelled): {summary(samples)}"
+        )
+        if args.only == "in-process":
+            return
         samples = await across_processes(server.url, args.turns)
         print(
             f"across processes, {len(samples)} stops (stop -> `cancelled` event read): {summary(samples)}"

@@ -194,6 +194,7 @@ async def test_a_control_while_a_refused_commit_is_in_flight_reaches_the_turn_go
         else:
             await client.stop("web:w")
         await asyncio.wait_for(seen.wait(), 10)
+        await loop.controls.interrupts.settled()  # (an interrupt first reads its message)
 
     assert isinstance(loop.bus, Counted)
     loop.bus.before_late_commit = control

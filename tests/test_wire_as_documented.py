@@ -653,6 +653,7 @@ async def test_the_readme_interrupt_recipe_counts_no_marker(redis_factory, make_
     await asyncio.wait_for(model.holding.wait(), 10)
     await fe.interrupt(s, "now", id="i")
     hint = await fe.r.execute_command("GET", fe.key(s, "ctl"))
+    await fe.until_terminal(s, "0-0", {"a"})  # cut before the model is released
     model.release.set()
     events = await fe.until_terminal(s, "0-0", {"a", "i"})
     assert hint is None

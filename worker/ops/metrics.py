@@ -74,6 +74,11 @@ class WorkerMetrics:
             (kind, self.tokens.labels(kind.removesuffix("_tokens")))
             for kind in ("prompt_tokens", "completion_tokens")
         ]
+        self.interrupts_refused = Counter(
+            "agent_interrupts_refused",
+            "Interrupts not carried out (the message after the marker is not one the session takes)",
+            registry=r,
+        )  # fmt: skip
         self.cancel_seconds = Histogram(
             "agent_cancel_seconds", "From a control reaching the worker to its turn cancelled",
             buckets=_FAST_BUCKETS, registry=r,

@@ -21,6 +21,7 @@ import time
 from bus_redis import ControlMessage
 from bus_redis.codec import parse_stream_id
 from worker.runtime.context import Runtime
+from worker.runtime.interrupts import Interrupts
 
 log = logging.getLogger(__name__)
 FORGETTING = ("discard", "delete", "new")  # ops that make a worker forget the session
@@ -35,6 +36,7 @@ class Controls:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._drops: set[asyncio.Task[None]] = set()  # owner records being dropped
+        self.interrupts = Interrupts(rt, self._apply, lambda key: self._heard.pop(key, None))
 
     def on_control(self, control: ControlMessage) -> None:
         """A stop / discard / delete for session S (called by the control subscription)."""
@@ -68,10 +70,12 @@ class Controls:
         for key, (member, entry_id) in running.items():
             if not entry_id or member != target:
                 left[key] = (member, entry_id)
-            elif parse_stream_id(entry_id) < parse_stream_id(marker):
-                self._apply(key, member, entry_id, op)
-            else:
+            elif parse_stream_id(entry_id) >= parse_stream_id(marker):
                 self._heard.pop(key, None)
+            elif op == "interrupt" and not self.rt.config.owner_mode:
+                self.interrupts.check(key, member, entry_id, marker)  # (only for its scope)
+            else:
+                self._apply(key, member, entry_id, op)
         return left
 
     def _apply(self, key: str, member: str, entry_id: str, op: str) -> bool:
@@ -141,6 +145,7 @@ class Controls:
         await self.confirm_and_cancel(self.rt.turns.running())
 
     async def close(self) -> None:
+        await self.interrupts.close()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -1,0 +1,173 @@
+"""An interrupt is carried out only for a message its session would take (tenancy, eighth
+attack): behind a frontend that vouches no scope, bob's ``followup="interrupt"`` message
+in alice's chat or private session is refused when it runs, and its marker, queued before
+it, must not cancel her turn first. Same-scope interrupts still cancel at once. On
+fakeredis and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from helpers import ScriptedProvider
+from replies import collect, wait_until_async
+
+from bus_redis import FrontendClient, InboundMessage, RedisBus
+from worker import AgentLoop, LoopConfig
+from worker.agent.providers import LLMResponse
+
+
+class Model:
+    """Holds the answer to "work" until released; answers anything else at once."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.holding = asyncio.Event()
+
+    async def __call__(self, **kw: Any) -> LLMResponse:
+        last = kw["messages"][-1]
+        if last["role"] == "user" and "work" in str(last["content"]):
+            self.holding.set()
+            await self.release.wait()
+            return LLMResponse(content="work done")
+        return LLMResponse(content="ok")
+
+
+def _refused(loop: AgentLoop) -> float:
+    value = loop.rt.metrics.registry.get_sample_value("agent_interrupts_refused_total")
+    return value or 0.0
+
+
+async def _run_case(
+    redis_factory: Any, *, private: bool, bob: dict[str, Any], alice: dict[str, Any]
+) -> tuple[dict[str, Any], float]:
+    model = Model()
+    loop = AgentLoop(
+        RedisBus(redis_factory()),
+        ScriptedProvider(handler=model),
+        config=LoopConfig(read_block_ms=50),
+    )
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    route: dict[str, Any] = {"channel": "web", "chat_id": "a"}
+    try:
+        if private:
+            key, _ = await client.open_transient("web", "a", session_key="web:a-private")
+            route |= {"session_key_override": key, "require_existing_session": True}
+        await client.send(InboundMessage(id="w", content="work", **route, **alice))
+        await asyncio.wait_for(model.holding.wait(), 10)
+        cut = loop.rt.metrics.registry.get_sample_value("agent_cancel_seconds_count") or 0.0
+        await client.send(
+            InboundMessage(id="b", content="stop that", followup="interrupt", **route, **bob)
+        )
+
+        async def decided() -> bool:  # refused, or carried out (the turn cut)
+            now = loop.rt.metrics.registry.get_sample_value("agent_cancel_seconds_count") or 0.0
+            return _refused(loop) > 0 or now > cut
+
+        assert await wait_until_async(decided, timeout_s=10)
+        model.release.set()
+        got = await collect(client, "web", {"w", "b"})
+        return got, _refused(loop)
+    finally:
+        model.release.set()
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_another_senders_interrupt_does_not_cut_the_owners_turn(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    got, refused = await _run_case(
+        redis_factory, private=False, alice={"sender_id": "alice"}, bob={"sender_id": "bob"}
+    )
+    assert got["w"][-1].type == "message"
+    assert got["w"][-1].content == "work done"
+    assert got["b"][-1].code == "invalid_message"  # and bob's own message is refused
+    assert refused == 1
+
+
+async def test_another_senders_interrupt_does_not_cut_a_private_session(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    got, refused = await _run_case(
+        redis_factory, private=True, alice={"sender_id": "alice"}, bob={"sender_id": "bob"}
+    )
+    assert got["w"][-1].content == "work done"
+    assert got["b"][-1].code == "invalid_message"
+    assert refused == 1
+
+
+async def test_another_vouched_scope_does_not_cut_the_turn(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    got, refused = await _run_case(
+        redis_factory,
+        private=False,
+        alice={"sender_id": "alice", "scope": "team-a"},
+        bob={"sender_id": "bob", "scope": "team-b"},
+    )
+    assert got["w"][-1].content == "work done"
+    assert got["b"][-1].code == "invalid_message"
+    assert refused == 1
+
+
+async def test_a_sender_of_the_same_vouched_scope_still_interrupts(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    got, refused = await _run_case(
+        redis_factory,
+        private=False,
+        alice={"sender_id": "alice", "scope": "team-a"},
+        bob={"sender_id": "bob", "scope": "team-a"},
+    )
+    assert refused == 0
+    assert got["w"][-1].code == "cancelled"
+    assert got["b"][-1].type == "message"
+
+
+async def test_the_owners_own_interrupt_in_a_private_session_still_cuts(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    got, refused = await _run_case(
+        redis_factory, private=True, alice={"sender_id": "alice"}, bob={"sender_id": "alice"}
+    )
+    assert refused == 0
+    assert got["w"][-1].code == "cancelled"
+    assert got["b"][-1].type == "message"
+
+
+async def test_a_flood_of_foreign_interrupts_is_bounded_and_others_are_served(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Bob floods alice's chat with interrupts: each is refused (checked, or refused at once
+    beyond ``PER_KEY`` waiting), her turn goes on, and carol's chat is answered meanwhile."""
+    model = Model()
+    loop = AgentLoop(
+        RedisBus(redis_factory()),
+        ScriptedProvider(handler=model),
+        config=LoopConfig(read_block_ms=50),
+    )
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    flood = 40
+    try:
+        await client.send(
+            InboundMessage(id="w", channel="web", chat_id="a", sender_id="alice", content="work")
+        )
+        await asyncio.wait_for(model.holding.wait(), 10)
+        bob = {"channel": "web", "chat_id": "a", "sender_id": "bob", "followup": "interrupt"}
+        sends = [
+            client.send(InboundMessage(id=f"b{i}", content="stop", **bob)) for i in range(flood)
+        ]
+        await asyncio.gather(*sends)
+
+        async def all_refused() -> bool:
+            return _refused(loop) >= flood
+
+        assert await wait_until_async(all_refused, timeout_s=10)
+        carol = await client.ask(
+            InboundMessage(id="c", channel="web", chat_id="z", sender_id="carol", content="hi"),
+            timeout_s=10,
+        )
+        assert carol.content == "ok"
+        assert loop.controls.interrupts.waiting() == 0  # nothing held for the flood
+        model.release.set()
+        got = await collect(client, "web", {"w", *(f"b{i}" for i in range(flood))})
+    finally:
+        model.release.set()
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+    assert got["w"][-1].content == "work done"
+    assert _refused(loop) == flood
+    assert {got[f"b{i}"][-1].code for i in range(flood)} == {"invalid_message"}
