@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from bus_redis import FrontendClient, OutboundMessage
+import redis.asyncio as aioredis
+
+from bus_redis import FrontendClient, Keys, OutboundMessage
 from bus_redis.keys import glob_escape
 
 TEST_CHANNELS = ("web", "cli", "telegram", "bench", "system", "other")
@@ -84,3 +86,20 @@ async def spawn_replies(client: FrontendClient, session: str) -> list[str]:
         for e in await channel_events(client, "web")
         if (e.reply_to or "").startswith("spawn:") and e.session_key == session and e.is_terminal
     ]
+
+
+async def no_leftovers(redis: aioredis.Redis, keys: list[str]) -> None:
+    """Within a few lease terms: no lease, pending set, journal or queued entry of
+    ``keys`` stays (the survivor serves them, then lets go)."""
+    k = Keys()
+
+    async def clean() -> bool:
+        names = []
+        for key in keys:
+            names += [k.lease(key), k.pending(key), k.journal(key)]
+        if await redis.exists(*names):
+            return False
+        lengths = [await redis.xlen(k.inbound(key)) for key in keys]
+        return not any(lengths)
+
+    await until(clean, timeout_s=15)

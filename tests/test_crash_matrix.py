@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from replies import channel_events, collect, until
+from replies import channel_events, collect, no_leftovers, until
 from servers import RedisServer
 
 from bus_redis import FrontendClient, InboundMessage, Keys
@@ -138,7 +138,7 @@ async def test_unified_kill_at_each_step_answers_each_chat_once(
         if json.loads(h[f"m:{i}"])["role"] == "user"
     ]
     assert sorted(users) == ["first of a", "then a", "then b"]
-    await _no_leftovers(real_redis, ["unified:default", "web:a", "web:b"])
+    await no_leftovers(real_redis, ["unified:default", "web:a", "web:b"])
 
 
 # --- private sessions: an opening, a turn, a discard cut by a crash --------------------
@@ -164,7 +164,7 @@ async def test_a_private_opening_cut_by_a_crash_gets_one_answer_and_leaves_no_ow
         assert answer.code == "session_not_active"
     await client.discard(key)
     await until(lambda: _gone(real_redis, Keys().owner(key)), timeout_s=15)
-    await _no_leftovers(real_redis, [key])
+    await no_leftovers(real_redis, [key])
     # (the channel's index of owners is tidied by the owner's renewal or the sweep, a
     # tick after the record: it must empty, not at once)
     await until(lambda: _zero(real_redis, Keys().owners("web")), timeout_s=15)
@@ -223,7 +223,7 @@ async def test_a_new_cut_by_a_crash_folds_once_and_clears_the_session(
     memory = (await real_redis.hgetall(Keys().memory("web/sender:u"))).get("content", "")
     assert memory.count("user: my cat is called Tom") == 1  # folded once
     assert await real_redis.xlen(Keys().memory_history("web/sender:u")) == 1
-    await _no_leftovers(real_redis, ["web:n"])
+    await no_leftovers(real_redis, ["web:n"])
 
 
 # --- a consolidation job cut by a crash -------------------------------------------------
@@ -330,7 +330,7 @@ async def test_a_redis_restart_with_aof_under_a_running_turn_answers_it_once(
         assert [ev.type for ev in _terminals(got, later)] == ["message"]
         h = await redis.hgetall(Keys().session("web:r"))
         assert h["count"] == "4"
-        await _no_leftovers(redis, ["web:r"])
+        await no_leftovers(redis, ["web:r"])
     finally:
         if redis is not None:
             await redis.aclose()
@@ -403,20 +403,3 @@ async def _gone(redis: aioredis.Redis, key: str) -> bool:
 
 async def _zero(redis: aioredis.Redis, key: str) -> bool:
     return await redis.zcard(key) == 0
-
-
-async def _no_leftovers(redis: aioredis.Redis, keys: list[str]) -> None:
-    """Within a few lease terms: no lease, pending set, journal or queued entry of
-    ``keys`` stays (the survivor serves them, then lets go)."""
-    k = Keys()
-
-    async def clean() -> bool:
-        names = []
-        for key in keys:
-            names += [k.lease(key), k.pending(key), k.journal(key)]
-        if await redis.exists(*names):
-            return False
-        lengths = [await redis.xlen(k.inbound(key)) for key in keys]
-        return not any(lengths)
-
-    await until(clean, timeout_s=15)
