@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from replies import channel_events, collect, no_leftovers, until
 from servers import RedisServer
+from workers import crash_env
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 
 pytestmark = [pytest.mark.real_redis, pytest.mark.slow]
 FAST = {"AGENT_LOCK_TTL_MS": "1000", "AGENT_OWNER_TTL_MS": "1500", "AGENT_SWEEP_INTERVAL_MS": "500"}
 UNIFIED = {**FAST, "AGENT_UNIFIED_SESSION": "1"}
-HERE = Path(__file__).parent
 
 
 def _m(chat: str, mid: str, text: str, **kw: Any) -> InboundMessage:
@@ -47,50 +45,6 @@ def _terminals(got: dict[str, list[Any]], mid: str) -> list[Any]:
 
 async def _died(proc: Any) -> int:
     return await asyncio.to_thread(proc.proc.wait, 30)
-
-
-def crash_env(tmp_path: Path, target: str, when: str = "after", match: str = "") -> dict[str, str]:
-    """Worker environment whose ``sitecustomize`` wraps ``target``
-    (``module:Class.method``, a coroutine function) so that the process exits 137 (as
-    under kill -9) just before or just after the first call whose arguments' repr
-    contains ``match``."""
-    site = tmp_path / "crashsite"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(
-        textwrap.dedent(
-            """
-            import functools, importlib, os
-            _spec = os.environ.get("CRASH_AT", "")
-            if _spec:
-                _mod, _attr = _spec.split(":")
-                _when = os.environ.get("CRASH_WHEN", "after")
-                _match = os.environ.get("CRASH_MATCH", "")
-                _obj = importlib.import_module(_mod)
-                _parts = _attr.split(".")
-                for _p in _parts[:-1]:
-                    _obj = getattr(_obj, _p)
-                _orig = getattr(_obj, _parts[-1])
-
-                @functools.wraps(_orig)
-                async def _crashing(*args, **kwargs):
-                    hit = _match in repr((args, kwargs))
-                    if hit and _when == "before":
-                        os._exit(137)
-                    result = await _orig(*args, **kwargs)
-                    if hit:
-                        os._exit(137)
-                    return result
-
-                setattr(_obj, _parts[-1], _crashing)
-            """
-        )
-    )
-    return {
-        "PYTHONPATH": f"{site}:{HERE.parent}",
-        "CRASH_AT": target,
-        "CRASH_WHEN": when,
-        "CRASH_MATCH": match,
-    }
 
 
 # --- unified mode: the fault points under the shared lease -----------------------------

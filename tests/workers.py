@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 
@@ -61,3 +62,47 @@ class WorkerProcess:
             self.proc.wait()
         self._log.close()
         self.log_path.unlink(missing_ok=True)
+
+
+def crash_env(tmp_path: Path, target: str, when: str = "after", match: str = "") -> dict[str, str]:
+    """Worker environment whose ``sitecustomize`` wraps ``target``
+    (``module:Class.method``, a coroutine function) so that the process exits 137 (as
+    under kill -9) just before or just after the first call whose arguments' repr
+    contains ``match``."""
+    site = tmp_path / "crashsite"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import functools, importlib, os
+            _spec = os.environ.get("CRASH_AT", "")
+            if _spec:
+                _mod, _attr = _spec.split(":")
+                _when = os.environ.get("CRASH_WHEN", "after")
+                _match = os.environ.get("CRASH_MATCH", "")
+                _obj = importlib.import_module(_mod)
+                _parts = _attr.split(".")
+                for _p in _parts[:-1]:
+                    _obj = getattr(_obj, _p)
+                _orig = getattr(_obj, _parts[-1])
+
+                @functools.wraps(_orig)
+                async def _crashing(*args, **kwargs):
+                    hit = _match in repr((args, kwargs))
+                    if hit and _when == "before":
+                        os._exit(137)
+                    result = await _orig(*args, **kwargs)
+                    if hit:
+                        os._exit(137)
+                    return result
+
+                setattr(_obj, _parts[-1], _crashing)
+            """
+        )
+    )
+    return {
+        "PYTHONPATH": f"{site}:{Path(__file__).resolve().parents[1]}",
+        "CRASH_AT": target,
+        "CRASH_WHEN": when,
+        "CRASH_MATCH": match,
+    }
