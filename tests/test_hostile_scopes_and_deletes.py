@@ -33,7 +33,7 @@ async def test_a_firing_queued_behind_a_delete_never_reaches_the_next_users_sess
     missed the pub/sub) survives the delete. ``delete.lua`` removes the session and its
     schedules, but the firing entry already queued behind the marker is then run in
     whatever session starts next under that key -- even one of another scope, because a
-    worker-made message skips ``_check_scope``. So alice's schedule text (hers: she
+    worker-made message skips ``scopes.check_scope``. So alice's schedule text (hers: she
     deleted the conversation, and "Deleting a session deletes its schedules") is put
     into bob's prompt and bob's stored history.
 
@@ -102,7 +102,7 @@ async def test_a_user_message_of_another_scope_is_refused_on_a_channel_named_sys
     redis: aioredis.Redis,
 ) -> None:
     """Defect: ``InboundMessage.is_user_input`` is ``channel != "system"`` when the message
-    names no ``input_role`` (nanobot's internal channel), and ``_check_scope`` only refuses
+    names no ``input_role`` (nanobot's internal channel), and ``scopes.check_scope`` only refuses
     a scope change for user input. But ``system`` is an ordinary channel name here (README:
     1-64 of ``A-Z a-z 0-9 _ -``, only ``unified`` is reserved; it is even one of the test
     channels), and a frontend's plain user messages there are taken for system messages:

@@ -310,7 +310,7 @@ async def test_a_durable_schedule_never_fires_into_the_private_session_on_its_ke
 ) -> None:
     """README: a worker-made message "never starts a session" and does not run when its
     ``from`` is older than the entry that started the session now stored ("a firing ...
-    never runs in the next one, maybe another user's"). ``_check_scope`` judges that by
+    never runs in the next one, maybe another user's"). ``scopes.check_scope`` judges that by
     ``session.born``; ``_open_transient`` sets a private session's scope (from the
     opening's vouched ``scope``, as the gateway sends) but never its ``born``, so a
     firing of the durable chat's schedule runs in the private conversation opened on its

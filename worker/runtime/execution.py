@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from redis.exceptions import OutOfMemoryError
 
 from bus_redis import SESSION_NOT_ACTIVE, InboundMessage, OutboundMessage
-from bus_redis.codec import parse_stream_id, safe
+from bus_redis.codec import safe
 from bus_redis.results import Ahead, owner_member
 from session_store import UNIFIED_SESSION_KEY, Session
 from worker.agent.messages import is_duplicate, is_unanswered_retry, message_key, user_row
@@ -25,7 +25,6 @@ from worker.runtime.followups import FollowUpPuller
 from worker.runtime.inflight import Slot
 from worker.runtime.journal import TurnJournal
 from worker.runtime.outcomes import (
-    ScopeMismatchError,
     SessionNotActiveError,
     TurnAbortedError,
     error,
@@ -33,6 +32,7 @@ from worker.runtime.outcomes import (
     reply,
 )
 from worker.runtime.pending import Pending, Running
+from worker.runtime.scopes import check_scope
 
 log = logging.getLogger(__name__)
 KEEPS_WORK = ("stop", "interrupt")  # cancellations that keep the turn's complete exchanges
@@ -106,32 +106,6 @@ class TurnExecution:
         ahead, holder.ahead = holder.ahead, None  # read for the version acquire saw
         return await sessions.load_for_turn(self.key, holder.version, holder.generation, ahead)
 
-    def _check_scope(self, msg: InboundMessage, session: Session, entry_id: str) -> None:
-        """A session belongs to one scope, fixed by its first message (whose entry id it
-        keeps: ``born``)."""
-        wanted = self.rt.scope_for(msg.channel, msg.scope, msg.sender_id)
-        # a firing or a subagent's result for a conversation never stored (the turn that
-        # made it was not committed) or deleted since: it must not start one, under a
-        # scope of its own that other sessions would share, nor run in a conversation
-        # started under the key since (queued behind the delete or new that ended its
-        # own), maybe another user's
-        older = _older(msg.metadata.get("from"), session.born)
-        if msg.worker_made and (
-            (not self.rt.config.owner_mode and (not session.scope or older))
-            or (older and not session.policy.persist)  # (a private one opened on its key)
-        ):
-            raise SessionNotActiveError("the conversation this message was for is gone")
-        if not session.scope:
-            session.scope = wanted
-            session.born = entry_id
-            if msg.quota and not self.rt.config.owner_mode:  # (in the scopes' namespace)
-                session.quota = self.rt.scope_for(msg.channel, msg.quota, msg.sender_id)
-        elif wanted != session.scope and msg.is_user_input and not self.rt.config.owner_mode:
-            raise ScopeMismatchError(
-                "the message's scope does not match its session's scope (a frontend must "
-                "vouch the same scope for every sender of a shared session)"
-            )
-
     async def _memory(self, session: Session) -> str | None:
         """The scope's memory at the version acquire read (no round trip while cached);
         read once per lease when acquire did not know the scope (the session was not
@@ -170,7 +144,7 @@ class TurnExecution:
     ) -> Outcome:
         self.member = member or self.key
         session = await self._session(msg)
-        self._check_scope(msg, session, entry_id)
+        check_scope(self.rt, msg, session, entry_id)
         row_id = message_key(msg, reply_to, folded=self.member != self.key)
         retry = is_unanswered_retry(msg, session, row_id)
         if not retry and is_duplicate(msg, session, row_id):
@@ -385,12 +359,3 @@ async def _undo(ctx: ToolContext, kept_rounds: int) -> None:
             await undo()
         except Exception as exc:  # one failed undo must not keep the others from running
             log.warning("undoing an effect of a cut turn failed: %s", type(exc).__name__)
-
-
-def _older(origin: object, born: str) -> bool:
-    """Whether a worker-made message made by the turn of entry ``origin`` is older than
-    the conversation started by entry ``born`` (both of the session's own stream; either
-    unknown: not older)."""
-    if not isinstance(origin, str) or not origin or not born:
-        return False
-    return parse_stream_id(origin) < parse_stream_id(born)

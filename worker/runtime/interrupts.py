@@ -2,12 +2,12 @@
 session would take.
 
 A frontend that vouches no scope (each sender its own scope) lets anyone who can name a
-chat send to it; the message is refused when it runs (``execution._check_scope``), but its
+chat send to it; the message is refused when it runs (``scopes.check_scope``), but its
 interrupt marker was queued before it and would have cancelled the owner's turn first.
 So before carrying out an interrupt, a worker reads the entry queued right after the
 marker (``FrontendClient`` writes both in one MULTI) and cancels only when that message
-passes the session's scope check: a worker-made or system message, or one whose scope is
-the session's. Anything else — no such entry, a payload that does not parse, another
+is not ``scopes.foreign`` to the session: a system message, or one whose scope is the
+session's. Anything else — no such entry, a payload that does not parse, another
 scope, a failed read — leaves the turn running (the message itself still runs after it,
 and is refused or answered there).
 
@@ -27,6 +27,7 @@ from typing import Any
 from bus_redis import InboundMessage, MessageRejectedError, decode_inbound
 from bus_redis.codec import safe
 from worker.runtime.context import Runtime
+from worker.runtime.scopes import foreign
 
 log = logging.getLogger(__name__)
 PER_KEY = 8  # checks waiting per running turn
@@ -101,9 +102,7 @@ class Interrupts:
         session = self.rt.sessions.get_cached(key)
         if session is None:
             return "the running turn's session is not known here"
-        if not msg.is_user_input or not session.scope:
-            return ""
-        if self.rt.scope_for(msg.channel, msg.scope, msg.sender_id) != session.scope:
+        if foreign(self.rt, msg, session):
             return "the message is for another scope than the session's"
         return ""
 
