@@ -19,7 +19,6 @@ from collections.abc import Awaitable
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from bus_redis.codec import safe, stream_id_ms
-from bus_redis.journal import JournalStore
 from bus_redis.results import (
     Acquired,
     Again,
@@ -33,11 +32,11 @@ from bus_redis.results import (
     Step,
 )
 from session_store import UNIFIED_SESSION_KEY
-from worker.jobs.folds import fold_into_memory
 from worker.runtime.backoff import while_full
 from worker.runtime.context import Runtime
 from worker.runtime.entry import EntryPolicy
 from worker.runtime.faults import crash_point
+from worker.runtime.forgetting import forget
 from worker.runtime.inflight import Slot
 from worker.runtime.lease import Lease
 from worker.runtime.outcomes import (
@@ -160,53 +159,8 @@ class SessionHolder(EntryPolicy):
         return await self.rt.bus.next(self.key, self.token, sorted(self.members), done=done)
 
     async def discarded(self, member: str, op: str = "discard", marker: str = "") -> None:
-        """A discard, new or delete reached stream ``member``: forget its session (a private
-        one is gone); a delete also removes the stored session and its events, a new folds
-        the stored history into memory first (in unified mode the shared session's), fenced
-        by the lease this holder runs under."""
-        owned = self.rt.turns.disown(member)
-        # a private session ended already by this control (its running turn cancelled)
-        private = self.rt.turns.take_ended(member) or owned is not None
-        self.rt.sessions.invalidate(member)
-        if owned is not None:
-            await self.rt.drop_owner(member, owned)
-        # a new conversation starts where the chat's history is stored: in unified mode the
-        # shared session (nanobot's /new there); a delete removes the chat's own session
-        stored = self.key if op == "new" and self.key == UNIFIED_SESSION_KEY else member
-        if not private and stored != member and await self.rt.registry.was_private(member):
-            return  # a private session's new is a discard, also once it ended
-        if op == "new" and not private and stored == member and marker:
-            # per-session mode: published before the private session last open on the
-            # key ended (a control ended it on a worker that then handed the lease over,
-            # or its worker was killed)
-            private = await self.rt.registry.new_was_private(member, marker)
-        if op == "new" and not private:
-            self.rt.sessions.invalidate_stored(stored)
-            folded = await fold_into_memory(self.rt, self.key, self.token, stored, self.waits)
-            if folded == "lost":
-                self.lease.lost = True
-            if folded != "ok":
-                return  # nothing written (not even the rows as they are): kept, not lost
-            self.memory_scope = ""  # the next turn under this lease reads the folded memory
-        if op == "delete" or (op == "new" and not private):
-            # its events go, but for the error answers written after the marker (the
-            # cancelled answers of what it covered), for the frontend to read. A delete
-            # also removes the stored session a private one was opened over
-            lease, store = self.rt.bus.keys.lease(self.key), self.rt.sessions.store
-            deleted = await while_full(
-                f"delete of {safe(stored)}", log, self.waits,
-                lambda: store.delete_held(stored, lease, self.token, events_before=marker),
-            )  # fmt: skip
-            if deleted < 0:
-                self.lease.lost = True
-        if member != self.key and op in ("delete", "new", "discard"):
-            # a folded chat's turns journal under the unified lease: a crashed turn's
-            # journal of this chat goes with it (delete.lua drops the chat's own key only)
-            journals = JournalStore(self.rt.bus)
-            await while_full(
-                f"dropping a journal of {safe(member)}", log, self.waits,
-                lambda: journals.drop_of(self.key, self.token, member),
-            )  # fmt: skip
+        """A discard, new or delete reached stream ``member`` (``forgetting.forget``)."""
+        await forget(self, member, op, marker)
 
     async def _process(self, entry: Entry) -> Step:
         metrics, started = self.rt.metrics, time.monotonic()
