@@ -171,3 +171,40 @@ async def test_a_flood_of_foreign_interrupts_is_bounded_and_others_are_served(
     assert got["w"][-1].content == "work done"
     assert _refused(loop) == flood
     assert {got[f"b{i}"][-1].code for i in range(flood)} == {"invalid_message"}
+
+
+async def test_at_most_eight_interrupt_checks_wait_for_one_turn(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """Twenty interrupts for one running turn heard at once: eight wait for their read,
+    the rest are refused at once (nothing held for them); none cuts the turn, since no
+    message follows their markers."""
+    from bus_redis import ControlMessage
+    from worker.runtime.interrupts import PER_KEY
+
+    model = Model()
+    loop = AgentLoop(
+        RedisBus(redis_factory()),
+        ScriptedProvider(handler=model),
+        config=LoopConfig(read_block_ms=50),
+    )
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    try:
+        await client.send(
+            InboundMessage(id="w", channel="web", chat_id="a", sender_id="alice", content="work")
+        )
+        await asyncio.wait_for(model.holding.wait(), 10)
+        [(_, entry_id)] = loop.rt.turns.running().values()
+        ms = int(entry_id.split("-")[0]) + 1
+        for i in range(20):  # (no await between: all heard before any read)
+            loop.on_control(ControlMessage(op="interrupt", session_key="web:a", marker=f"{ms}-{i}"))
+        assert loop.controls.interrupts.waiting() == PER_KEY
+        assert _refused(loop) == 20 - PER_KEY
+        await loop.controls.interrupts.settled()
+        assert _refused(loop) == 20
+        model.release.set()
+        got = await collect(client, "web", {"w"})
+    finally:
+        model.release.set()
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+    assert got["w"][-1].content == "work done"
