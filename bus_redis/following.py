@@ -69,6 +69,9 @@ class EventFollower:
         seen: list[str],
     ) -> OutboundMessage:
         async for ev in self.events([session_key], after=after):
+            if ev.is_loss_notice:  # its answer, if any, is gone with the session
+                seen.append(ev.entry_id or "")
+                return ev
             if ev.reply_to != reply_to and reply_to not in (ev.covers or []):
                 continue
             seen.append(ev.entry_id or "")

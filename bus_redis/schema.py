@@ -159,6 +159,13 @@ class OutboundMessage(_Wire):
     def is_terminal(self) -> bool:
         return self.type in ("message", "error")
 
+    @property
+    def is_loss_notice(self) -> bool:
+        """The unsolicited ``session_lost`` of a private session whose worker died or that
+        closed idle: its events went with it (all but error answers), so an answer a
+        reader had not read yet is gone, and this notice ends its wait."""
+        return self.code == "session_lost" and not self.reply_to
+
 
 InboundPayload = InboundMessage | OpenTransient
 

@@ -191,8 +191,12 @@ class Gateway:
             async with self.subscribe(user, chat, after) as sub:
                 async for ev in sub.events(timeout_s):
                     e = ev.event if ev is not None else None
-                    if e is not None and e.is_terminal and answers(e, reply_to):
-                        return e
+                    if (
+                        e is not None
+                        and e.is_terminal
+                        and (answers(e, reply_to) or e.is_loss_notice)
+                    ):
+                        return e  # (a loss notice: the answer may be gone with the session)
             return None
 
         try:

@@ -193,6 +193,8 @@ class _Chat:
         if not ev.is_terminal:
             return
         ids = self.waiting.get(ev.session_key or "", set())
+        if ev.is_loss_notice:  # the session's unread answers went with it: none to wait for
+            ids.clear()
         for rid in [ev.reply_to, *(ev.covers or [])]:
             ids.discard(rid or "")
         self.answered.set()
