@@ -39,7 +39,12 @@ def _refused(loop: AgentLoop) -> float:
 
 
 async def _run_case(
-    redis_factory: Any, *, private: bool, bob: dict[str, Any], alice: dict[str, Any]
+    redis_factory: Any,
+    *,
+    private: bool,
+    bob: dict[str, Any],
+    alice: dict[str, Any],
+    uncached: bool = False,
 ) -> tuple[dict[str, Any], float]:
     model = Model()
     loop = AgentLoop(
@@ -56,6 +61,8 @@ async def _run_case(
             route |= {"session_key_override": key, "require_existing_session": True}
         await client.send(InboundMessage(id="w", content="work", **route, **alice))
         await asyncio.wait_for(model.holding.wait(), 10)
+        if uncached:  # the cache let the running session go (its bounds, a control)
+            loop.rt.sessions.invalidate(route.get("session_key_override") or "web:a")
         cut = loop.rt.metrics.registry.get_sample_value("agent_cancel_seconds_count") or 0.0
         await client.send(
             InboundMessage(id="b", content="stop that", followup="interrupt", **route, **bob)
@@ -116,6 +123,20 @@ async def test_a_sender_of_the_same_vouched_scope_still_interrupts(redis_factory
     assert refused == 0
     assert got["w"][-1].code == "cancelled"
     assert got["b"][-1].type == "message"
+
+
+async def test_the_owners_interrupt_cuts_a_turn_whose_session_left_the_cache(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """The check compares with the running turn's session, not the cache's copy: a cache
+    that let it go (its bounds, another control) must not turn the interrupt down."""
+    got, refused = await _run_case(
+        redis_factory,
+        private=False,
+        alice={"sender_id": "alice"},
+        bob={"sender_id": "alice"},
+        uncached=True,
+    )
+    assert refused == 0
+    assert got["w"][-1].code == "cancelled"
 
 
 async def test_the_owners_own_interrupt_in_a_private_session_still_cuts(redis_factory) -> None:  # type: ignore[no-untyped-def]

@@ -28,6 +28,7 @@ class Slot:
     entry_id: str = ""
     task: asyncio.Task[Any] | None = None
     reason: str | None = None  # why the turn is (to be) cancelled
+    scope: str = ""  # its session's scope, once the turn loaded it
 
 
 class TurnRegistry:
@@ -63,6 +64,11 @@ class TurnRegistry:
         slot.task = task
         if slot.reason is not None:
             task.cancel()
+
+    def scope(self, key: str, entry_id: str) -> str:
+        """The scope of the session K's turn of ``entry_id`` runs in ('' until loaded)."""
+        slot = self._slots.get(key)
+        return slot.scope if slot is not None and slot.entry_id == entry_id else ""
 
     def reason(self, key: str) -> str | None:
         slot = self._slots.get(key)

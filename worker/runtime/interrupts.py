@@ -84,13 +84,13 @@ class Interrupts:
                 pipe.xrange(rt.bus.keys.inbound(member), f"({marker}", "+", count=1)
             replies = await pipe.execute(raise_on_error=False)
         for (key, _, (member, entry_id)), reply in zip(todo, replies, strict=True):
-            why = self._refusal(key, member, reply)
+            why = self._refusal(key, member, entry_id, reply)
             if why:
                 self._refused(key, why)
             else:
                 self._apply(key, member, entry_id, "interrupt")
 
-    def _refusal(self, key: str, member: str, reply: Any) -> str:
+    def _refusal(self, key: str, member: str, entry_id: str, reply: Any) -> str:
         """Why the message after the marker may not interrupt K's turn ('' when it may)."""
         if isinstance(reply, Exception) or not reply:
             return "no message follows the marker"
@@ -101,10 +101,15 @@ class Interrupts:
             return "the message after the marker is not valid"
         if not isinstance(msg, InboundMessage) or msg.session_key != member:
             return "the entry after the marker is not a message of the session"
-        session = self.rt.sessions.get_cached(key)
-        if session is None:
-            return "the running turn's session is not known here"
-        if foreign(self.rt, msg, session):
+        # the running turn's session (not the cache's: it may have let it go meanwhile);
+        # before the turn loaded it, the cached copy's
+        scope = self.rt.turns.scope(key, entry_id)
+        if not scope:
+            session = self.rt.sessions.get_cached(key)
+            if session is None or not session.scope:
+                return "the running turn's session is not known here yet"
+            scope = session.scope
+        if foreign(self.rt, msg, scope):
             return "the message is for another scope than the session's"
         return ""
 

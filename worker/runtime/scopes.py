@@ -13,12 +13,12 @@ from worker.runtime.context import Runtime
 from worker.runtime.outcomes import ScopeMismatchError, SessionNotActiveError
 
 
-def foreign(rt: Runtime, msg: InboundMessage, session: Session) -> bool:
-    """Whether ``msg`` is a user message of another scope than ``session``'s (one with no
-    scope yet takes any)."""
-    if not session.scope or not msg.is_user_input or rt.config.owner_mode:
+def foreign(rt: Runtime, msg: InboundMessage, scope: str) -> bool:
+    """Whether ``msg`` is a user message of another scope than ``scope``, a session's (one
+    with no scope yet takes any)."""
+    if not scope or not msg.is_user_input or rt.config.owner_mode:
         return False
-    return rt.scope_for(msg.channel, msg.scope, msg.sender_id) != session.scope
+    return rt.scope_for(msg.channel, msg.scope, msg.sender_id) != scope
 
 
 def check_scope(rt: Runtime, msg: InboundMessage, session: Session, entry_id: str) -> None:
@@ -40,7 +40,7 @@ def check_scope(rt: Runtime, msg: InboundMessage, session: Session, entry_id: st
         session.born = entry_id
         if msg.quota and not rt.config.owner_mode:  # (in the scopes' namespace)
             session.quota = rt.scope_for(msg.channel, msg.quota, msg.sender_id)
-    elif foreign(rt, msg, session):
+    elif foreign(rt, msg, session.scope):
         raise ScopeMismatchError(
             "the message's scope does not match its session's scope (a frontend must "
             "vouch the same scope for every sender of a shared session)"
