@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from helpers import ScriptedProvider
 from replies import collect, wait_until_async
 
@@ -82,66 +83,46 @@ async def _run_case(
         await asyncio.wait_for(task, 10)
 
 
-async def test_another_senders_interrupt_does_not_cut_the_owners_turn(redis_factory) -> None:  # type: ignore[no-untyped-def]
-    got, refused = await _run_case(
-        redis_factory, private=False, alice={"sender_id": "alice"}, bob={"sender_id": "bob"}
-    )
+ALICE, BOB = {"sender_id": "alice"}, {"sender_id": "bob"}
+TEAM_A = {"sender_id": "alice", "scope": "team-a"}
+
+
+@pytest.mark.parametrize(
+    ("private", "bob"),
+    [
+        pytest.param(False, BOB, id="another-sender"),
+        pytest.param(True, BOB, id="another-sender-private"),
+        pytest.param(False, {"sender_id": "bob", "scope": "team-b"}, id="another-vouched-scope"),
+    ],
+)
+async def test_a_foreign_interrupt_does_not_cut_the_owners_turn(
+    redis_factory, private: bool, bob: dict[str, Any]
+) -> None:  # type: ignore[no-untyped-def]
+    alice = TEAM_A if "scope" in bob else ALICE
+    got, refused = await _run_case(redis_factory, private=private, alice=alice, bob=bob)
     assert got["w"][-1].type == "message"
     assert got["w"][-1].content == "work done"
     assert got["b"][-1].code == "invalid_message"  # and bob's own message is refused
     assert refused == 1
 
 
-async def test_another_senders_interrupt_does_not_cut_a_private_session(redis_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("private", "alice", "bob", "uncached"),
+    [
+        pytest.param(
+            False, TEAM_A, {"sender_id": "bob", "scope": "team-a"}, False, id="same-vouched-scope"
+        ),
+        pytest.param(True, ALICE, ALICE, False, id="owner-private"),
+        # the check compares with the running turn's session, not the cache's copy: a
+        # cache that let it go (its bounds, another control) must not turn it down
+        pytest.param(False, ALICE, ALICE, True, id="owner-session-left-the-cache"),
+    ],
+)
+async def test_an_interrupt_of_the_sessions_scope_still_cuts(
+    redis_factory, private: bool, alice: dict[str, Any], bob: dict[str, Any], uncached: bool
+) -> None:  # type: ignore[no-untyped-def]
     got, refused = await _run_case(
-        redis_factory, private=True, alice={"sender_id": "alice"}, bob={"sender_id": "bob"}
-    )
-    assert got["w"][-1].content == "work done"
-    assert got["b"][-1].code == "invalid_message"
-    assert refused == 1
-
-
-async def test_another_vouched_scope_does_not_cut_the_turn(redis_factory) -> None:  # type: ignore[no-untyped-def]
-    got, refused = await _run_case(
-        redis_factory,
-        private=False,
-        alice={"sender_id": "alice", "scope": "team-a"},
-        bob={"sender_id": "bob", "scope": "team-b"},
-    )
-    assert got["w"][-1].content == "work done"
-    assert got["b"][-1].code == "invalid_message"
-    assert refused == 1
-
-
-async def test_a_sender_of_the_same_vouched_scope_still_interrupts(redis_factory) -> None:  # type: ignore[no-untyped-def]
-    got, refused = await _run_case(
-        redis_factory,
-        private=False,
-        alice={"sender_id": "alice", "scope": "team-a"},
-        bob={"sender_id": "bob", "scope": "team-a"},
-    )
-    assert refused == 0
-    assert got["w"][-1].code == "cancelled"
-    assert got["b"][-1].type == "message"
-
-
-async def test_the_owners_interrupt_cuts_a_turn_whose_session_left_the_cache(redis_factory) -> None:  # type: ignore[no-untyped-def]
-    """The check compares with the running turn's session, not the cache's copy: a cache
-    that let it go (its bounds, another control) must not turn the interrupt down."""
-    got, refused = await _run_case(
-        redis_factory,
-        private=False,
-        alice={"sender_id": "alice"},
-        bob={"sender_id": "alice"},
-        uncached=True,
-    )
-    assert refused == 0
-    assert got["w"][-1].code == "cancelled"
-
-
-async def test_the_owners_own_interrupt_in_a_private_session_still_cuts(redis_factory) -> None:  # type: ignore[no-untyped-def]
-    got, refused = await _run_case(
-        redis_factory, private=True, alice={"sender_id": "alice"}, bob={"sender_id": "alice"}
+        redis_factory, private=private, alice=alice, bob=bob, uncached=uncached
     )
     assert refused == 0
     assert got["w"][-1].code == "cancelled"
