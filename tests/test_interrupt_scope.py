@@ -7,15 +7,22 @@ fakeredis and a real redis-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from helpers import ScriptedProvider
 from replies import collect, wait_until_async
 
-from bus_redis import FrontendClient, InboundMessage, RedisBus
+from bus_redis import ControlMessage, FrontendClient, InboundMessage, RedisBus
 from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse
+from worker.runtime.interrupts import PER_KEY
+
+ALICE, BOB = {"sender_id": "alice"}, {"sender_id": "bob"}
+TEAM_A = {"sender_id": "alice", "scope": "team-a"}
 
 
 class Model:
@@ -39,14 +46,24 @@ def _refused(loop: AgentLoop) -> float:
     return value or 0.0
 
 
-async def _run_case(
-    redis_factory: Any,
-    *,
-    private: bool,
-    bob: dict[str, Any],
-    alice: dict[str, Any],
-    uncached: bool = False,
-) -> tuple[dict[str, Any], float]:
+def _cut(loop: AgentLoop) -> float:
+    return loop.rt.metrics.registry.get_sample_value("agent_cancel_seconds_count") or 0.0
+
+
+@dataclass
+class Working:
+    loop: AgentLoop
+    model: Model
+    client: FrontendClient
+    route: dict[str, Any]
+
+
+@contextlib.asynccontextmanager
+async def _alice_working(
+    redis_factory: Any, *, private: bool = False, alice: dict[str, Any] = ALICE
+) -> AsyncIterator[Working]:
+    """A worker whose turn of alice's "work" (id ``w``, in chat ``web:a`` or a private
+    session on ``web:a-private``) holds its model call until ``model.release``."""
     model = Model()
     loop = AgentLoop(
         RedisBus(redis_factory()),
@@ -62,29 +79,36 @@ async def _run_case(
             route |= {"session_key_override": key, "require_existing_session": True}
         await client.send(InboundMessage(id="w", content="work", **route, **alice))
         await asyncio.wait_for(model.holding.wait(), 10)
-        if uncached:  # the cache let the running session go (its bounds, a control)
-            loop.rt.sessions.invalidate(route.get("session_key_override") or "web:a")
-        cut = loop.rt.metrics.registry.get_sample_value("agent_cancel_seconds_count") or 0.0
-        await client.send(
-            InboundMessage(id="b", content="stop that", followup="interrupt", **route, **bob)
-        )
-
-        async def decided() -> bool:  # refused, or carried out (the turn cut)
-            now = loop.rt.metrics.registry.get_sample_value("agent_cancel_seconds_count") or 0.0
-            return _refused(loop) > 0 or now > cut
-
-        assert await wait_until_async(decided, timeout_s=10)
-        model.release.set()
-        got = await collect(client, "web", {"w", "b"})
-        return got, _refused(loop)
+        yield Working(loop, model, client, route)
     finally:
         model.release.set()
         loop.stop()
         await asyncio.wait_for(task, 10)
 
 
-ALICE, BOB = {"sender_id": "alice"}, {"sender_id": "bob"}
-TEAM_A = {"sender_id": "alice", "scope": "team-a"}
+async def _run_case(
+    redis_factory: Any,
+    *,
+    private: bool,
+    bob: dict[str, Any],
+    alice: dict[str, Any],
+    uncached: bool = False,
+) -> tuple[dict[str, Any], float]:
+    async with _alice_working(redis_factory, private=private, alice=alice) as w:
+        loop, route = w.loop, w.route
+        if uncached:  # the cache let the running session go (its bounds, a control)
+            loop.rt.sessions.invalidate(route.get("session_key_override") or "web:a")
+        cut = _cut(loop)
+        await w.client.send(
+            InboundMessage(id="b", content="stop that", followup="interrupt", **route, **bob)
+        )
+
+        async def decided() -> bool:  # refused, or carried out (the turn cut)
+            return _refused(loop) > 0 or _cut(loop) > cut
+
+        assert await wait_until_async(decided, timeout_s=10)
+        w.model.release.set()
+        return await collect(w.client, "web", {"w", "b"}), _refused(loop)
 
 
 @pytest.mark.parametrize(
@@ -134,20 +158,9 @@ async def test_a_flood_of_foreign_interrupts_is_bounded_and_others_are_served(
 ) -> None:  # type: ignore[no-untyped-def]
     """Bob floods alice's chat with interrupts: each is refused (checked, or refused at once
     beyond ``PER_KEY`` waiting), her turn goes on, and carol's chat is answered meanwhile."""
-    model = Model()
-    loop = AgentLoop(
-        RedisBus(redis_factory()),
-        ScriptedProvider(handler=model),
-        config=LoopConfig(read_block_ms=50),
-    )
-    task = asyncio.create_task(loop.run())
-    client = FrontendClient(redis_factory())
     flood = 40
-    try:
-        await client.send(
-            InboundMessage(id="w", channel="web", chat_id="a", sender_id="alice", content="work")
-        )
-        await asyncio.wait_for(model.holding.wait(), 10)
+    async with _alice_working(redis_factory) as w:
+        loop, client = w.loop, w.client
         bob = {"channel": "web", "chat_id": "a", "sender_id": "bob", "followup": "interrupt"}
         sends = [
             client.send(InboundMessage(id=f"b{i}", content="stop", **bob)) for i in range(flood)
@@ -164,12 +177,8 @@ async def test_a_flood_of_foreign_interrupts_is_bounded_and_others_are_served(
         )
         assert carol.content == "ok"
         assert loop.controls.interrupts.waiting() == 0  # nothing held for the flood
-        model.release.set()
+        w.model.release.set()
         got = await collect(client, "web", {"w", *(f"b{i}" for i in range(flood))})
-    finally:
-        model.release.set()
-        loop.stop()
-        await asyncio.wait_for(task, 10)
     assert got["w"][-1].content == "work done"
     assert _refused(loop) == flood
     assert {got[f"b{i}"][-1].code for i in range(flood)} == {"invalid_message"}
@@ -179,22 +188,8 @@ async def test_at_most_eight_interrupt_checks_wait_for_one_turn(redis_factory) -
     """Twenty interrupts for one running turn heard at once: eight wait for their read,
     the rest are refused at once (nothing held for them); none cuts the turn, since no
     message follows their markers."""
-    from bus_redis import ControlMessage
-    from worker.runtime.interrupts import PER_KEY
-
-    model = Model()
-    loop = AgentLoop(
-        RedisBus(redis_factory()),
-        ScriptedProvider(handler=model),
-        config=LoopConfig(read_block_ms=50),
-    )
-    task = asyncio.create_task(loop.run())
-    client = FrontendClient(redis_factory())
-    try:
-        await client.send(
-            InboundMessage(id="w", channel="web", chat_id="a", sender_id="alice", content="work")
-        )
-        await asyncio.wait_for(model.holding.wait(), 10)
+    async with _alice_working(redis_factory) as w:
+        loop = w.loop
         [(_, entry_id)] = loop.rt.turns.running().values()
         ms = int(entry_id.split("-")[0]) + 1
         for i in range(20):  # (no await between: all heard before any read)
@@ -203,10 +198,6 @@ async def test_at_most_eight_interrupt_checks_wait_for_one_turn(redis_factory) -
         assert _refused(loop) == 20 - PER_KEY
         await loop.controls.interrupts.settled()
         assert _refused(loop) == 20
-        model.release.set()
-        got = await collect(client, "web", {"w"})
-    finally:
-        model.release.set()
-        loop.stop()
-        await asyncio.wait_for(task, 10)
+        w.model.release.set()
+        got = await collect(w.client, "web", {"w"})
     assert got["w"][-1].content == "work done"
