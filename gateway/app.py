@@ -20,8 +20,8 @@ import ipaddress
 import logging
 import secrets
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -80,6 +80,7 @@ class Gateway:
             expire_after_ms=int(s.session_ttl_s * 1000),
         )
         self._user_streams: Counter[str] = Counter()
+        self._user_sockets: Counter[str] = Counter()
         self.metrics = GatewayMetrics()
         self.hub = EventHub(
             self.readers,
@@ -116,6 +117,22 @@ class Gateway:
         return self._user_streams[
             user.hash
         ] < self.settings.max_streams_per_user and self.hub.has_room(chat.session_key)
+
+    @contextmanager
+    def socket_slot(self, user: User) -> Iterator[bool]:
+        """One of the user's WebSockets on this process: False when they hold
+        ``max_sockets_per_user`` already (an idle socket costs the process memory and a
+        task, and subscribing nothing it escapes the streams' bound)."""
+        if self._user_sockets[user.hash] >= self.settings.max_sockets_per_user:
+            yield False
+            return
+        self._user_sockets[user.hash] += 1
+        try:
+            yield True
+        finally:
+            self._user_sockets[user.hash] -= 1
+            if self._user_sockets[user.hash] <= 0:
+                del self._user_sockets[user.hash]
 
     @asynccontextmanager
     async def subscribe(self, user: User, chat: Chat, after: str) -> AsyncIterator[Subscription]:

@@ -66,6 +66,7 @@ class GatewaySettings(BaseSettings):
     max_waiting_chats_per_user: int = Field(default=8, ge=1)  # chats with entries waiting
     max_streams: int = Field(default=10_000, ge=1)  # followed event streams per process
     max_streams_per_user: int = Field(default=64, ge=1)  # open subscriptions per user/process
+    max_sockets_per_user: int = Field(default=16, ge=1)  # open WebSockets per user/process
     # how often one user may ask this replica (gateway.ratelimit): past it a request waits,
     # then 429; 0: no limit
     user_rate: float = Field(default=20.0, ge=0, le=1e6, allow_inf_nan=False)  # a second

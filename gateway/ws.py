@@ -49,12 +49,16 @@ async def socket(ws: WebSocket) -> None:
         else:
             await ws.close(code=4401, reason="authentication required")
         return
-    await ws.accept()
-    gw.metrics.websockets_open.inc()
-    try:
-        await Connection(gw, user, ws).serve()
-    finally:
-        gw.metrics.websockets_open.dec()
+    with gw.socket_slot(user) as admitted:  # (taken before the handshake is answered)
+        await ws.accept()
+        if not admitted:
+            await ws.close(code=4429, reason="too many connections for this user")
+            return
+        gw.metrics.websockets_open.inc()
+        try:
+            await Connection(gw, user, ws).serve()
+        finally:
+            gw.metrics.websockets_open.dec()
 
 
 class Connection:

@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from replies import until
 from test_gateway_api import ALICE, BOB, TOKENS, _never_answering, _serving
 
 from bus_redis.keys import Keys
@@ -316,3 +317,50 @@ async def test_a_socket_flooding_pings_is_dropped_and_others_are_served() -> Non
             async with httpx.AsyncClient(timeout=30) as http:
                 r = await http.get(f"{stack.a}/api/sessions", headers=BOB_GW)
                 assert r.status_code == 200
+
+
+@pytest.mark.real_redis
+@pytest.mark.slow
+async def test_a_user_holds_at_most_the_sockets_allowed_and_gets_one_back_when_one_closes() -> None:
+    """Idle WebSockets subscribe nothing, so the streams' bound does not hold them: a user
+    keeps at most AGENT_GATEWAY_MAX_SOCKETS_PER_USER open on one replica (the next is
+    closed 4429), another user is not refused, and a closed socket frees its place."""
+    from stacks import ALICE as ALICE_GW
+    from stacks import BOB as BOB_GW
+    from stacks import running_stack
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    env = {"AGENT_GATEWAY_MAX_SOCKETS_PER_USER": "3"}
+    with running_stack(gateways=1, workers=0, gateway_env=env) as stack:
+        url = stack.a.replace("http://", "ws://") + "/api/ws"
+        async with contextlib.AsyncExitStack() as held:
+            sockets = [
+                await held.enter_async_context(connect(url, additional_headers=ALICE_GW))
+                for _ in range(3)
+            ]
+            with pytest.raises(ConnectionClosed) as closed:
+                async with connect(url, additional_headers=ALICE_GW) as ws:
+                    await asyncio.wait_for(ws.recv(), 20)
+            assert closed.value.rcvd is not None
+            assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (
+                4429,
+                "too many connections for this user",
+            )
+            async with connect(url, additional_headers=BOB_GW) as bob:  # served
+                await bob.send(json.dumps({"op": "subscribe", "session_id": "x"}))
+                frame = json.loads(await asyncio.wait_for(bob.recv(), 20))
+                assert frame["type"] == "error"  # (answered: no such chat)
+            await sockets[0].close()
+            await sockets[0].wait_closed()
+
+            async def again() -> bool:  # the server side of the closed one ends, then room
+                try:
+                    async with connect(url, additional_headers=ALICE_GW) as ws:
+                        await ws.send(json.dumps({"op": "subscribe", "session_id": "x"}))
+                        await asyncio.wait_for(ws.recv(), 20)
+                        return True
+                except ConnectionClosed:
+                    return False
+
+            await until(again, timeout_s=20)
