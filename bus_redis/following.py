@@ -54,7 +54,15 @@ class EventFollower:
         seen: list[str] = []
         try:
             return await asyncio.wait_for(
-                self._terminal(msg.session_key, reply_to, after, on_event, seen), timeout_s
+                self._terminal(
+                    msg.session_key,
+                    reply_to,
+                    after,
+                    on_event,
+                    seen,
+                    private=msg.require_existing_session,
+                ),
+                timeout_s,
             )
         finally:
             if msg.require_existing_session and seen:
@@ -67,9 +75,11 @@ class EventFollower:
         after: str,
         on_event: EventCallback | None,
         seen: list[str],
+        *,
+        private: bool = False,
     ) -> OutboundMessage:
         async for ev in self.events([session_key], after=after):
-            if ev.is_loss_notice:  # its answer, if any, is gone with the session
+            if private and ev.is_loss_notice:  # its answer, if any, went with the session
                 seen.append(ev.entry_id or "")
                 return ev
             if ev.reply_to != reply_to and reply_to not in (ev.covers or []):

@@ -211,7 +211,7 @@ class Gateway:
                     if (
                         e is not None
                         and e.is_terminal
-                        and (answers(e, reply_to) or e.is_loss_notice)
+                        and (answers(e, reply_to) or (chat.temporary and e.is_loss_notice))
                     ):
                         return e  # (a loss notice: the answer may be gone with the session)
             return None
