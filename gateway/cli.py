@@ -45,6 +45,8 @@ configuration (environment; options override):
   AGENT_GATEWAY_USER_BURST                    ... and how many may be saved up (100)
   AGENT_GATEWAY_MAX_STREAMS                   open event streams per process (10000)
   AGENT_GATEWAY_MAX_STREAMS_PER_USER          ... of them for one user (64)
+  AGENT_GATEWAY_MAX_SOCKETS_PER_USER          open WebSockets of one user per process (16;
+                                              more: closed with 4429)
   AGENT_GATEWAY_MAX_BODY_BYTES                a request body (1048576)
   AGENT_GATEWAY_MAX_PAYLOAD_BYTES             a message as published, as the workers'
                                               AGENT_MAX_PAYLOAD_BYTES (262144; more: 413)
