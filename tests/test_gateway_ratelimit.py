@@ -22,6 +22,7 @@ from test_gateway_api import ALICE, BOB, TOKENS, _never_answering, _serving
 
 from bus_redis.keys import Keys
 from gateway.app import Gateway
+from gateway.auth import User
 from gateway.ratelimit import UserRate
 from gateway.settings import GatewaySettings
 
@@ -364,3 +365,25 @@ async def test_a_user_holds_at_most_the_sockets_allowed_and_gets_one_back_when_o
                     return False
 
             await until(again, timeout_s=20)
+
+
+async def test_a_wait_on_a_temporary_chat_ends_at_its_loss_notice(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """``?wait=`` on a temporary chat: the private session's worker died, its unread
+    answer went with the session's events; the unsolicited ``session_lost`` ends the wait
+    (it was a 504 after the whole wait)."""
+    from bus_redis import OutboundMessage
+
+    async with _gateway(redis_factory) as (_http, gw):
+        user = User("alice")
+        chat = gw.chats.mint_temporary(user)
+        out = gw.keys.out(chat.session_key)
+        after = await gw.hub.last_id(out)
+        notice = OutboundMessage(
+            type="error", channel="web", chat_id=chat.id, session_key=chat.session_key,
+            code="session_lost", content="the private session is gone",
+        )  # fmt: skip
+        waiting = asyncio.create_task(gw.wait_terminal(user, chat, {"m1"}, after, 30))
+        await gw.redis.xadd(out, {"payload": notice.model_dump_json(exclude_none=True)})
+        got = await asyncio.wait_for(waiting, 20)
+        assert got is not None
+        assert got.code == "session_lost"
