@@ -192,7 +192,6 @@ async def test_websocket_subscriptions_count_and_a_connection_past_the_rate_is_c
     from stacks import BOB as BOB_GW
     from stacks import running_stack
     from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed
 
     # a token per 100 s: none comes back while the test runs
     env = {"AGENT_GATEWAY_USER_RATE": "0.01", "AGENT_GATEWAY_USER_BURST": "4"}
@@ -215,14 +214,7 @@ async def test_websocket_subscriptions_count_and_a_connection_past_the_rate_is_c
                 # the socket stays open for what it follows; another user is served
                 r = await http.post(f"{stack.a}/api/sessions", json={}, headers=BOB_GW)
                 assert r.status_code == 201
-            with pytest.raises(ConnectionClosed) as closed:
-                async with connect(url, additional_headers=ALICE_GW) as ws:
-                    await asyncio.wait_for(ws.recv(), 20)
-            assert closed.value.rcvd is not None
-            assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (
-                4429,
-                "too many requests",
-            )
+            assert await _closed_at_once(url, ALICE_GW) == (4429, "too many requests")
 
 
 async def test_readyz_asks_redis_at_most_once_a_second_however_often_it_is_asked(
@@ -340,14 +332,8 @@ async def test_a_user_holds_at_most_the_sockets_allowed_and_gets_one_back_when_o
                 await held.enter_async_context(connect(url, additional_headers=ALICE_GW))
                 for _ in range(3)
             ]
-            with pytest.raises(ConnectionClosed) as closed:
-                async with connect(url, additional_headers=ALICE_GW) as ws:
-                    await asyncio.wait_for(ws.recv(), 20)
-            assert closed.value.rcvd is not None
-            assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (
-                4429,
-                "too many connections for this user",
-            )
+            refused = await _closed_at_once(url, ALICE_GW)
+            assert refused == (4429, "too many connections for this user")
             async with connect(url, additional_headers=BOB_GW) as bob:  # served
                 await bob.send(json.dumps({"op": "subscribe", "session_id": "x"}))
                 frame = json.loads(await asyncio.wait_for(bob.recv(), 20))
@@ -387,3 +373,15 @@ async def test_a_wait_on_a_temporary_chat_ends_at_its_loss_notice(redis_factory)
         got = await asyncio.wait_for(waiting, 20)
         assert got is not None
         assert got.code == "session_lost"
+
+
+async def _closed_at_once(url: str, headers: dict[str, str]) -> tuple[int, str]:
+    """The close code and reason of a WebSocket the gateway closes before any frame."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    with pytest.raises(ConnectionClosed) as closed:
+        async with connect(url, additional_headers=headers) as ws:
+            await asyncio.wait_for(ws.recv(), 20)
+    assert closed.value.rcvd is not None
+    return closed.value.rcvd.code, closed.value.rcvd.reason
