@@ -1,11 +1,12 @@
 """A kill -9 soak of private sessions: three real workers own six private sessions, each
 asked six questions one after another (``FrontendClient.ask``), while a seeded random
-killer SIGKILLs a worker each time six more questions were answered, three times. A
-private session dies with its worker (README), so what is checked is how it dies: every
-ask gets its one terminal event (never a wait run out); a session answered after a
-question went unanswered never is (no conversation started afresh on its key); an
-answered question was asked inside its own conversation (the model saw the first
-question); and no worker keeps, nor any owner record names, a session whose owner died."""
+killer SIGKILLs an owner of a session with questions to come each time six more were
+answered, three times. A private session dies with its worker (README), so what is
+checked is how it dies: every ask gets its one terminal event (never a wait run out); a
+session answered after a question went unanswered never is (no conversation started
+afresh on its key); an answered question was asked inside its own conversation (the
+model saw the first question); and no worker keeps, nor any owner record names, a
+session whose owner died."""
 
 from __future__ import annotations
 
@@ -58,7 +59,12 @@ async def test_private_sessions_die_cleanly_under_random_kills(
         while sum(map(len, codes.values())) < EVERY * (n + 1) and not askers.done():
             answered.clear()
             await answered.wait()
-        victim = live.pop(rng.randrange(len(live)))
+        # a random owner of a private session with questions still to come (a worker
+        # owning none would test nothing: the openings may all have gone to one worker)
+        waiting = [k for s, k in enumerate(keys) if len(codes[s]) < ASKS]  # asks to come
+        owners = {await real_redis.hget(Keys().owner(k), "worker") for k in waiting} - {None}
+        doomed = [i for i, w in enumerate(live) if w.worker_id in owners] or list(range(len(live)))
+        victim = live.pop(rng.choice(doomed))
         victim.kill()
         assert await asyncio.to_thread(victim.proc.wait, 30) == -9
         live += spawn_workers(1, env=ENV)
