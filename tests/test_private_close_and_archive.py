@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import Any
 
+import fakeredis
 import pytest
 import redis.asyncio as aioredis
 from helpers import Gate, ScriptedProvider, answering, hold_opening_commit
@@ -710,6 +711,20 @@ async def _nothing() -> None:
     return None
 
 
+def _fake(redis: aioredis.Redis) -> bool:
+    return isinstance(redis, fakeredis.FakeAsyncRedis)
+
+
+async def _reading(redis: aioredis.Redis) -> bool:
+    """Whether a client of the server is blocked in an XREAD (fakeredis reads inside this
+    process: a yield lets it start)."""
+    if _fake(redis):
+        await asyncio.sleep(0)
+        return True
+    clients = await redis.client_list()
+    return any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in clients)
+
+
 @pytest.mark.parametrize("unified", [False, True])
 async def test_a_discard_racing_the_opening_commit_ends_the_session_everywhere(  # type: ignore[no-untyped-def]
     redis: aioredis.Redis, make_loop, unified: bool
@@ -729,15 +744,21 @@ async def test_a_discard_racing_the_opening_commit_ends_the_session_everywhere( 
     await until(lambda: not loop.controls._drops, timeout_s=10)  # its drop, if any, done
     seen: list[OutboundMessage] = []
 
+    # a real server: blocked until events come (a timeout left gaps between reads, in
+    # which the answer could be written and the discard delete it: a reader not reading);
+    # fakeredis holds its server while a read blocks, so there it reads again and again
+    block = 100 if _fake(redis) else 0
+
     async def follow() -> None:  # a frontend reading the events live, as README says
         last = "0-0"
         while not any(e.reply_to == opened and e.is_terminal for e in seen):
-            for _, entries in await redis.xread({K.out(key): last}, block=100) or []:
+            for _, entries in await redis.xread({K.out(key): last}, block=block) or []:
                 for entry_id, f in entries:
                     last = entry_id
                     seen.append(OutboundMessage.model_validate_json(fields(f)["payload"]))
 
     following = asyncio.create_task(follow())
+    await until(lambda: _reading(redis), timeout_s=10)  # its XREAD waits in the server
     held.go.set()
     await asyncio.wait_for(following, 10)  # the opening was answered, to a live reader
     assert [e.code for e in seen if e.reply_to == opened] == [None]  # transient_opened
