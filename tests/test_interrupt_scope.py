@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,6 @@ from replies import collect, wait_until_async
 from bus_redis import ControlMessage, FrontendClient, InboundMessage, RedisBus
 from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse
-from worker.runtime.interrupts import PER_KEY
 
 ALICE, BOB = {"sender_id": "alice"}, {"sender_id": "bob"}
 TEAM_A = {"sender_id": "alice", "scope": "team-a"}
@@ -157,7 +157,7 @@ async def test_a_flood_of_foreign_interrupts_is_bounded_and_others_are_served(
     redis_factory,
 ) -> None:  # type: ignore[no-untyped-def]
     """Bob floods alice's chat with interrupts: each is refused (checked, or refused at once
-    beyond ``PER_KEY`` waiting), her turn goes on, and carol's chat is answered meanwhile."""
+    in the passes that read them), her turn goes on, and carol's chat is answered meanwhile."""
     flood = 40
     async with _alice_working(redis_factory) as w:
         loop, client = w.loop, w.client
@@ -184,20 +184,98 @@ async def test_a_flood_of_foreign_interrupts_is_bounded_and_others_are_served(
     assert {got[f"b{i}"][-1].code for i in range(flood)} == {"invalid_message"}
 
 
-async def test_at_most_eight_interrupt_checks_wait_for_one_turn(redis_factory) -> None:  # type: ignore[no-untyped-def]
-    """Twenty interrupts for one running turn heard at once: eight wait for their read,
-    the rest are refused at once (nothing held for them); none cuts the turn, since no
-    message follows their markers."""
+async def test_interrupts_heard_for_one_turn_hold_one_entry(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """Twenty interrupts for one running turn heard at once: one entry waits for them (the
+    earliest marker, and how many), read in one bounded step; none cuts the turn, since no
+    message follows their markers, and all twenty are counted refused."""
     async with _alice_working(redis_factory) as w:
         loop = w.loop
         [(_, entry_id)] = loop.rt.turns.running().values()
         ms = int(entry_id.split("-")[0]) + 1
         for i in range(20):  # (no await between: all heard before any read)
             loop.on_control(ControlMessage(op="interrupt", session_key="web:a", marker=f"{ms}-{i}"))
-        assert loop.controls.interrupts.waiting() == PER_KEY
-        assert _refused(loop) == 20 - PER_KEY
+        assert loop.controls.interrupts.waiting() == 20
+        assert len(loop.controls.interrupts._waiting) == 1  # one entry, however many
+        assert _refused(loop) == 0
         await loop.controls.interrupts.settled()
         assert _refused(loop) == 20
         w.model.release.set()
         got = await collect(w.client, "web", {"w"})
     assert got["w"][-1].content == "work done"
+
+
+def _payload(msg: InboundMessage) -> str:
+    return json.dumps(msg.model_dump(mode="json", exclude_none=True))
+
+
+@pytest.mark.parametrize("bobs", [0, 8, 20])
+async def test_a_flood_of_foreign_interrupts_does_not_use_up_the_owners(
+    redis_factory, bobs: int
+) -> None:  # type: ignore[no-untyped-def]
+    """(A hostile reading.) Bob's interrupts, all heard before any read, then alice's:
+    a table of eight waiting checks a turn, full of bob's, refused hers unread and her
+    turn ran on. Now one bounded read from the earliest marker finds hers."""
+    async with _alice_working(redis_factory) as w:
+        loop, route = w.loop, w.route
+        stream, raw = loop.rt.bus.keys.inbound("web:a"), loop.rt.bus.raw
+        heard: list[str] = []
+        senders = [("bob", f"b{i}") for i in range(bobs)] + [("alice", "a1")]
+        for sender, mid in senders:  # as FrontendClient._interrupt writes them
+            msg = InboundMessage(
+                id=mid, content="stop that", followup="interrupt", **route, sender_id=sender
+            )
+            marker = await raw.xadd(stream, {"control": "interrupt"})
+            await raw.xadd(stream, {"payload": _payload(msg)})
+            heard.append(marker.decode() if isinstance(marker, bytes) else marker)
+        for marker in heard:  # the pub/sub controls of a burst, heard before any read
+            loop.on_control(ControlMessage(op="interrupt", session_key="web:a", marker=marker))
+        await loop.controls.interrupts.settled()
+        w.model.release.set()
+        got = await collect(w.client, "web", {"w"})
+    assert got["w"][-1].code == "cancelled"  # alice's interrupt cut her own turn
+    assert _refused(loop) == 0
+
+
+async def test_the_owners_interrupt_heard_while_her_turn_loads_cuts_it(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """(A hostile reading.) Alice's interrupt heard while her turn still loads its session
+    on a worker that has not cached it (a fresh chat, a turn that moved): its scope was not
+    known yet, so the interrupt was refused and her turn ran to its end. It waits for the
+    load now."""
+    model = Model()
+    loop = AgentLoop(
+        RedisBus(redis_factory()),
+        ScriptedProvider(handler=model),
+        config=LoopConfig(read_block_ms=50),
+    )
+    loading, go = asyncio.Event(), asyncio.Event()
+    real_load = loop.rt.sessions.load_for_turn
+
+    async def held_load(*a: Any, **kw: Any) -> Any:
+        loading.set()
+        await go.wait()
+        return await real_load(*a, **kw)
+
+    loop.rt.sessions.load_for_turn = held_load  # type: ignore[method-assign]
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    route: dict[str, Any] = {"channel": "web", "chat_id": "a", "sender_id": "alice"}
+    try:
+        await client.send(InboundMessage(id="w", content="work", **route))
+        await asyncio.wait_for(loading.wait(), 10)  # her turn runs, loading its session
+        await client.send(InboundMessage(id="a1", content="stop", followup="interrupt", **route))
+
+        async def waits() -> bool:  # heard, read, and waiting for the session's scope
+            await loop.controls.interrupts.settled()
+            return loop.controls.interrupts.waiting() == 1
+
+        assert await wait_until_async(waits, timeout_s=10)
+        go.set()
+        got = await collect(client, "web", {"w", "a1"})
+    finally:
+        go.set()
+        model.release.set()
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+    assert _refused(loop) == 0  # alice's own interrupt, of her own scope
+    assert got["w"][-1].code == "cancelled"
+    assert got["a1"][-1].type == "message"

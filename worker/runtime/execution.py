@@ -146,7 +146,7 @@ class TurnExecution:
         session = await self._session(msg)
         check_scope(self.rt, msg, session, entry_id)
         if self.holder.slot is not None:  # (what an interrupt's check compares with)
-            self.holder.slot.scope = session.scope
+            self.rt.turns.set_scope(self.holder.slot, session.scope)
         row_id = message_key(msg, reply_to, folded=self.member != self.key)
         retry = is_unanswered_retry(msg, session, row_id)
         if not retry and is_duplicate(msg, session, row_id):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ class Slot:
 class TurnRegistry:
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
+        self.on_scope: Callable[[str], None] | None = None  # a turn's session scope known
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
         self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
         self._opening: set[str] = set()  # transient keys whose opening commit is on its way
@@ -64,6 +66,12 @@ class TurnRegistry:
         slot.task = task
         if slot.reason is not None:
             task.cancel()
+
+    def set_scope(self, slot: Slot, scope: str) -> None:
+        """``slot``'s turn loaded its session (``on_scope``: interrupts waiting for it)."""
+        slot.scope = scope
+        if scope and self.on_scope is not None and self._slots.get(slot.key) is slot:
+            self.on_scope(slot.key)
 
     def scope(self, key: str, entry_id: str) -> str:
         """The scope of the session K's turn of ``entry_id`` runs in ('' until loaded)."""
