@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.exceptions import WatchError
 
-from bus_redis.codec import text
+from bus_redis.codec import server_ms, text
 from bus_redis.keys import channel_of
 from bus_redis.streams import READY_MAXLEN, RedisBus
 
@@ -69,10 +69,13 @@ class SubagentStore:
         result would be refused there), still registered (``put_off`` keeps it)."""
         return await self._done(session, sid, "done", payload, run=run)
 
-    async def put_off(self, session: str, sid: str, payload: str, run: str) -> int:
+    async def put_off(
+        self, session: str, sid: str, payload: str, run: str, *, worker: str = ""
+    ) -> int:
         """Keep a result that could not be published now in its registration (``finished``)
         for a later try; how many times it was put off (0: no longer registered, or
-        another run's)."""
+        another run's). ``worker``: the one whose job tries it again (named, so that a
+        survivor of its death queues the try again)."""
         count = 0
 
         def finished(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -80,9 +83,12 @@ class SubagentStore:
             if run and spec.get("run") != run:
                 return None
             count = int(spec.get("put_off") or 0) + 1
-            return spec | {"state": "finished", "result": payload, "put_off": count}
+            mine = {"worker": worker} if worker else {}
+            return spec | {"state": "finished", "result": payload, "put_off": count} | mine
 
-        return count if await self._rewrite(session, sid, finished) else 0
+        # its slot in the channel's index is kept as long as it waits (the index drops a
+        # session an hour after its spawn, and a private session may stay open longer)
+        return count if await self._rewrite(session, sid, finished, renew=True) else 0
 
     async def drop(
         self, session: str, sid: str, *, lease_key: str = "", token: str = "", run: str = ""
@@ -136,10 +142,16 @@ class SubagentStore:
         return await self._rewrite(session, sid, taken)
 
     async def _rewrite(
-        self, session: str, sid: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+        self,
+        session: str,
+        sid: str,
+        change: Callable[[dict[str, Any]], dict[str, Any] | None],
+        *,
+        renew: bool = False,
     ) -> bool:
         """Registration ``sid`` replaced by ``change(it)`` unless that is None or it changed
-        meanwhile (``WATCH``); whether it was."""
+        meanwhile (``WATCH``); whether it was. ``renew``: the session's entry in its
+        channel's index is dated now (only when it is there)."""
         key = self.keys.spawned(session)
         async with self.redis.pipeline(transaction=True) as pipe:
             try:
@@ -152,8 +164,12 @@ class SubagentStore:
                 changed = change(spec) if isinstance(spec, dict) else None
                 if changed is None:
                     return False
+                now_ms = await server_ms(pipe) if renew else 0
                 pipe.multi()
                 pipe.hset(key, sid, json.dumps(changed))
+                if renew:
+                    index = self.keys.subagents(channel_of(session))
+                    pipe.zadd(index, {session: now_ms}, xx=True)
                 await pipe.execute()
             except WatchError:
                 return False

@@ -70,20 +70,30 @@ class Results:
 
     async def _put_off(self, session: str, sid: str, payload: str, run: str) -> None:
         what = f"result of subagent {sid} put off"
-        times = await retried(what, lambda: self.store.put_off(session, sid, payload, run))
+        times = await retried(
+            what, lambda: self.store.put_off(session, sid, payload, run, worker=self.rt.worker_id)
+        )
         if not times:
             return  # aborted meanwhile (or taken by another run)
         delay_s = min(PUT_OFF_S * 2 ** (times - 1), PUT_OFF_MAX_S)
-        job_id = self.job_id(sid) + ("" if times % 2 == 0 else ":again")  # (not its own)
+        base = self.job_id(sid)
+        ids = [base + ("" if times % 2 == 0 else ":again")]  # (usually not its own)
+        ids.append(base if ids[0] != base else base + ":again")
         when = int((time.time() + delay_s) * 1000)
         log.info("result of subagent %s of %s put off %.0f s: a private session holds the key",
                  sid, safe(session), delay_s)  # fmt: skip
-        await retried(
-            what,
-            lambda: self.rt.jobs.enqueue(
-                self.job, job_id=job_id, defer_until_ms=when, session=session, sid=sid
-            ),
-        )
+        for job_id in ids:
+            # the other id when that one is taken: by the job running this (a survivor
+            # queues a dead worker's delivery under the base id, whatever its count); both
+            # taken, one is queued already
+            queued = await retried(
+                what,
+                lambda job_id=job_id: self.rt.jobs.enqueue(  # type: ignore[misc]
+                    self.job, job_id=job_id, defer_until_ms=when, session=session, sid=sid
+                ),
+            )
+            if queued:
+                return
 
 
 async def retried(what: str, op: Callable[[], Awaitable[T]]) -> T:
