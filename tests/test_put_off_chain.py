@@ -8,6 +8,7 @@ than an hour (its slot, and a survivor's way to find it)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
@@ -24,11 +25,39 @@ CAPS = {"limit": 2, "channel_limit": 8, "scope": "web/u", "scope_limit": 2}
 
 def _result(session: str, sid: str) -> str:
     chat = session.split(":", 1)[1]
-    return json.dumps({
-        "v": 2, "id": f"spawn:{sid}", "channel": "web", "chat_id": chat,
-        "sender_id": "subagent", "input_role": "system", "content": "found: 42",
-        "metadata": {"subagent": sid, "from": "1-0"},
-    })
+    return json.dumps(
+        {
+            "v": 2,
+            "id": f"spawn:{sid}",
+            "channel": "web",
+            "chat_id": chat,
+            "sender_id": "subagent",
+            "input_role": "system",
+            "content": "found: 42",
+            "metadata": {"subagent": sid, "from": "1-0"},
+        }
+    )
+
+
+async def _waiting_on_a_private_session(
+    redis: aioredis.Redis,
+    session: str,
+    sid: str,
+    run: str,
+    *,
+    worker: str,
+    caps: dict[str, Any] = CAPS,
+) -> SubagentStore:
+    """A subagent of ``session`` registered as running ``run`` on ``worker`` (its turn's
+    lease let go), and a private session open on the key."""
+    store = SubagentStore(RedisBus(redis))
+    await redis.set(K.lease(session), "n|w", px=10_000)
+    doc = json.dumps({"id": sid, "session": session, "state": "running", "worker": worker,
+                      "run": run, "after": "1-0"})  # fmt: skip
+    assert await store.add(session, "n|w", session, sid, doc, **caps) == 1
+    await redis.delete(K.lease(session))
+    await redis.set(K.owner(session), "private-owner")
+    return store
 
 
 async def _put_off_count(redis: aioredis.Redis, session: str, sid: str) -> int:
@@ -47,13 +76,7 @@ async def test_a_dead_workers_put_off_result_survives_a_second_put_off(  # type:
     monkeypatch.setattr(results_mod, "PUT_OFF_S", 0.05)
     monkeypatch.setattr(results_mod, "PUT_OFF_MAX_S", 0.05)
     session, sid = "web:so", "s9"
-    store = SubagentStore(RedisBus(redis))
-    await redis.set(K.lease(session), "n|w", px=10_000)
-    doc = json.dumps({"id": sid, "session": session, "state": "running", "worker": "dead",
-                      "run": "r9", "after": "1-0"})  # fmt: skip
-    assert await store.add(session, "n|w", session, sid, doc, **CAPS) == 1
-    await redis.delete(K.lease(session))
-    await redis.set(K.owner(session), "private-owner")  # a private session open on the key
+    store = await _waiting_on_a_private_session(redis, session, sid, "r9", worker="dead")
     assert await store.finish(session, sid, _result(session, sid), run="r9") == -3
     assert await store.put_off(session, sid, _result(session, sid), "r9") == 1  # then died
 
@@ -94,13 +117,7 @@ async def test_a_survivors_put_off_delivery_is_not_lost_when_the_survivor_dies( 
     monkeypatch.setattr(results_mod, "PUT_OFF_S", 60.0)  # S's deferred job: not due soon
     monkeypatch.setattr(results_mod, "PUT_OFF_MAX_S", 60.0)
     session, sid = "web:sx", "s8"
-    store = SubagentStore(RedisBus(redis))
-    await redis.set(K.lease(session), "n|w", px=10_000)
-    doc = json.dumps({"id": sid, "session": session, "state": "running", "worker": "dead",
-                      "run": "r8", "after": "1-0"})  # fmt: skip
-    assert await store.add(session, "n|w", session, sid, doc, **CAPS) == 1
-    await redis.delete(K.lease(session))
-    await redis.set(K.owner(session), "private-owner")  # a private session open on the key
+    store = await _waiting_on_a_private_session(redis, session, sid, "r8", worker="dead")
     for _ in range(2):  # the base job, then its ":again": then ``dead`` died
         assert await store.put_off(session, sid, _result(session, sid), "r8") > 0
 
@@ -144,13 +161,8 @@ async def test_a_result_put_off_past_an_hour_keeps_its_channel_slot(  # type: ig
     index still scores the session with its spawn time: the next spawn anywhere in the
     channel prunes it as expired, and the channel's bound no longer counts it."""
     session, other = "web:sa", "web:sb"
-    store = SubagentStore(RedisBus(redis))
-    await redis.set(K.lease(session), "n|w", px=10_000)
-    doc = json.dumps({"id": "s7", "session": session, "state": "running", "worker": "w",
-                      "run": "r7", "after": "1-0"})  # fmt: skip
     caps = CAPS | {"channel_limit": 1}
-    assert await store.add(session, "n|w", session, "s7", doc, **caps) == 1
-    await redis.set(K.owner(session), "private-owner")  # a private session open on the key
+    store = await _waiting_on_a_private_session(redis, session, "s7", "r7", worker="w", caps=caps)
     await _aged_an_hour(redis, session)
     assert await store.finish(session, "s7", _result(session, "s7"), run="r7") == -3
     assert await store.put_off(session, "s7", _result(session, "s7"), "r7") == 1
@@ -176,12 +188,7 @@ async def test_a_dead_workers_result_put_off_past_an_hour_is_delivered(  # type:
     monkeypatch.setattr(results_mod, "PUT_OFF_S", 0.05)
     monkeypatch.setattr(results_mod, "PUT_OFF_MAX_S", 0.05)
     session, other, sid = "web:sc", "web:sd2", "s6"
-    store = SubagentStore(RedisBus(redis))
-    await redis.set(K.lease(session), "n|w", px=10_000)
-    doc = json.dumps({"id": sid, "session": session, "state": "running", "worker": "dead",
-                      "run": "r6", "after": "1-0"})  # fmt: skip
-    assert await store.add(session, "n|w", session, sid, doc, **CAPS) == 1
-    await redis.set(K.owner(session), "private-owner")
+    store = await _waiting_on_a_private_session(redis, session, sid, "r6", worker="dead")
     await _aged_an_hour(redis, session)
     assert await store.finish(session, sid, _result(session, sid), run="r6") == -3
     assert await store.put_off(session, sid, _result(session, sid), "r6") == 1
