@@ -60,6 +60,14 @@ async def _waiting_on_a_private_session(
     return store
 
 
+async def _delivered(redis: aioredis.Redis, session: str, before: int, why: str) -> None:
+    """The result is published in ``session``'s stream (its length passed ``before``)."""
+    try:
+        await until(lambda: _published(redis, session, before), timeout_s=5)
+    except AssertionError:
+        raise AssertionError(why) from None
+
+
 async def _put_off_count(redis: aioredis.Redis, session: str, sid: str) -> int:
     raw = await redis.hget(K.spawned(session), sid)
     return 0 if raw is None else int(json.loads(raw).get("put_off") or 0)
@@ -86,13 +94,12 @@ async def test_a_dead_workers_put_off_result_survives_a_second_put_off(  # type:
         await until(lambda: _at_least(redis, session, sid, 2), timeout_s=10)
         await redis.delete(K.owner(session))  # the private session ended
         before = await redis.xlen(K.inbound(session))
-        try:
-            await until(lambda: _published(redis, session, before), timeout_s=5)
-        except AssertionError:
-            raise AssertionError(
-                "the put-off result was never delivered after the private session ended "
-                f"(registration: {await redis.hget(K.spawned(session), sid)!r})"
-            ) from None
+        await _delivered(
+            redis,
+            session,
+            before,
+            "the put-off result was never delivered after the private session ended",
+        )
     finally:
         await survivor.jobs.aclose()
 
@@ -133,13 +140,12 @@ async def test_a_survivors_put_off_delivery_is_not_lost_when_the_survivor_dies( 
     third = AgentLoop(RedisBus(redis), ScriptedProvider([]))
     try:
         await third.subagents.rerun_orphans(survivor.rt.worker_id, {"web"})
-        try:
-            await until(lambda: _published(redis, session, before), timeout_s=5)
-        except AssertionError:
-            raise AssertionError(
-                "the result S put off died with S: a worker judging S dead did not deliver "
-                f"it (registration: {await redis.hget(K.spawned(session), sid)!r})"
-            ) from None
+        await _delivered(
+            redis,
+            session,
+            before,
+            "the result S put off died with S: a worker judging S dead did not deliver it",
+        )
     finally:
         await third.jobs.aclose()
 
@@ -201,12 +207,11 @@ async def test_a_dead_workers_result_put_off_past_an_hour_is_delivered(  # type:
     survivor = AgentLoop(RedisBus(redis), ScriptedProvider([]))
     try:
         await survivor.subagents.rerun_orphans("dead", {"web"})
-        try:
-            await until(lambda: _published(redis, session, before), timeout_s=5)
-        except AssertionError:
-            raise AssertionError(
-                "a dead worker's put-off result was not delivered: its session had left "
-                f"the channel index (registration: {await redis.hget(K.spawned(session), sid)!r})"
-            ) from None
+        await _delivered(
+            redis,
+            session,
+            before,
+            "a dead worker's put-off result was not delivered: its session had left the channel index",
+        )
     finally:
         await survivor.jobs.aclose()
