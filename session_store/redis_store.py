@@ -252,8 +252,8 @@ class RedisSessionStore:
     ) -> int:
         """Delete session ``key`` (hash, index entries, events) if ``lease`` still holds
         ``token``: 1 deleted, 0 nothing stored, -1 the lease was lost. With
-        ``events_before`` (a delete or new marker's id) the error answers written after it
-        stay (the cancelled answers of what it covered), no other event."""
+        ``events_before`` (a delete or new marker's id) the error answers written from its
+        millisecond on stay (the cancelled answers of what it covered), no other event."""
         meta = decode_meta(text(await self.redis.hget(self.keys.session(key), "meta")))  # type: ignore[misc]
         keys = self.keys.deletion(key, lease, str(meta.get("scope") or ""))
         return int(text(await self._scripts.call("delete", keys, [token, key, events_before])))

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from bus_redis import RedisBus
 from bus_redis.keys import Keys
+from bus_redis.registry import Registry
 from bus_redis.schema import OutboundMessage
 from bus_redis.scripts import script_source
 
@@ -64,3 +68,61 @@ async def test_a_delete_keeps_the_cancelled_answer_after_many_deltas(redis) -> N
     await _delete(r, out, marker)
     left = [f["payload"] for _, f in await r.xrange(out)] if await r.exists(out) else []
     assert any('"cancelled"' in p for p in left), "the cancelled answer was dropped"
+
+
+# --------------------------------------------------------------------------------------
+# delete.lua: the marker's id is of the inbound stream, the events' of the out stream
+# --------------------------------------------------------------------------------------
+
+
+async def test_a_cancelled_answer_of_the_markers_millisecond_stays(redis) -> None:  # type: ignore[no-untyped-def]
+    """(Found by tests/test_control_sequences.py.) The ids of two streams share only
+    their millisecond: a delete marker queued as the third entry of its millisecond
+    (``T-2``) and the cancelled answer written in that same millisecond as the out
+    stream's first (``T-0``) compared as earlier, so the answer was deleted and its asker
+    waited out its timeout. What was written before the marker in its millisecond and is
+    kept with it is an error answer too: no text of the conversation."""
+    r = redis
+    out = Keys().out("web:d")
+    await r.xadd(out, {"payload": _event("message", content="secret")}, id="999-0")
+    marker = "1000-2"  # (the inbound stream: two messages, then the marker)
+    await r.xadd(out, {"payload": _event("error", "cancelled")}, id="1000-0")
+    await r.xadd(out, {"payload": _event("error", "cancelled")}, id="1000-1")
+    await _delete(r, out, marker)
+    left = [(i, f["payload"]) for i, f in await r.xrange(out)] if await r.exists(out) else []
+    assert [i for i, _ in left] == ["1000-0", "1000-1"], left
+    assert not any("secret" in p for _, p in left)
+
+
+# --------------------------------------------------------------------------------------
+# owner.lua: a private session's end keeps its error answers, as owner_lost.lua does
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["drop", "abandon"])
+async def test_a_private_sessions_end_keeps_the_cancelled_answer_of_its_turn(
+    redis, op: str
+) -> None:  # type: ignore[no-untyped-def]
+    """(Found by tests/test_control_sequences.py.) A discard cuts the running turn of a
+    private session over pub/sub and drops its owner record at once, beside the turn's
+    commit of its cancelled answer: when the commit landed first, the drop's emptying of
+    the events took that answer too, and its asker waited out its timeout. The end keeps
+    the error answers now (no text of the conversation), as a lost owner's does."""
+    r = redis
+    bus = RedisBus(r)
+    key = "web:p"
+    out = bus.keys.out(key)
+    await r.hset(bus.keys.owner(key), mapping={"worker": "w1"})
+    await r.xadd(out, {"payload": _event("message", content="secret answer")})
+    await r.xadd(out, {"payload": _event("error", "cancelled", "turn cancelled by discard")})
+    await r.pexpire(out, 3_600_000)
+    registry = Registry(bus)
+    if op == "drop":
+        await registry.drop_owner(key, "w1", "member")
+    else:
+        await registry.abandon_owner(key, "w1")
+    assert not await r.exists(bus.keys.owner(key))
+    left = [f["payload"] for _, f in await r.xrange(out)]
+    assert len(left) == 1, left
+    assert '"cancelled"' in left[0]
+    assert await r.pttl(out) > 0

@@ -20,23 +20,16 @@
 -- crash between the record's drop and the marker's consumption, a frontend's /new after
 -- the session was closed) is a discard, never a fold of the shared unified session.
 -- The private session ends with 'drop' (discarded) and 'abandon' (closed, its worker
--- leaves): its events are deleted with it, so none of its text outlives it in Redis
--- (an XDEL'd event's bytes stay in the stream's memory while its node has live entries).
--- The emptied stream keeps its id floor (events written later get greater ids than any
--- it had, so a reader's position stays valid) and its TTL.
-local function empty_events(key)
-  local t = redis.call('TYPE', key)
-  t = t.ok or t
-  if t ~= 'stream' then
-    redis.call('DEL', key)
-    return
-  end
-  local ttl = redis.call('PTTL', key)
-  local floor = redis.call('XADD', key, '*', '_', '')
-  redis.call('DEL', key)
-  redis.call('XADD', key, floor, '_', '')
-  redis.call('XDEL', key, floor)
-  if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('DEL', key) end
+-- leaves): its events are deleted with it but for its error answers (_events.lua), so
+-- none of its text outlives it in Redis (an XDEL'd event's bytes stay in the stream's
+-- memory while its node has live entries), and the cancelled answer of a turn the end
+-- cut, which its holder may commit just before this drop, stays for its asker. The
+-- rewritten stream keeps its id floor (events written later get greater ids than any it
+-- had, so a reader's position stays valid) and its TTL; with no TTL and nothing kept, it
+-- goes.
+local function end_events(key)
+  if not keep_error_events(key, '-') then return end
+  if redis.call('XLEN', key) == 0 and redis.call('PTTL', key) < 0 then redis.call('DEL', key) end
 end
 
 local function ended()
@@ -59,7 +52,7 @@ local cur = redis.call('HGET', KEYS[1], 'worker')
 if ARGV[1] == 'abandon' then
   if cur == ARGV[2] then
     redis.call('DEL', KEYS[1])
-    empty_events(KEYS[3])
+    end_events(KEYS[3])
     mark(0)
     ended()
   end
@@ -68,7 +61,7 @@ end
 if ARGV[1] == 'drop' then
   if cur == ARGV[2] then
     redis.call('DEL', KEYS[1])
-    empty_events(KEYS[3])
+    end_events(KEYS[3])
     mark(0)
     ended()
   end
