@@ -1,5 +1,6 @@
 """Seeded random sequences of messages and controls on one session, durable or private,
-against one or two real worker loops, on fakeredis and a real redis-server. Whatever the
+in per-session or unified mode, against one or two real worker loops, on fakeredis and a
+real redis-server. Whatever the
 timing, the README's rules hold (README: Stop, discard or delete; Double texting):
 
 - every message gets exactly one terminal event (its own, or one that ``covers`` it); a
@@ -11,8 +12,8 @@ timing, the README's rules hold (README: Stop, discard or delete; Double texting
   ended before it: ``session_not_active``);
 - a message whose model call was held when a control came is cancelled by it, and a turn
   under way when an ``interrupt`` message of its session comes is cancelled by that;
-- the stored history holds only messages after the last ``delete`` or ``new``, each once,
-  in the order sent, every one of them that was answered among them;
+- the stored history (per-session mode) holds only messages after the last ``delete`` or
+  ``new``, each once, in the order sent, every one of them that was answered among them;
 - nothing is left behind (lease, pending set, journal, queued entry).
 
 Waits are on answers only: after a control (or an interrupt) the test waits for the
@@ -132,9 +133,11 @@ class Run:
         return self.private and any(op == "control" and a in ENDS_PRIVATE for op, a in earlier)
 
 
-async def _run(redis_factory: Any, seed: int, workers: int, mode: str, private: bool) -> Run:
+async def _run(
+    redis_factory: Any, seed: int, workers: int, mode: str, private: bool, unified: bool
+) -> Run:
     model = Model()
-    config = LoopConfig(read_block_ms=50, followup_mode=mode)  # type: ignore[arg-type]
+    config = LoopConfig(read_block_ms=50, followup_mode=mode, unified_session=unified)  # type: ignore[arg-type]
     loops = [
         AgentLoop(RedisBus(redis_factory()), ScriptedProvider(handler=model), config=config)
         for _ in range(workers)
@@ -173,7 +176,7 @@ async def _run(redis_factory: Any, seed: int, workers: int, mode: str, private: 
         await collect(client, "web", kept, timeout_s=30)
         await no_leftovers(client.redis, [key])
         run.got = await collect(client, "web", set(), timeout_s=0)
-        if not private:
+        if not private and not unified:
             run.stored = await loops[0].sessions.read_session(key) or {}
     finally:
         model.release_all()
@@ -250,14 +253,14 @@ def _check_history(run: Run, where: str) -> None:
     assert set(answered) <= set(users), f"answered, not stored: {answered} {users}; {where}"
 
 
-@pytest.mark.parametrize("kind", ["durable", "private"])
+@pytest.mark.parametrize("kind", ["durable", "private", "unified", "unified-private"])
 @pytest.mark.parametrize("mode", ["inject", "queue"])
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("seed", range(SEEDS))
 async def test_controls_and_followups_keep_the_readme_rules(
     redis_factory, seed: int, workers: int, mode: str, kind: str
 ) -> None:  # type: ignore[no-untyped-def]
-    run = await _run(redis_factory, seed, workers, mode, kind == "private")
+    run = await _run(redis_factory, seed, workers, mode, "private" in kind, "unified" in kind)
     where = f"seed {seed}, {workers} worker(s), {mode}, {kind}: {run.ops}"
     _check_answers(run, where)
     if kind == "durable":

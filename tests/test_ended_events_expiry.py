@@ -126,3 +126,42 @@ async def test_a_private_sessions_end_keeps_the_cancelled_answer_of_its_turn(
     assert len(left) == 1, left
     assert '"cancelled"' in left[0]
     assert await r.pttl(out) > 0
+
+
+# --------------------------------------------------------------------------------------
+# forgetting.py: unified mode, a `new` of a private key reached by a holder of that key
+# --------------------------------------------------------------------------------------
+
+
+async def test_a_new_of_a_marked_key_under_its_own_lease_is_a_discard(redis) -> None:  # type: ignore[no-untyped-def]
+    """(Found by tests/test_control_sequences.py, unified mode.) The worker's note that a
+    control ended a private session goes with whichever of its holders stops first (the
+    unified holder drains the same stream meanwhile); a holder of the key itself that then
+    reached the session's `new` marker took it for a durable `new` on the key: it deleted
+    the key's events before the marker, the cancelled answers of the turns the end cut
+    among them. A `new` of a key opened private is a discard in unified mode, whoever
+    reaches it."""
+    from types import SimpleNamespace
+
+    from helpers import ScriptedProvider
+
+    from worker import AgentLoop, LoopConfig
+    from worker.runtime.forgetting import forget
+
+    loop = AgentLoop(
+        RedisBus(redis), ScriptedProvider(["summary"]), config=LoopConfig(unified_session=True)
+    )
+    await loop.bus.scripts.load_all()
+    key, keys = "web:p", loop.bus.keys
+    await redis.set(keys.private_mark(key), "1")  # opened private (the session has ended)
+    out = keys.out(key)
+    await redis.xadd(out, {"payload": _event("error", "cancelled")}, id="1000-0")
+    held = await loop.bus.acquire(key, loop.worker_id, select=False)
+    holder = SimpleNamespace(
+        rt=loop.rt, key=key, token=held.token, waits=lambda: True, memory_scope="x",
+        lease=SimpleNamespace(lost=False),
+    )  # fmt: skip
+    await forget(holder, key, "new", "1001-0")  # type: ignore[arg-type]
+    assert await redis.xlen(out) == 1, "the cancelled answer was deleted"
+    assert holder.memory_scope == "x"  # nothing folded
+    await loop.bus.aclose()

@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from bus_redis.codec import fields
+from bus_redis.queue import WORKER_GROUP
 from bus_redis.results import (
     Acquired,
     Busy,
@@ -615,6 +616,34 @@ async def test_a_busy_answer_names_the_stream_for_a_release_that_does_not(
     _, _, step = await bus.commit(K, got.token, "w1", spec, select=[K])
     assert isinstance(step, Released)
     assert not await redis.exists(bus.keys.pending(K))  # gone with the release
+
+
+async def test_a_release_naming_the_stream_leaves_no_busy_note_behind(
+    redis: aioredis.Redis,
+) -> None:
+    """(Found by tests/test_control_sequences.py, unified mode.) A release that names S
+    notifies S itself when S holds entries, so the busy answer's note of S in K's pending
+    set is done with: it stayed for two lease terms (a private session's holder handing S
+    over to the unified key once its session ended), a key left behind each time."""
+    bus = RedisBus(redis, lock_ttl_ms=5000)
+    streams = bus.note_streams("w1", ["web"])
+    await bus.ensure_groups(streams)
+    for queued in (True, False):
+        held = await bus.acquire(K, "admin", select=False)
+        assert isinstance(held, Acquired)
+        await _queued(redis, "arrives during the hold")
+        notes = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+        assert isinstance(await bus.acquire(K, "w1", member=K, note=notes[0]), Busy)
+        assert await redis.smembers(bus.keys.pending(K)) == {K}
+        if not queued:
+            await redis.delete(bus.keys.inbound(K))  # (drained by another holder meanwhile)
+        assert await bus.release(K, held.token)
+        assert not await redis.exists(bus.keys.pending(K))
+        again = await bus.read_notifications("w1", streams, count=10, block_ms=10)
+        assert [n.session_key for n in again] == ([K] if queued else [])
+        for note in again:
+            await redis.xack(note.stream, WORKER_GROUP, note.entry_id)
+        await redis.delete(bus.keys.inbound(K))
 
 
 @pytest.mark.real_redis

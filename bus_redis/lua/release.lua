@@ -1,9 +1,10 @@
 -- release: give a lease up now (shutdown, lost turn, an admin's hold), whatever is still
--- queued. The pending set stays, and the key is re-notified so that another worker
--- continues at once instead of waiting for the lease to expire: for a key that is its own
--- stream (KEYS[5]), a plain notification of S when it holds entries (one that met the held
--- lease was answered busy), which a worker of any version serves by reading S; else K
--- itself (effective) when streams are pending under it.
+-- queued. The pending set stays (but for K = S's note of itself), and the
+-- key is re-notified so that another worker continues at once instead of waiting for the
+-- lease to expire: for a key that is its own stream (KEYS[5]), a plain notification of S
+-- when it holds entries (one that met the held lease was answered busy), which a worker
+-- of any version serves by reading S; else K itself (effective) when streams are pending
+-- under it.
 -- KEYS[1] lease  KEYS[2] pending  KEYS[3] ready stream of K's channel
 -- KEYS[4] lease registry of K's channel  KEYS[5] (optional) inbound stream of K = S
 -- KEYS[6] (with KEYS[5]) attempts hash of S  KEYS[7] its control hint
@@ -19,7 +20,11 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[4], ARGV[2])
 -- (a ready queue that takes no entry (junk): the sweeps find the key again)
 if KEYS[5] then
-  if redis.call('EXISTS', KEYS[5]) == 1 then
+  -- a busy answer's note of S in K's own pending set is done with: S is notified here
+  -- when it holds entries (the note is for releases that do not name S: acquire.lua)
+  redis.call('SREM', KEYS[2], ARGV[2])
+  local queued = redis.pcall('XLEN', KEYS[5])  -- (junk in S's place: notified, as before)
+  if type(queued) ~= 'number' or queued > 0 then
     redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'session', ARGV[2])
   end
 elseif redis.call('SCARD', KEYS[2]) > 0 then

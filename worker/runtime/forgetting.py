@@ -35,8 +35,13 @@ async def forget(holder: SessionHolder, member: str, op: str, marker: str) -> No
     # a new conversation starts where the chat's history is stored: in unified mode the
     # shared session (nanobot's /new there); a delete removes the chat's own session
     stored = holder.key if op == "new" and holder.key == UNIFIED_SESSION_KEY else member
-    if not private and stored != member and await holder.rt.registry.was_private(member):
-        return  # a private session's new is a discard, also once it ended
+    # unified mode: a private session's new is a discard, also once it ended, and also
+    # when a later holder of its own key reaches the marker (not the one it ended on:
+    # that one knows, ``take_ended``), where it would delete the key's events as a
+    # durable new does, the cancelled answers of what the session's end cut included
+    unified = holder.rt.config.unified_session  # (only unified mode marks private keys)
+    if op == "new" and not private and unified and await holder.rt.registry.was_private(member):
+        return
     if op == "new" and not private and stored == member and marker:
         # per-session mode: published before the private session last open on the
         # key ended (a control ended it on a worker that then handed the lease over,
