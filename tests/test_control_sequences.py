@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import os
 import random
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +100,9 @@ def _plan(seed: int) -> list[Op]:
     ops: list[Op] = []
     for i in range(rng.randint(6, 14)):
         roll = rng.random()
-        if roll < 0.2:
+        if roll < 0.04:
+            ops.append(("restart", rng.randrange(2)))  # (two workers, stored chats only)
+        elif roll < 0.2:
             ops.append(("running", None))
         elif roll < 0.65:
             held = rng.random() < 0.4
@@ -133,16 +136,54 @@ class Run:
         return self.private and any(op == "control" and a in ENDS_PRIVATE for op, a in earlier)
 
 
+@dataclass
+class Scene:
+    """The workers, the model and the frontend of one run."""
+
+    redis_factory: Any
+    config: LoopConfig
+    model: Model = field(default_factory=Model)
+    loops: list[AgentLoop] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def start(self, workers: int) -> None:
+        for _ in range(workers):
+            self.loops.append(self._worker())
+            self.tasks.append(asyncio.create_task(self.loops[-1].run()))
+
+    def _worker(self) -> AgentLoop:
+        provider = ScriptedProvider(handler=self.model)
+        config = self.config.model_copy(update={"worker_id": f"w-{uuid.uuid4().hex[:8]}"})
+        return AgentLoop(RedisBus(self.redis_factory()), provider, config=config)
+
+    async def restart(self, i: int) -> None:
+        """A graceful stop of worker ``i`` (its turns cut, run again by the other), and a
+        new worker in its place."""
+        self.loops[i].stop()
+        await asyncio.wait_for(self.tasks[i], 15)
+        self.loops[i] = self._worker()
+        self.tasks[i] = asyncio.create_task(self.loops[i].run())
+
+    async def stop(self) -> None:
+        self.model.release_all()
+        for loop in self.loops:
+            loop.stop()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 15)
+
+
 async def _run(
     redis_factory: Any, seed: int, workers: int, mode: str, private: bool, unified: bool
 ) -> Run:
-    model = Model()
-    config = LoopConfig(read_block_ms=50, followup_mode=mode, unified_session=unified)  # type: ignore[arg-type]
-    loops = [
-        AgentLoop(RedisBus(redis_factory()), ScriptedProvider(handler=model), config=config)
-        for _ in range(workers)
-    ]
-    tasks = [asyncio.create_task(loop.run()) for loop in loops]
+    config = LoopConfig(
+        read_block_ms=50,
+        followup_mode=mode,  # type: ignore[arg-type]
+        unified_session=unified,
+        shutdown_grace_s=0.05,  # (a held turn is cut by a restart and runs elsewhere)
+    )
+    scene = Scene(redis_factory, config)
+    scene.start(workers)
+    model = scene.model
     client = FrontendClient(redis_factory())
     chat, key = f"s{seed}", f"web:s{seed}"
     route: dict[str, Any] = {"channel": "web", "sender_id": "u", "chat_id": chat}
@@ -169,7 +210,9 @@ async def _run(
                 await _cut(client, held, arg)  # (covered by its marker)
             elif op == "running":
                 await _some_turn_held(client, model, run.sent)
-            else:
+            elif op == "restart" and workers == 2 and not private:
+                await scene.restart(arg)
+            elif op == "release":
                 model.release_all()
         model.release_all()
         kept = {s.id for s in run.sent if not run.wiped(s)}
@@ -177,13 +220,9 @@ async def _run(
         await no_leftovers(client.redis, [key])
         run.got = await collect(client, "web", set(), timeout_s=0)
         if not private and not unified:
-            run.stored = await loops[0].sessions.read_session(key) or {}
+            run.stored = await scene.loops[0].sessions.read_session(key) or {}
     finally:
-        model.release_all()
-        for loop in loops:
-            loop.stop()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 15)
+        await scene.stop()
         await client.aclose()
     return run
 
