@@ -353,3 +353,28 @@ async def test_a_message_answered_provider_error_can_be_retried_with_its_id(make
     assert len(prompts) == 2
     rows = [(r["role"], r["content"]) for r in (await loop.sessions.store.load("web:r")).messages]  # type: ignore[union-attr]
     assert rows == [("user", "hello?"), ("assistant", "finally")]
+
+
+async def test_a_stop_before_the_loop_began_is_kept_and_it_runs_again_after(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """(Found by tests/test_control_sequences.py.) ``run()`` cleared the stop request as it
+    began, so a ``stop()`` that came first (a task created and stopped at once, a SIGTERM
+    while an embedding program was still starting) was lost: the loop served until
+    cancelled. The request is cleared when the loop ends now, so it can run again."""
+    loop = AgentLoop(RedisBus(redis_factory()), ScriptedProvider(["again"]))
+    task = asyncio.create_task(loop.run())
+    loop.stop()
+    done, _ = await asyncio.wait({task}, timeout=10)  # (wait_for's cancel would end it)
+    assert done, "the stop was lost: the loop serves on"
+    assert not await redis_factory().exists(Keys().worker_info(loop.worker_id))
+
+    task = asyncio.create_task(loop.run())
+    client = FrontendClient(redis_factory())
+    reply = await client.ask(
+        InboundMessage(id="a", channel="web", sender_id="u", chat_id="again", content="hi"),
+        timeout_s=10,
+    )
+    assert reply.content == "again"
+    loop.stop()
+    await asyncio.wait_for(task, 10)

@@ -182,9 +182,15 @@ class AgentLoop:
 
     # --- the worker ------------------------------------------------------------------
     async def run(self) -> None:
-        """Consume until :meth:`stop`; then drain within the grace period."""
-        self._stopping.clear()
-        self.rt.turns.stopping = False
+        """Consume until :meth:`stop` (also one called before this began); then drain
+        within the grace period. The loop may run again after."""
+        try:
+            await self._run()
+        finally:
+            self._stopping.clear()
+            self.rt.turns.stopping = False
+
+    async def _run(self) -> None:
         listener = self._listener = ControlListener(
             self.bus.raw, self.bus.keys, self.on_control, self.check_flags
         )
