@@ -18,7 +18,7 @@ from redis.exceptions import NoScriptError
 
 from bus_redis.mux import Multiplexed
 
-_WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers", "release"})
+_WITH_PRELUDE = frozenset({"acquire", "next", "commit", "markers", "release", "interrupts"})
 # _events.lua: ending a session's events (and where a private session ended)
 _WITH_EVENTS = frozenset({"owner", "owner_lost", "delete"})
 _WITH_CRONS = frozenset({"cron_remove", "cron_fire", "delete"})  # _crons.lua: a scope's count
@@ -38,6 +38,7 @@ SCRIPT_NAMES = (
     "consolidate",
     "delete",
     "markers",
+    "interrupts",
     "tidy",
     "compact",
     "hint",

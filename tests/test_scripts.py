@@ -81,6 +81,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "spawn_done": ([k.spawned(K), k.subagents("web"), k.inbound(K), k.queued("web"),
                         k.ready("web"), k.lease(K)], ["s1", "done", "{}", K, 100, ""]),
         "markers": (stream[:3], ["1-1", ""]),
+        "interrupts": ([k.inbound(K)], ["1-1", "1-1", 64]),
         "compact": ([k.lease(K), k.out(K)], ["x", 64]),
         "hint": ([k.control_hint(K), k.inbound(K)], []),
         "tidy": ([*stream[:3], k.lease(K), k.owner(K), k.queued("web")], [K]),

@@ -170,12 +170,13 @@ end
 -- none), the id of the marker kept ('' none), and whether the batch ran out before a real
 -- entry or the end (the caller answers 'again').
 local function head(s)
-  local run, ops, keep, entry = {}, {}, nil, nil
-  while #run < HEAD_BATCH do
+  local run, ops, keep, entry, bytes = {}, {}, nil, nil, 0
+  while #run < HEAD_BATCH and bytes < SCAN_BYTES do  -- (markers a frontend padded: bytes)
     local e = entry_after(s[1], run[#run] or '0-0')
     if not e then break end
     local op = field(e[2], 'control')
     if not op then entry = e break end
+    bytes = bytes + entry_bytes(e)
     run[#run + 1] = e[1]
     ops[#run] = op
     if op == 'delete' or (op == 'new' and (not keep or ops[keep] == 'new')) then
@@ -198,7 +199,7 @@ local function head(s)
     if not n or n <= 0 then redis.call('DEL', s[3]) end
   end
   if keep then return nil, ops[keep], run[keep], false end
-  return entry, discarded, '', (not entry and #run == HEAD_BATCH)
+  return entry, discarded, '', (not entry and (#run == HEAD_BATCH or bytes >= SCAN_BYTES))
 end
 
 -- The new or delete marker `id` at the head of stream s, acted on by the holder: consumed

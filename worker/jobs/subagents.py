@@ -80,6 +80,10 @@ class Subagents:
         # session -> id -> (task, what it does)
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
+        # sessions whose registrations a control ends, looked at by one task: a flood of
+        # controls for a session costs one look, not a task each (bounded by spawned_here)
+        self._to_abort: dict[str, tuple[int, int]] = {}
+        self._aborting = False
         # channel -> sessions with subagents spawned here (each channel's own LRU: another
         # channel's spawns evict none of its sessions, whose stop must find them)
         self.spawned_here: dict[str, dict[str, None]] = {}
@@ -331,7 +335,18 @@ class Subagents:
                 self.aborted.add(sid)
                 task.cancel()
         if session in self.spawned_here.get(channel_of(session), {}):  # the ones not started yet
-            self.rt.spawn(self._abort(session, at))
+            self._to_abort[session] = max(at, self._to_abort.get(session, (0, 0)))
+            if not self._aborting:
+                self._aborting = True
+                self.rt.spawn(self._abort_all())
+
+    async def _abort_all(self) -> None:
+        try:
+            while self._to_abort:
+                session = next(iter(self._to_abort))
+                await self._abort(session, self._to_abort.pop(session))
+        finally:
+            self._aborting = False
 
     def undo_spawn(self, origin: Origin, call_id: str) -> Callable[[], Awaitable[None]]:
         """The end of the subagent call ``call_id`` spawned (if it did), fenced by the

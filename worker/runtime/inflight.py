@@ -36,6 +36,7 @@ class TurnRegistry:
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
         self.on_scope: Callable[[str], None] | None = None  # a turn's session scope known
+        self.on_end: Callable[[str], None] | None = None  # a turn's entry is done
         self._owned: dict[str, str] = {}  # transient key -> owners-registry member
         self._used: dict[str, float] = {}  # transient key -> last use (monotonic s)
         self._opening: set[str] = set()  # transient keys whose opening commit is on its way
@@ -90,6 +91,8 @@ class TurnRegistry:
         if current is None or (slot is not None and current is not slot):
             return None
         del self._slots[key]
+        if self.on_end is not None:
+            self.on_end(key)
         return current.reason
 
     def cancel(self, target: str, reason: str) -> int:

@@ -14,17 +14,22 @@ refused or answered there). A marker heard while the turn is still loading its s
 (its scope not known yet) waits for the load.
 
 Bounds: one entry per running turn (the earliest marker heard, and how many), whatever
-the number of interrupts; one pipelined ``XRANGE`` of at most ``SCAN`` entries per turn a
-pass. So another scope's flood delays nothing and cannot use up the owner's interrupt
-unless it puts more than ``SCAN / 2`` interrupts between the running entry's next marker
-and the owner's (then the owner's acts as ``queue``).
+the number of interrupts; one pipelined ``XRANGE`` of at most ``SCAN`` entries from the
+earliest marker and one of 2 from the latest, per turn a pass. So another scope's flood
+delays nothing, and the owner's interrupt is read when it is the latest one heard in a
+pass or within ``SCAN`` entries of the earliest; only one both preceded by more than
+``SCAN`` entries of that pass and followed by another scope's interrupt in the same pass
+acts as ``queue`` (a second reading found one foreign interrupt and 63 plain messages
+before the owner's enough, when only the earliest was read). The running turn's own
+scope decides, never a cached copy's (it may be of an earlier conversation on the key);
+a marker heard before the turn knows it waits for its load, and the table entry goes
+when the turn ends (``TurnRegistry.on_end``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +40,7 @@ from worker.runtime.context import Runtime
 from worker.runtime.scopes import foreign
 
 log = logging.getLogger(__name__)
+Heard = tuple[str, str, str, str, int]  # (S, entry id, earliest marker, latest marker, count)
 SCAN = 64  # stream entries read per running turn and pass, from its earliest marker heard
 
 
@@ -48,33 +54,50 @@ class Interrupts:
         self.rt = rt
         self._apply = apply  # Controls._apply(key, member, entry id, op)
         self._forget = forget  # K's control was answered without a cut
-        # K -> (S, entry id, earliest marker heard, interrupts heard)
-        self._waiting: dict[str, tuple[str, str, str, int]] = {}
-        self._loading: dict[str, tuple[str, str, str, int]] = {}  # ... its scope not known
+        # K -> (S, entry id, earliest marker heard, latest marker heard, interrupts heard)
+        self._waiting: dict[str, Heard] = {}
+        self._loading: dict[str, Heard] = {}  # ... its scope not known
+        # K -> (entry id, latest marker read for it): a marker published again is not
+        # read again (a pub/sub flood of one interrupt costs no read each)
+        self._checked: dict[str, tuple[str, str]] = {}
         self._task: asyncio.Task[None] | None = None
         rt.turns.on_scope = self._scope_known
+        rt.turns.on_end = self._turn_ended
 
     def check(self, key: str, member: str, entry_id: str, marker: str) -> None:
         """K runs ``entry_id`` of S, before the interrupt ``marker``: cancel it once a
         message after a marker heard is known to be one its session takes."""
         self._prune_loading()
-        self._add(self._waiting, key, (member, entry_id, marker, 1))
+        checked = self._checked.get(key)
+        if checked and checked[0] == entry_id and not self._after(marker, checked[1]):
+            self._refused(key, 1, "a marker already looked at")  # (read already)
+            return
+        self._add(self._waiting, key, (member, entry_id, marker, marker, 1))
         self._ensure_task()
 
     @staticmethod
-    def _add(
-        table: dict[str, tuple[str, str, str, int]], key: str, new: tuple[str, str, str, int]
-    ) -> None:
+    def _add(table: dict[str, Heard], key: str, new: Heard) -> None:
         old = table.get(key)
         if old is None or old[1] != new[1]:  # (another entry's: that turn is over)
             table[key] = new
             return
         earliest = min(old[2], new[2], key=parse_stream_id)
-        table[key] = (old[0], old[1], earliest, old[3] + new[3])
+        latest = max(old[3], new[3], key=parse_stream_id)
+        table[key] = (old[0], old[1], earliest, latest, old[4] + new[4])
 
     def waiting(self) -> int:
         """Interrupts heard and not decided yet."""
-        return sum(w[3] for w in (*self._waiting.values(), *self._loading.values()))
+        return sum(w[4] for w in (*self._waiting.values(), *self._loading.values()))
+
+    @staticmethod
+    def _after(marker: str, seen: str) -> bool:
+        return parse_stream_id(marker) > parse_stream_id(seen)
+
+    def _turn_ended(self, key: str) -> None:
+        """K's turn is done: interrupts that waited for its load are refused."""
+        self._checked.pop(key, None)
+        if key in self._loading:
+            self._prune_loading()
 
     def _scope_known(self, key: str) -> None:
         """K's turn loaded its session: interrupts that waited for its scope are read."""
@@ -100,57 +123,56 @@ class Interrupts:
                 await self._check(batch)
             except Exception as exc:  # the safe side: the turns go on, later checks too
                 log.warning("checking interrupts failed (%s): not carried out", type(exc).__name__)
-                for key, (_, _, _, heard) in batch.items():
-                    self._refused(key, heard, "reading the stream failed")
+                for key, waiting in batch.items():
+                    self._refused(key, waiting[4], "reading the stream failed")
         self._prune_loading()
 
     def _prune_loading(self) -> None:
         """Interrupts of a turn that ended while loading its session: refused (so the
         table holds running turns only)."""
         running = self.rt.turns.running()
-        for key, (member, entry_id, _, heard) in list(self._loading.items()):
+        for key, (member, entry_id, _, _, heard) in list(self._loading.items()):
             if running.get(key) != (member, entry_id):
                 del self._loading[key]
                 self._refused(key, heard, "the turn ended before its session was loaded")
 
-    async def _check(self, batch: dict[str, tuple[str, str, str, int]]) -> None:
+    async def _check(self, batch: dict[str, Heard]) -> None:
         rt = self.rt
-        async with rt.bus.raw.pipeline(transaction=False) as pipe:
-            for member, _, marker, _ in batch.values():
-                pipe.xrange(rt.bus.keys.inbound(member), marker, "+", count=SCAN)
-            replies = await pipe.execute(raise_on_error=False)
-        for (key, waiting), reply in zip(batch.items(), replies, strict=True):
-            member, entry_id, _, heard = waiting
+        read = await asyncio.gather(
+            *(
+                rt.bus.scripts.call("interrupts", [rt.bus.keys.inbound(w[0])], [w[2], w[3], SCAN])
+                for w in batch.values()
+            ),
+            return_exceptions=True,
+        )  # (sent together: one round trip on the worker's multiplexed connection)
+        for (key, waiting), payloads in zip(batch.items(), read, strict=True):
+            member, entry_id, _, latest, heard = waiting
             scope = self._scope(key, entry_id)
             if scope is None:  # heard while the turn loads its session: after the load
                 self._add(self._loading, key, waiting)
                 if rt.turns.scope(key, entry_id):  # (it loaded meanwhile)
                     self._scope_known(key)
                 continue
-            if self._carried(member, scope, reply):
+            if not isinstance(payloads, BaseException):
+                self._checked[key] = (entry_id, latest)
+            if self._carried(member, scope, payloads):
                 self._apply(key, member, entry_id, "interrupt")
             else:
                 self._refused(key, heard, "no message of the session's scope follows a marker")
 
     def _scope(self, key: str, entry_id: str) -> str | None:
-        """The running turn's session scope (not the cache's copy: it may have let it go);
-        before the turn loaded it, the cached copy's; None: not known yet."""
-        scope = self.rt.turns.scope(key, entry_id)
-        if scope:
-            return scope
-        session = self.rt.sessions.get_cached(key)
-        return session.scope if session is not None and session.scope else None
+        """The running turn's session scope; None: not known yet (never the cached
+        copy's: it may be of an earlier conversation on the key, pruned or deleted
+        elsewhere, and the new one another user's)."""
+        return self.rt.turns.scope(key, entry_id) or None
 
-    def _carried(self, member: str, scope: str, reply: Any) -> bool:
-        """Whether an interrupt marker among the entries read is followed by a message the
-        session takes."""
-        if isinstance(reply, Exception) or not reply:
+    def _carried(self, member: str, scope: str, payloads: Any) -> bool:
+        """Whether a message right after an interrupt marker (``interrupts.lua``) is one
+        the session takes."""
+        if isinstance(payloads, BaseException) or not isinstance(payloads, list):
             return False
-        for (_, marker), (_, after) in itertools.pairwise(reply):
-            if dict(marker).get(b"control") != b"interrupt":
-                continue
+        for payload in payloads:
             try:
-                payload = dict(after).get(b"payload") or b""
                 msg = decode_inbound(payload, max_bytes=self.rt.config.max_payload_bytes)
             except MessageRejectedError:
                 continue

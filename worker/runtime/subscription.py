@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -30,6 +31,8 @@ from bus_redis.keys import in_channel
 from worker.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
+JUNK_LOG_S = 60.0  # a control channel's junk is warned about once in this long
+JUNK_NAMES = 1024  # control channel names whose junk is counted at most
 CONTROL_CONNECTIONS = 16  # subscriptions per worker at most (channels share them beyond)
 YIELD_EVERY = 8  # messages read in a row before the listener lets other tasks run
 POLL_S = 0.25  # how often a subscription looks for channels to add or drop
@@ -49,6 +52,7 @@ class ControlListener:
         self.keys = keys
         self.on_control = on_control
         self.on_subscribed = on_subscribed
+        self._junk: dict[str, tuple[float, int]] = {}  # name -> (last warning, ignored since)
         self.subscribed = asyncio.Event()  # every wanted channel is being listened to
         self._want: list[set[str]] = [set() for _ in range(max(1, connections))]
         self._listening: list[set[str]] = [set() for _ in self._want]
@@ -151,6 +155,21 @@ class ControlListener:
             if msg is not None:
                 self._take(msg)
 
+    def _ignored(self, name: str, why: str) -> None:
+        """A junk message on control channel ``name``: one warning a minute per channel,
+        with how many came since (a frontend's flood of ~20-byte PUBLISHes must not write
+        a log line each on every worker); the rest at debug."""
+        now = time.monotonic()
+        if len(self._junk) > JUNK_NAMES and name not in self._junk:
+            self._junk.clear()  # (names a pattern subscription let in: bounded)
+        last, since = self._junk.get(name, (-JUNK_LOG_S, 0))
+        if now - last >= JUNK_LOG_S:
+            log.warning("ignored %d control message(s) on %s (%s)", since + 1, safe(name), why)
+            self._junk[name] = (now, 0)
+        else:
+            log.debug("ignored a control message on %s (%s)", safe(name), why)
+            self._junk[name] = (last, since + 1)
+
     def _take(self, msg: dict[str, Any]) -> None:
         if msg.get("type") != "message":
             return
@@ -161,10 +180,10 @@ class ControlListener:
                 raise ValueError("not UTF-8")
             control = ControlMessage.model_validate_json(data)
         except (ValidationError, ValueError):
-            log.warning("ignored a malformed control message on %s", safe(msg["channel"]))
+            self._ignored(text(msg["channel"]), "malformed")
             return
         if channel is None or not in_channel(control.session_key, channel):
-            log.warning("ignored a control for another channel on %s", safe(msg["channel"]))
+            self._ignored(text(msg["channel"]), "for another channel")
             return
         try:
             self.on_control(control)
