@@ -18,6 +18,7 @@ from typing import Any
 
 from helpers import ScriptedProvider
 from replies import collect
+from test_interrupt_scope import Model
 
 from bus_redis import ControlMessage, FrontendClient, InboundMessage, RedisBus
 from worker import AgentLoop, LoopConfig
@@ -26,22 +27,6 @@ from worker.runtime.interrupts import SCAN as INTERRUPT_SCAN
 
 SCAN_BYTES = 1_048_576  # the byte budget of every other look into a stream (_common.lua)
 PAYLOAD = 262_144  # AGENT_MAX_PAYLOAD_BYTES: an operator caps proto-max-bulk-len near it
-
-
-class Model:
-    """Holds the answer to "work" until released; answers anything else at once."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.holding = asyncio.Event()
-
-    async def __call__(self, **kw: Any) -> LLMResponse:
-        last = kw["messages"][-1]
-        if last["role"] == "user" and "work" in str(last["content"]):
-            self.holding.set()
-            await self.release.wait()
-            return LLMResponse(content="work done")
-        return LLMResponse(content="ok")
 
 
 @dataclass

@@ -236,11 +236,19 @@ async def test_a_flood_of_foreign_interrupts_does_not_use_up_the_owners(
     assert _refused(loop) == 0
 
 
-async def test_the_owners_interrupt_heard_while_her_turn_loads_cuts_it(redis_factory) -> None:  # type: ignore[no-untyped-def]
-    """(A hostile reading.) Alice's interrupt heard while her turn still loads its session
-    on a worker that has not cached it (a fresh chat, a turn that moved): its scope was not
-    known yet, so the interrupt was refused and her turn ran to its end. It waits for the
-    load now."""
+@dataclass
+class Held:
+    loop: AgentLoop
+    model: Model
+    client: FrontendClient
+    loading: asyncio.Event  # a turn is loading its session (held until ``go``)
+    go: asyncio.Event
+
+
+@contextlib.asynccontextmanager
+async def worker_with_held_load(redis_factory: Any) -> AsyncIterator[Held]:
+    """A worker whose turns hold their session's load until ``go`` is set (once set, every
+    later load goes through), and whose model holds "work" until ``model.release``."""
     model = Model()
     loop = AgentLoop(
         RedisBus(redis_factory()),
@@ -258,10 +266,25 @@ async def test_the_owners_interrupt_heard_while_her_turn_loads_cuts_it(redis_fac
     loop.rt.sessions.load_for_turn = held_load  # type: ignore[method-assign]
     task = asyncio.create_task(loop.run())
     client = FrontendClient(redis_factory())
-    route: dict[str, Any] = {"channel": "web", "chat_id": "a", "sender_id": "alice"}
     try:
+        yield Held(loop, model, client, loading, go)
+    finally:
+        go.set()
+        model.release.set()
+        loop.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_owners_interrupt_heard_while_her_turn_loads_cuts_it(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """(A hostile reading.) Alice's interrupt heard while her turn still loads its session
+    on a worker that has not cached it (a fresh chat, a turn that moved): its scope was not
+    known yet, so the interrupt was refused and her turn ran to its end. It waits for the
+    load now."""
+    route: dict[str, Any] = {"channel": "web", "chat_id": "a", "sender_id": "alice"}
+    async with worker_with_held_load(redis_factory) as h:
+        loop, client = h.loop, h.client
         await client.send(InboundMessage(id="w", content="work", **route))
-        await asyncio.wait_for(loading.wait(), 10)  # her turn runs, loading its session
+        await asyncio.wait_for(h.loading.wait(), 10)  # her turn runs, loading its session
         await client.send(InboundMessage(id="a1", content="stop", followup="interrupt", **route))
 
         async def waits() -> bool:  # heard, read, and waiting for the session's scope
@@ -269,13 +292,8 @@ async def test_the_owners_interrupt_heard_while_her_turn_loads_cuts_it(redis_fac
             return loop.controls.interrupts.waiting() == 1
 
         assert await wait_until_async(waits, timeout_s=10)
-        go.set()
+        h.go.set()
         got = await collect(client, "web", {"w", "a1"})
-    finally:
-        go.set()
-        model.release.set()
-        loop.stop()
-        await asyncio.wait_for(task, 10)
     assert _refused(loop) == 0  # alice's own interrupt, of her own scope
     assert got["w"][-1].code == "cancelled"
     assert got["a1"][-1].type == "message"

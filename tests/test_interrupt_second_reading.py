@@ -8,59 +8,17 @@ fakeredis and a real redis-server."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from helpers import ScriptedProvider
 from replies import collect, until, wait_until_async
-from test_interrupt_scope import Model, _cut, _refused
+from test_interrupt_scope import _cut, _refused
+from test_interrupt_scope import worker_with_held_load as _worker_with_held_load
 
-from bus_redis import FrontendClient, InboundMessage, RedisBus
-from worker import AgentLoop, LoopConfig
+from bus_redis import InboundMessage
+from worker import AgentLoop
 
 ROUTE: dict[str, Any] = {"channel": "web", "chat_id": "a"}
-
-
-@dataclass
-class Held:
-    loop: AgentLoop
-    model: Model
-    client: FrontendClient
-    loading: asyncio.Event  # a turn is loading its session (held until ``go``)
-    go: asyncio.Event
-
-
-@contextlib.asynccontextmanager
-async def _worker_with_held_load(redis_factory: Any) -> AsyncIterator[Held]:
-    """A worker whose turns hold their session's load until ``go`` is set (once set, every
-    later load goes through), and whose model holds "work" until ``model.release``."""
-    model = Model()
-    loop = AgentLoop(
-        RedisBus(redis_factory()),
-        ScriptedProvider(handler=model),
-        config=LoopConfig(read_block_ms=50),
-    )
-    loading, go = asyncio.Event(), asyncio.Event()
-    real_load = loop.rt.sessions.load_for_turn
-
-    async def held_load(*a: Any, **kw: Any) -> Any:
-        loading.set()
-        await go.wait()
-        return await real_load(*a, **kw)
-
-    loop.rt.sessions.load_for_turn = held_load  # type: ignore[method-assign]
-    task = asyncio.create_task(loop.run())
-    client = FrontendClient(redis_factory())
-    try:
-        yield Held(loop, model, client, loading, go)
-    finally:
-        go.set()
-        model.release.set()
-        loop.stop()
-        await asyncio.wait_for(task, 10)
 
 
 async def _heard(loop: AgentLoop, n: int) -> bool:
