@@ -60,7 +60,9 @@ class GatewaySettings(BaseSettings):
     max_temporary_per_user: int = Field(default=5, ge=1)  # more: the oldest is discarded
     # a chat created this long ago whose session is no longer stored (the workers delete
     # sessions idle for AGENT_SESSION_TTL_S) leaves the user's list; 0 keeps them
-    session_ttl_s: float = Field(default=90 * 86_400, ge=0)
+    session_ttl_s: float = Field(
+        default=90 * 86_400, ge=0, le=100 * 365 * 86_400, allow_inf_nan=False
+    )
     # what one user may leave waiting for the workers (gateway.backlog): more is 429
     max_waiting_per_chat: int = Field(default=10, ge=1)  # entries in one chat's stream
     max_waiting_chats_per_user: int = Field(default=8, ge=1)  # chats with entries waiting
@@ -78,14 +80,16 @@ class GatewaySettings(BaseSettings):
         ge=256,
         validation_alias=AliasChoices("AGENT_GATEWAY_MAX_PAYLOAD_BYTES", "AGENT_MAX_PAYLOAD_BYTES"),
     )
-    body_timeout_s: float = Field(default=30.0, gt=0)  # to receive a request body, whole
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, le=86_400, allow_inf_nan=False
+    )  # to receive a request body, whole
     # to answer a request that does not wait by design (else 503: Redis did not answer)
-    request_timeout_s: float = Field(default=10.0, gt=0)
+    request_timeout_s: float = Field(default=10.0, gt=0, le=86_400, allow_inf_nan=False)
     redis_connections: int = Field(default=16, ge=2, le=1024)
     readers: int = Field(default=8, ge=1, le=64)  # blocking connections sharing the streams
-    keepalive_s: float = Field(default=15.0, gt=0)
-    sse_retry_ms: int = Field(default=2000, ge=100)
-    wait_max_s: float = Field(default=120.0, gt=0)
+    keepalive_s: float = Field(default=15.0, gt=0, le=86_400, allow_inf_nan=False)
+    sse_retry_ms: int = Field(default=2000, ge=100, le=86_400_000)
+    wait_max_s: float = Field(default=120.0, gt=0, le=86_400, allow_inf_nan=False)
     history_limit: int = Field(default=200, ge=1, le=10_000)
     temporary_disabled_tools: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DURABLE_ONLY_TOOLS)

@@ -22,6 +22,10 @@ def default_worker_id() -> str:
 
 
 MIN_LIVENESS_MS = 200  # AGENT_LIVENESS_MS below it (but 0) is refused
+# durations go into Redis commands as they are (PX, PEXPIRE, BLOCK): past these (100
+# years) a value is refused as bad configuration, not by Redis mid-commit
+MAX_S = 100 * 365 * 86_400
+MAX_MS = MAX_S * 1000
 
 
 class LoopConfig(BaseModel):
@@ -29,24 +33,24 @@ class LoopConfig(BaseModel):
 
     worker_id: str = Field(default_factory=default_worker_id, min_length=1)
     concurrency: int = Field(default=16, ge=1, le=10_000)
-    lock_ttl_ms: int = Field(default=10_000, ge=300)
-    owner_ttl_ms: int = Field(default=15_000, ge=300)
+    lock_ttl_ms: int = Field(default=10_000, ge=300, le=MAX_MS)
+    owner_ttl_ms: int = Field(default=15_000, ge=300, le=MAX_MS)
     # a worker whose liveness beat is older than this is dead: its leases are taken over
     # (worker/runtime/liveness.py); 0 = only when they run out; else at least
     # MIN_LIVENESS_MS (beats every liveness / 8: a pause of a few ms must not look dead)
-    liveness_ms: int = Field(default=800, ge=0)
+    liveness_ms: int = Field(default=800, ge=0, le=MAX_MS)
     unified_session: bool = False  # fold every durable session into unified:default
     single_owner: bool = False  # one memory, every session readable (implied by unified)
     channels: list[str] = Field(default_factory=list)  # served besides registered ones
     max_iterations: int = Field(default=20, ge=1)
     max_deliveries: int = Field(default=5, ge=1)
     max_payload_bytes: int = Field(default=DEFAULT_MAX_PAYLOAD_BYTES, ge=256)
-    shutdown_grace_s: float = Field(default=10.0, ge=0)
-    read_block_ms: int = Field(default=1000, ge=1)
-    sweep_interval_ms: int = Field(default=5000, ge=50)
-    reply_maxlen: int = Field(default=1000, ge=10)
-    reply_ttl_ms: int = Field(default=3_600_000, ge=1000)
-    transient_reply_ttl_ms: int = Field(default=60_000, ge=1000)
+    shutdown_grace_s: float = Field(default=10.0, ge=0, le=MAX_S, allow_inf_nan=False)
+    read_block_ms: int = Field(default=1000, ge=1, le=MAX_MS)
+    sweep_interval_ms: int = Field(default=5000, ge=50, le=MAX_MS)
+    reply_maxlen: int = Field(default=1000, ge=10, le=1_000_000_000)
+    reply_ttl_ms: int = Field(default=3_600_000, ge=1000, le=MAX_MS)
+    transient_reply_ttl_ms: int = Field(default=60_000, ge=1000, le=MAX_MS)
     history_tokens: int = Field(default=16_000, ge=1)
     consolidate_above_tokens: int = Field(default=24_000, ge=1)
     session_cache_sessions: int = Field(default=16_384, ge=1)  # durable sessions cached
@@ -54,7 +58,9 @@ class LoopConfig(BaseModel):
     session_cache_chars: int = Field(default=256 << 20, ge=1)  # their rows' characters, at most
     memory_max_chars: int = Field(default=4_000, ge=200)  # a scope's long-term memory, at most
     max_private_sessions: int = Field(default=1000, ge=1)  # open at once, per worker and channel
-    private_idle_s: float = Field(default=3600.0, ge=1)  # a private session idle this long closes
+    private_idle_s: float = Field(
+        default=3600.0, ge=1, le=MAX_S, allow_inf_nan=False
+    )  # a private session idle this long closes
     private_history_rows: int = Field(default=400, ge=10)  # rows a private session keeps
     private_history_chars: int = Field(default=1 << 20, ge=65_536)  # ... and their characters
     followup_mode: Literal["inject", "queue"] = "inject"
