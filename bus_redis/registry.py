@@ -36,6 +36,14 @@ def lost_event(member: str, why: str = LOST) -> str:
     return out.model_dump_json(exclude_none=True)
 
 
+def _member_key(member: str) -> str:
+    try:
+        doc = json.loads(member)
+    except ValueError:
+        return ""
+    return str(doc[0]) if isinstance(doc, list) and doc else ""
+
+
 def published_before(marker: str, end: str) -> bool:
     """Whether stream entry ``marker`` was published before private session end ``end``
     (``Keys.private_end``): ``<ms>:<id>`` (when it ended and the last entry then: an
@@ -194,6 +202,22 @@ class Registry:
             )
             due += texts(members)
         return due
+
+    async def owned_by(self, worker_id: str, channels: Iterable[str]) -> list[str]:
+        """Registry members of the private sessions whose owner record names
+        ``worker_id`` (a former life's, at a start under the same id), read 1,000 at a
+        time: a channel's registry holds at most its workers' private session caps."""
+        found: list[str] = []
+        for channel in channels:
+            owners, start = self.keys.owners(channel), 0
+            while batch := texts(await self.redis.zrange(owners, start, start + 999)):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for member in batch:
+                        pipe.hget(self.keys.owner(_member_key(member)), "worker")
+                    holders = await pipe.execute()
+                found += [m for m, h in zip(batch, holders, strict=True) if text(h) == worker_id]
+                start += len(batch)
+        return found
 
     async def report_owner_lost(self, member: str, event_json: str) -> bool:
         key = json.loads(member)[0]

@@ -47,7 +47,7 @@ from worker.runtime.holder import SessionHolder
 from worker.runtime.inflight import TurnRegistry
 from worker.runtime.liveness import Liveness
 from worker.runtime.maintenance import Maintenance
-from worker.runtime.registration import check_can_serve
+from worker.runtime.registration import check_can_serve, end_former_private
 from worker.runtime.subscription import ControlListener
 
 log = logging.getLogger(__name__)
@@ -248,8 +248,9 @@ class AgentLoop:
         # under the same id before anyone noticed): hand them over at once
         await self.rt.registry.sweeps.takeover(
             self._served_channels(), self.worker_id, dead_after_ms=None
-        )  # ... and the jobs it ran
+        )  # ... and the jobs it ran, and its private sessions end (told as lost)
         await self._rerun_left(self.worker_id, self._served_channels())
+        await end_former_private(self.rt.registry, self.worker_id, self._served_channels())
 
     async def _rerun_left(self, worker: str, channels: set[str]) -> None:
         """What worker ``worker`` (dead, or this one's former life) left running in

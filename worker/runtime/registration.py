@@ -10,12 +10,15 @@ two sessions. All are operator mistakes: refuse to start, with one line that say
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+from collections.abc import Iterable
 
 from bus_redis import RedisBus
 from bus_redis.codec import fresh_nonce, server_ms, text, texts
+from bus_redis.registry import Registry, lost_event
 
 log = logging.getLogger(__name__)
 SAFE_POLICIES = frozenset({"noeviction"})
@@ -113,3 +116,15 @@ async def check_can_serve(
     if claimed != 1:
         host, pid = texts(claimed)
         raise _in_use(worker_id, host, pid)
+
+
+async def end_former_private(registry: Registry, worker_id: str, channels: Iterable[str]) -> None:
+    """A start under an id a killed worker had: that former life's private sessions end
+    now, as at a shutdown (the record dropped, the frontend told ``session_lost``). Their
+    records name this id, so they would never look dead, and this life would serve their
+    keys as its own: a durable answer on the key, then the loss report when the record
+    ran out deleting it with the private session's events (a helper's attack, stop 51)."""
+    for member in await registry.owned_by(worker_id, channels):
+        key = json.loads(member)[0]
+        await registry.abandon_owner(key, worker_id)
+        await registry.report_owner_lost(member, lost_event(member))
