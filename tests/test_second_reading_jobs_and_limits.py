@@ -144,3 +144,34 @@ async def test_a_spawn_in_a_channel_with_many_sessions_with_subagents_is_not_a_s
         channel_limit=20_000, scope="web/scope:alice", scope_limit=2,
     )  # fmt: skip
     assert added == 1
+
+
+@pytest.mark.real_redis
+async def test_closing_the_job_queue_survives_arqs_close_raising_a_job_tasks_cancel(
+    redis_server, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """(A CI run, stop 51.) arq's ``Worker.close`` cancels its job tasks and gathers them:
+    one cancelled while finishing raised ``CancelledError`` out of the close, out of the
+    worker's shutdown and into whoever awaited ``run()``. The job queue's close takes it
+    as arq's, still closes arq's pool, and lets a cancellation of its own caller through."""
+    from arq.worker import Worker
+
+    jobs = ArqJobQueue(redis_server.url, "agent")
+    jobs.register("noop", _noop)
+    await jobs.start()
+    real_close, closed = Worker.close, []
+
+    async def close(self: Worker) -> None:
+        closed.append(self._pool)
+        raise asyncio.CancelledError  # (as arq's gather of a job cancelled mid-finish)
+
+    monkeypatch.setattr(Worker, "close", close)
+    await jobs.aclose()  # no CancelledError
+    assert closed
+    assert jobs._worker is not None
+    assert jobs._worker._pool is None  # the pool went all the same
+    monkeypatch.setattr(Worker, "close", real_close)
+
+
+async def _noop(**_: object) -> None:
+    return None
