@@ -203,19 +203,22 @@ class Registry:
             due += texts(members)
         return due
 
-    async def owned_by(self, worker_id: str, channels: Iterable[str]) -> list[str]:
-        """Registry members of the private sessions whose owner record names
+    async def owned_by(self, worker_id: str, channels: Iterable[str]) -> list[tuple[str, str]]:
+        """``(key, registry member)`` of the private sessions whose owner record names
         ``worker_id`` (a former life's, at a start under the same id), read 1,000 at a
         time: a channel's registry holds at most its workers' private session caps."""
-        found: list[str] = []
+        found: list[tuple[str, str]] = []
         for channel in channels:
             owners, start = self.keys.owners(channel), 0
             while batch := texts(await self.redis.zrange(owners, start, start + 999)):
+                keys = [_member_key(member) for member in batch]
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for member in batch:
-                        pipe.hget(self.keys.owner(_member_key(member)), "worker")
+                    for key in keys:
+                        pipe.hget(self.keys.owner(key), "worker")
                     holders = await pipe.execute()
-                found += [m for m, h in zip(batch, holders, strict=True) if text(h) == worker_id]
+                for key, member, holder in zip(keys, batch, holders, strict=True):
+                    if key and text(holder) == worker_id:
+                        found.append((key, member))
                 start += len(batch)
         return found
 

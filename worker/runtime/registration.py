@@ -10,7 +10,6 @@ two sessions. All are operator mistakes: refuse to start, with one line that say
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -124,7 +123,6 @@ async def end_former_private(registry: Registry, worker_id: str, channels: Itera
     records name this id, so they would never look dead, and this life would serve their
     keys as its own: a durable answer on the key, then the loss report when the record
     ran out deleting it with the private session's events (a helper's attack, stop 51)."""
-    for member in await registry.owned_by(worker_id, channels):
-        key = json.loads(member)[0]
+    for key, member in await registry.owned_by(worker_id, channels):
         await registry.abandon_owner(key, worker_id)
         await registry.report_owner_lost(member, lost_event(member))
