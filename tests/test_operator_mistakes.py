@@ -319,3 +319,29 @@ def test_a_removed_channel_stays_removed_while_its_ready_queue_exists(redis_serv
     assert "old" not in run_cli("channels", "list", "--redis-url", url).stdout.split()
     assert run_cli("channels", "add", "old", "--redis-url", url).returncode == 0
     assert asyncio.run(served()) == (True, True, True)
+
+
+@pytest.mark.real_redis
+def test_removing_a_channel_that_does_not_exist_says_so(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """``channels remove wbe`` (a typo) used to print "removed" and exit 0, and left the
+    typo in ``P:channels:removed``."""
+    url = redis_server.url
+    r = run_cli("channels", "remove", "wbe", "--redis-url", url)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "no channel 'wbe'" in r.stderr, r.stderr
+    assert "nothing removed" in r.stderr, r.stderr
+    assert "removed:" not in r.stdout
+
+    async def removed() -> set[str]:
+        redis = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            return set(await redis.smembers(Keys().removed_channels))
+        finally:
+            await redis.aclose()
+
+    assert "wbe" not in asyncio.run(removed())
+    assert run_cli("channels", "add", "wbe", "--redis-url", url).returncode == 0
+    r = run_cli("channels", "remove", "wbe", "--redis-url", url)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "channel wbe removed" in r.stdout, r.stdout
+    assert "wbe" in asyncio.run(removed())

@@ -280,6 +280,15 @@ async def _dlq_one(
     return 1
 
 
+async def _known_channel(redis: Any, keys: Keys, name: str) -> bool:
+    """Whether workers serve NAME or may discover it (its ready queue exists)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.sismember(keys.channels, name)
+        pipe.exists(keys.ready(name))
+        served, queued = await pipe.execute()
+    return bool(served) or bool(queued)
+
+
 async def channels(args: argparse.Namespace, settings: Settings) -> int:
     redis = make_redis(settings.redis_url)
     keys = Keys(settings.key_prefix)
@@ -290,6 +299,13 @@ async def channels(args: argparse.Namespace, settings: Settings) -> int:
         if not args.name or not valid_channel(args.name):
             print("agent-worker: a channel NAME of letters, digits, '_' or '-'", file=sys.stderr)
             return 2
+        if args.action == "remove" and not await _known_channel(redis, keys, args.name):
+            print(
+                f"agent-worker: no channel {args.name!r}: it is not served and has no ready "
+                "queue (see `channels list`); nothing removed",
+                file=sys.stderr,
+            )
+            return 1
         async with redis.pipeline(transaction=True) as tx:
             serve, drop = (
                 (keys.channels, keys.removed_channels)
