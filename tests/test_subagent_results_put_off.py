@@ -7,6 +7,7 @@ one's). Each test failed on the code before the change."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -126,3 +127,41 @@ async def test_a_put_off_result_left_by_a_dead_worker_is_delivered_again(  # typ
 
 async def _gone(redis: aioredis.Redis, key: str) -> bool:
     return not await redis.exists(key)
+
+
+async def test_two_deliveries_put_off_at_once_still_leave_one_next_try(  # type: ignore[no-untyped-def]
+    redis: aioredis.Redis,
+) -> None:
+    """A delivery running under the base id (a survivor queues a dead worker's there) and
+    one under ``:again`` both meet the private session at the same moment: each finds both
+    ids taken (by the other and by itself). Before, neither queued a next try and the
+    result waited in its registration forever, its slot taken."""
+    store = SubagentStore(RedisBus(redis))
+    await redis.set(K.lease("web:s2"), "n|w", px=10_000)
+    doc = json.dumps({"id": "s3", "state": "running", "run": "r3"})
+    caps = {"limit": 2, "channel_limit": 8, "scope": "web/u", "scope_limit": 2}
+    assert await store.add("web:s2", "n|w", "web:s2", "s3", doc, **caps) == 1
+    await FrontendClient(redis).open_transient("web", "s2", session_key="web:s2")
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider([]))
+    base = loop.subagents._job_id("s3")
+    running = {base, base + ":again"}  # both deliveries run now
+    queued: list[str] = []
+
+    async def enqueue(name: str, *, job_id: str, **kw: Any) -> bool:
+        if job_id in running or job_id in queued:
+            return False
+        queued.append(job_id)
+        return True
+
+    loop.jobs.enqueue = enqueue  # type: ignore[method-assign]
+    try:
+        results = loop.subagents.results
+        await asyncio.gather(
+            results.publish("web:s2", "s3", '{"content": "r"}', run="r3"),
+            results.publish("web:s2", "s3", '{"content": "r"}', run="r3"),
+        )
+    finally:
+        await loop.jobs.aclose()
+    assert queued, "neither delivery queued a next try"
+    assert not set(queued) & running
+    assert await redis.hexists(K.spawned("web:s2"), "s3")

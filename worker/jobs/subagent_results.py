@@ -79,13 +79,15 @@ class Results:
         base = self.job_id(sid)
         ids = [base + ("" if times % 2 == 0 else ":again")]  # (usually not its own)
         ids.append(base if ids[0] != base else base + ":again")
+        ids.append(f"{base}:{times}")  # both taken: by two deliveries running at once
         when = int((time.time() + delay_s) * 1000)
         log.info("result of subagent %s of %s put off %.0f s: a private session holds the key",
                  sid, safe(session), delay_s)  # fmt: skip
         for job_id in ids:
             # the other id when that one is taken: by the job running this (a survivor
             # queues a dead worker's delivery under the base id, whatever its count); both
-            # taken, one is queued already
+            # taken, one is queued already or both run now (each got its own count from
+            # put_off, so the third id is this one's alone: at most one job a delivery)
             queued = await retried(
                 what,
                 lambda job_id=job_id: self.rt.jobs.enqueue(  # type: ignore[misc]
