@@ -169,20 +169,20 @@ async def test_a_stop_flood_for_a_session_that_spawned_here_costs_one_look(
     raw = redis_factory()
 
     async def done() -> bool:  # the subagent ran and its registration is gone
-        return "web:sa" in loop.subagents.spawned_here.get("web", {}) and not await raw.exists(
-            spawned
-        )
+        return "web:sa" in loop.subagents.aborts.spawned_here.get(
+            "web", {}
+        ) and not await raw.exists(spawned)
 
     await until(done, timeout_s=10)
     aborts = 0
-    real_abort = loop.subagents._abort
+    real_abort = loop.subagents.aborts._abort
 
     def counted(session: str, at: tuple[int, int]) -> Any:
         nonlocal aborts
         aborts += 1
         return real_abort(session, at)
 
-    loop.subagents._abort = counted  # type: ignore[method-assign]
+    loop.subagents.aborts._abort = counted  # type: ignore[method-assign]
     before = len(loop.rt.background)
     for _ in range(10_000):  # as heard by the listener, before any of them ran
         loop.on_control(ControlMessage(op="stop", session_key="web:sa"))

@@ -56,14 +56,13 @@ def test_a_control_flood_of_one_channel_forgets_no_other_channels_subagent_abort
     subagent published its result into the conversation they stopped. Each channel now
     has its own (as ``TurnRegistry.note_control`` has)."""
     from bus_redis import ControlMessage
-    from worker.jobs.subagents import SPAWNED_HERE_MAX, Subagents
+    from worker.jobs.subagent_aborts import SPAWNED_HERE_MAX, Aborts
 
-    sub = Subagents.__new__(Subagents)  # only the tables on_control uses
-    sub.running, sub.aborted, sub.spawned_here, sub.stopped = {}, set(), {}, {}
+    sub = Aborts(None, None, {}, set())  # type: ignore[arg-type]  # (only its tables)
     sub.on_control(ControlMessage(op="stop", session_key="telegram:t", marker="5-0"))
     spec = {"session": "telegram:t", "after": "1-0"}  # spawned by an entry before the stop
-    assert sub._stopped_after(spec)
+    assert sub.stopped_after(spec)
     for i in range(SPAWNED_HERE_MAX + 1):  # one frontend's controls for made-up sessions
         sub.on_control(ControlMessage(op="stop", session_key=f"web:f{i}", marker="9-0"))
     assert sum(map(len, sub.stopped.values())) <= 2 * SPAWNED_HERE_MAX  # bounded
-    assert sub._stopped_after(spec), "web's control flood made this worker forget telegram's stop"
+    assert sub.stopped_after(spec), "web's control flood made this worker forget telegram's stop"

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from helpers import ScriptedProvider, Spawner, answering, held_jobs
 from replies import channel_events, collect, open_private, until
 
-import worker.jobs.subagents as subagents_module
+import worker.jobs.subagent_aborts as subagents_module
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
 from session_store.codec import decode_meta
 from worker import AgentLoop
@@ -289,7 +289,7 @@ async def test_a_stop_unregisters_a_queued_subagent_after_another_channels_spawn
     assert len(queued) == 5  # every spawn queued, none started
     assert spawner.subagent_runs == 0
     await client.stop("web:s")
-    await until(lambda: "web:s" in loop.subagents.stopped.get("web", {}), timeout_s=10)
+    await until(lambda: "web:s" in loop.subagents.aborts.stopped.get("web", {}), timeout_s=10)
     await asyncio.gather(*list(loop.rt.background))  # the unregistration it started, if any
 
     late = AgentLoop(RedisBus(redis), ScriptedProvider(handler=spawner))  # after the stop

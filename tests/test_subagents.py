@@ -267,7 +267,9 @@ async def test_a_worker_that_heard_the_stop_never_starts_an_older_subagent(redis
                "label": sid, "task": "t", "after": after}  # fmt: skip
         assert await store.add("web:h", "n|w", "web:h", sid, json.dumps(doc), limit=3,
                                channel_limit=8, scope="web/u", scope_limit=2) == 1  # fmt: skip
-    heard.subagents._remember("web:h")  # it spawned them: it unregisters those the stop covers
+    heard.subagents.aborts.remember(
+        "web:h"
+    )  # it spawned them: it unregisters those the stop covers
     heard.subagents.on_control(ControlMessage(op="stop", session_key="web:h", marker="200-0"))
     await asyncio.gather(*heard.rt.background)
     assert set(await store.of_session("web:h")) == {"new"}  # spawned after the stop: kept

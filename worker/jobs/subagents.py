@@ -8,13 +8,10 @@ Registration (``bus_redis.subagents``): the spawning turn registers the subagent
 its lease (at most ``AGENT_SUBAGENTS_PER_SESSION`` running per session); the job runs
 only while registered and publishes its result only while still registered. A stop,
 discard, delete or ``new`` of the session published after the spawning message aborts
-its subagents: every worker hears the control over pub/sub (its marker id says where it
-stands in the session's stream), cancels the ones it runs (they unregister themselves)
-and remembers it, so a job of that session starting or finishing later on that worker
-drops itself; the worker that spawned them also unregisters those not started yet. Left
-out: a control no worker heard (pub/sub is at most once) aborts nothing, and a worker
-started after the control does not know it (the spawner's unregistration still holds).
-A subagent that fails (any error, its time limit) reports that as its result.
+its subagents (``subagent_aborts``). Left out: a control no worker heard (pub/sub is at
+most once) aborts nothing, and a worker started after the control does not know it (the
+spawner's unregistration still holds). A subagent that fails (any error, its time limit)
+reports that as its result.
 """
 
 from __future__ import annotations
@@ -30,8 +27,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from bus_redis import ControlMessage, InboundMessage
-from bus_redis.codec import parse_stream_id, safe
+from bus_redis import InboundMessage
+from bus_redis.codec import safe
 from bus_redis.keys import channel_of
 from bus_redis.running_jobs import RUNNING_TTL_MS, RunningJobs
 from bus_redis.subagents import SubagentStore
@@ -42,6 +39,7 @@ from worker.agent.providers import ProviderError
 from worker.agent.runner import TurnRunner, TurnState
 from worker.agent.tools import ToolContext, ToolRegistry
 from worker.agent.tools.base import Origin, call_sid
+from worker.jobs.subagent_aborts import Aborts
 from worker.jobs.subagent_orphans import Orphans, until_rerun
 from worker.jobs.subagent_results import Results, retried
 from worker.runtime.context import Runtime
@@ -50,9 +48,7 @@ from worker.runtime.outcomes import TurnAbortedError
 log = logging.getLogger(__name__)
 JOB_NAME = "subagent"
 SUBAGENT_TOOLS = ("read_session", "search_sessions")  # reads within the session's scope
-ABORTING = ("stop", "discard", "delete", "new")
 MAX_TASK_CHARS = 8000
-SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for
 # how often a running subagent's registration is looked at: a cut turn on another worker
 # undoes it there (one HGET per running subagent, bounded by the slots)
 WATCH_S = 2.0
@@ -80,16 +76,8 @@ class Subagents:
         # session -> id -> (task, what it does)
         self.running: dict[str, dict[str, tuple[asyncio.Task[str], dict[str, Any]]]] = {}
         self.aborted: set[str] = set()  # ids cancelled by a control (not by shutdown)
-        # sessions whose registrations a control ends, looked at by one task: a flood of
-        # controls for a session costs one look, not a task each (bounded by spawned_here)
-        self._to_abort: dict[str, tuple[int, int]] = {}
-        self._aborting = False
-        # channel -> sessions with subagents spawned here (each channel's own LRU: another
-        # channel's spawns evict none of its sessions, whose stop must find them)
-        self.spawned_here: dict[str, dict[str, None]] = {}
-        # channel -> session -> its latest aborting control (each channel's own LRU: one
-        # channel's flood of controls forgets none of another's)
-        self.stopped: dict[str, dict[str, tuple[int, int]]] = {}
+        self.aborts = Aborts(rt, self.store, self.running, self.aborted)
+        self.on_control = self.aborts.on_control
         # the result message must fit the payload limit its session's worker applies
         self.max_chars = rt.config.max_payload_bytes // 8
 
@@ -133,7 +121,7 @@ class Subagents:
             )
         if added == 0:
             return f"Error: {limit} subagents of this conversation are running; wait for one"
-        self._remember(origin.member)
+        self.aborts.remember(origin.member)
         # a cut turn that does not keep this call (a discard; an interrupt or stop that
         # drops its tool round) takes the subagent with it, as it takes a schedule
         fence = (origin.lease_key or origin.member, origin.token)
@@ -150,16 +138,6 @@ class Subagents:
             f"Subagent {sid} ({label}) started; its result will arrive in this conversation "
             "as a system message. Do not wait for it in this turn."
         )
-
-    def _remember(self, session: str) -> None:
-        _lru(self.spawned_here.setdefault(channel_of(session), {}), session, None)
-
-    def _stopped_after(self, spec: dict[str, Any]) -> bool:
-        """Whether this worker heard an aborting control of the session after the
-        message that spawned ``spec``."""
-        session = str(spec["session"])
-        heard = self.stopped.get(channel_of(session), {}).get(session)
-        return heard is not None and heard > parse_stream_id(str(spec.get("after") or "0-0"))
 
     # --- the job ------------------------------------------------------------------------
     async def run_job(self, *, session: str, sid: str) -> None:
@@ -233,7 +211,7 @@ class Subagents:
             )
         finally:
             self._ended(session, sid, task)
-        if self._stopped_after(spec):
+        if self.aborts.stopped_after(spec):
             await self.store.drop(session, sid)
             return
         await self.results.publish(session, sid, self._message(spec, text), run)
@@ -246,7 +224,7 @@ class Subagents:
         if doc is None:
             return None
         spec: dict[str, Any] = json.loads(doc)
-        if self._stopped_after(spec):
+        if self.aborts.stopped_after(spec):
             await self.store.drop(session, sid)
             return None
         return spec
@@ -319,35 +297,7 @@ class Subagents:
     def _job_id(self, sid: str) -> str:
         return f"{self.rt.bus.keys.prefix}:subagent:{sid}"
 
-    # --- aborting -----------------------------------------------------------------------
-    def on_control(self, control: ControlMessage) -> None:
-        """A stop, discard, delete or new of a session: its subagents spawned before the
-        control end (here at once), and are remembered as ended for jobs to come."""
-        if control.op not in ABORTING:
-            return
-        session = control.session_key
-        # without a marker id, the control is taken as published now (this worker's clock)
-        at = parse_stream_id(control.marker or f"{int(time.time() * 1000)}-0")
-        heard = self.stopped.setdefault(channel_of(session), {})  # (served channels only)
-        _lru(heard, session, max(at, heard.get(session, (0, 0))))
-        for sid, (task, spec) in self.running.get(session, {}).items():
-            if self._stopped_after(spec):
-                self.aborted.add(sid)
-                task.cancel()
-        if session in self.spawned_here.get(channel_of(session), {}):  # the ones not started yet
-            self._to_abort[session] = max(at, self._to_abort.get(session, (0, 0)))
-            if not self._aborting:
-                self._aborting = True
-                self.rt.spawn(self._abort_all())
-
-    async def _abort_all(self) -> None:
-        try:
-            while self._to_abort:
-                session = next(iter(self._to_abort))
-                await self._abort(session, self._to_abort.pop(session))
-        finally:
-            self._aborting = False
-
+    # --- a cut turn's spawn --------------------------------------------------------------
     def undo_spawn(self, origin: Origin, call_id: str) -> Callable[[], Awaitable[None]]:
         """The end of the subagent call ``call_id`` spawned (if it did), fenced by the
         lease of ``origin``'s turn."""
@@ -368,19 +318,6 @@ class Subagents:
             self.aborted.add(sid)
             task.cancel()
 
-    async def _abort(self, session: str, at: tuple[int, int]) -> None:
-        """Unregister the session's subagents spawned before the control at ``at``."""
-        try:
-            for sid, raw in (await self.store.of_session(session)).items():
-                try:
-                    after = parse_stream_id(str(json.loads(raw).get("after") or "0-0"))
-                except (ValueError, AttributeError):
-                    after = (0, 0)
-                if after < at:
-                    await self.store.drop(session, sid)
-        except RedisError as exc:
-            log.warning("subagents of %s not unregistered: %s", safe(session), type(exc).__name__)
-
 
 class _SupersededError(Exception):
     """The registration names another run of the subagent than this one."""
@@ -388,10 +325,3 @@ class _SupersededError(Exception):
 
 async def _nowhere(_text: str) -> None:
     return None
-
-
-def _lru(table: dict[Any, Any], key: Any, value: Any) -> None:
-    table.pop(key, None)
-    table[key] = value
-    while len(table) > SPAWNED_HERE_MAX:
-        table.pop(next(iter(table)))
