@@ -267,3 +267,26 @@ async def test_a_worker_id_restarted_without_beats_leaves_no_old_beat(  # type: 
     assert reply.content
     assert loop.worker_id == "fixed"
     assert await redis.zscore(K.alive, "fixed") is None
+
+
+async def test_a_starting_worker_does_not_warn_its_beat_is_failing(
+    redis: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's watch that runs before its first beat has landed (at start) skipped
+    quietly only after warning "own liveness beat is failing": every start, the demo's
+    included, printed it for each worker. It warns once a beat had landed and then the
+    beats stopped landing."""
+    from worker import AgentLoop, LoopConfig
+    from worker.agent.providers import EchoProvider
+
+    loop = AgentLoop(RedisBus(redis), EchoProvider(), config=LoopConfig(liveness_ms=800))
+    try:
+        with caplog.at_level("WARNING", logger="worker.runtime.liveness"):
+            assert await loop.liveness.watch_once() == []
+            assert "beat is failing" not in caplog.text
+            loop.liveness.beat_ok_at = time.monotonic() - 5  # landed, then stopped landing
+            assert await loop.liveness.watch_once() == []
+            assert await loop.liveness.watch_once() == []
+        assert caplog.text.count("own liveness beat is failing") == 1
+    finally:
+        await loop.jobs.aclose()

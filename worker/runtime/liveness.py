@@ -169,9 +169,11 @@ class Liveness:
         taking over their leases would redo every running turn; their leases then run
         out after their TTL if they really died."""
         if time.monotonic() - self.beat_ok_at > self.liveness_ms / 1000:
-            if not self._blind:
+            # (before its first beat landed, at start, there is nothing to warn of: the
+            # beat's own failure is logged where it fails)
+            if not self._blind and self.beat_ok_at > float("-inf"):
                 log.warning("own liveness beat is failing: not judging other workers meanwhile")
-            self._blind = True
+                self._blind = True
             return []
         self._blind = False
         rt = self.rt
