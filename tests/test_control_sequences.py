@@ -16,6 +16,10 @@ timing, the README's rules hold (README: Stop, discard or delete; Double texting
   ``new``, each once, in the order sent, every one of them that was answered among them;
 - nothing is left behind (lease, pending set, journal, queued entry).
 
+With two workers on stored chats, a plan may restart a worker: gracefully, or, on the real
+server, as a kill -9 leaves it (its connections cut, through a proxy, before its tasks are
+cancelled: nothing of its shutdown reaches Redis); the survivor takes its turns over.
+
 Waits are on answers only: after a control (or an interrupt) the test waits for the
 answers of the held turns it must cut before it releases anything."""
 
@@ -29,7 +33,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import fakeredis
 import pytest
+import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from replies import collect, no_leftovers, open_private, until
 
@@ -136,6 +142,50 @@ class Run:
         return self.private and any(op == "control" and a in ENDS_PRIVATE for op, a in earlier)
 
 
+class Cuttable:
+    """A TCP proxy between one worker and the real server; ``cut()`` drops its
+    connections and refuses new ones, so Redis sees the worker as a kill -9 leaves it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.AbstractServer | None = None
+        self.dead = False
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.dead:
+            writer.transport.abort()
+            return
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [writer, up_w]
+        if self.dead:  # (cut while this connection was being made)
+            self.cut()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+    def cut(self) -> None:
+        self.dead = True
+        if self.server is not None:
+            self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+
+
 @dataclass
 class Scene:
     """The workers, the model and the frontend of one run."""
@@ -145,23 +195,42 @@ class Scene:
     model: Model = field(default_factory=Model)
     loops: list[AgentLoop] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    upstream: int = 0  # the real server's port (0: fakeredis, no kill -9)
+    proxies: dict[int, Cuttable] = field(default_factory=dict)  # id(loop) -> its proxy
+    clients: list[aioredis.Redis] = field(default_factory=list)
 
-    def start(self, workers: int) -> None:
+    async def start(self, workers: int) -> None:
         for _ in range(workers):
-            self.loops.append(self._worker())
+            self.loops.append(await self._worker())
             self.tasks.append(asyncio.create_task(self.loops[-1].run()))
 
-    def _worker(self) -> AgentLoop:
+    async def _worker(self) -> AgentLoop:
         provider = ScriptedProvider(handler=self.model)
         config = self.config.model_copy(update={"worker_id": f"w-{uuid.uuid4().hex[:8]}"})
-        return AgentLoop(RedisBus(self.redis_factory()), provider, config=config)
+        if not self.upstream:
+            return AgentLoop(RedisBus(self.redis_factory()), provider, config=config)
+        proxy = Cuttable(self.upstream)
+        redis = aioredis.from_url(await proxy.start(), decode_responses=True)
+        self.clients.append(redis)
+        loop = AgentLoop(RedisBus(redis), provider, config=config)
+        self.proxies[id(loop)] = proxy
+        return loop
 
-    async def restart(self, i: int) -> None:
-        """A graceful stop of worker ``i`` (its turns cut, run again by the other), and a
-        new worker in its place."""
-        self.loops[i].stop()
-        await asyncio.wait_for(self.tasks[i], 15)
-        self.loops[i] = self._worker()
+    async def restart(self, i: int, *, crash: bool = False) -> None:
+        """A graceful stop of worker ``i`` (its turns cut, run again by the other), or
+        its crash (``crash``: Redis sees it as a kill -9 leaves it), and a new worker in
+        its place."""
+        if crash:  # the one running a turn, if one is: its turn must be taken over
+            i = next((j for j, loop in enumerate(self.loops) if loop.active_tasks), i)
+        proxy = self.proxies.get(id(self.loops[i]))
+        if crash and proxy is not None:
+            proxy.cut()  # nothing it does from now on reaches Redis
+            self.tasks[i].cancel()
+            await asyncio.wait({self.tasks[i]}, timeout=15)
+        else:
+            self.loops[i].stop()
+            await asyncio.wait_for(self.tasks[i], 15)
+        self.loops[i] = await self._worker()
         self.tasks[i] = asyncio.create_task(self.loops[i].run())
 
     async def stop(self) -> None:
@@ -170,6 +239,8 @@ class Scene:
             loop.stop()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 15)
+        for client in self.clients:
+            await client.aclose()
 
 
 async def _run(
@@ -181,8 +252,11 @@ async def _run(
         unified_session=unified,
         shutdown_grace_s=0.05,  # (a held turn is cut by a restart and runs elsewhere)
     )
-    scene = Scene(redis_factory, config)
-    scene.start(workers)
+    probe = redis_factory()  # (the real server's port: its workers may be killed)
+    real = not isinstance(probe, fakeredis.FakeAsyncRedis)
+    upstream = int(probe.connection_pool.connection_kwargs["port"]) if real else 0
+    scene = Scene(redis_factory, config, upstream=upstream)
+    await scene.start(workers)
     model = scene.model
     client = FrontendClient(redis_factory())
     chat, key = f"s{seed}", f"web:s{seed}"
@@ -211,7 +285,10 @@ async def _run(
             elif op == "running":
                 await _some_turn_held(client, model, run.sent)
             elif op == "restart" and workers == 2 and not private:
-                await scene.restart(arg)
+                # (a kill -9 or a graceful stop: drawn apart from the plan, whose seeds
+                # stay as they were)
+                crash = random.Random(f"crash-{seed}-{n}").random() < 0.5
+                await scene.restart(arg, crash=crash)
             elif op == "release":
                 model.release_all()
         model.release_all()

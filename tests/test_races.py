@@ -53,6 +53,57 @@ async def test_a_stop_between_select_and_begin_cancels_the_turn(redis_factory, m
     assert got[mid][-1].code == "cancelled"
 
 
+async def test_a_stop_between_select_and_begin_survives_a_failed_confirmation(  # type: ignore[no-untyped-def]
+    redis_factory, make_loop
+) -> None:
+    """As above, and the confirmation's read fails once (a Redis blip). The look was a task
+    of its own that nothing awaited: its error was "never retrieved" and the stop was lost,
+    the turn ran on. It is now looked at again, as any control's confirmation is."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def handler(**_kw: Any) -> LLMResponse:
+        await asyncio.Event().wait()  # held until cancelled
+        raise AssertionError("unreachable")
+
+    loop = make_loop(ScriptedProvider(handler=handler))
+    client = FrontendClient(redis_factory())
+    delivered = asyncio.Event()
+    on_control = loop.on_control
+
+    def spy(control: Any) -> None:
+        on_control(control)
+        delivered.set()
+
+    loop.on_control = spy  # type: ignore[method-assign]
+    registry = loop.rt.registry
+    real_step, armed, failures = registry.markers_step, asyncio.Event(), []
+
+    async def markers_step(*a: Any, **kw: Any) -> Any:
+        if armed.is_set() and not failures:
+            failures.append(1)
+            raise RedisConnectionError("Connection reset by peer")
+        return await real_step(*a, **kw)
+
+    registry.markers_step = markers_step  # type: ignore[method-assign]
+    await until(lambda: loop._streams != [])
+    real_acquire = loop.bus.acquire
+
+    async def acquire(*a: Any, **kw: Any) -> Any:
+        res = await real_acquire(*a, **kw)
+        if isinstance(res, Acquired) and res.step is not None and kw.get("member") == "web:s":
+            await client.stop("web:s")
+            await asyncio.wait_for(delivered.wait(), 5)  # noted: nothing ran yet
+            armed.set()  # the look begin() starts fails once
+        return res
+
+    loop.bus.acquire = acquire  # type: ignore[method-assign]
+    mid = await client.send(_m("s", "hello", id="m1"))
+    got = await collect(client, "web", {mid}, timeout_s=10)
+    assert failures, "the confirmation was never tried"
+    assert got.get(mid), "the stop was lost with the failed confirmation: the turn runs on"
+    assert got[mid][-1].code == "cancelled"
+
+
 async def test_a_late_confirmation_never_cancels_the_next_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
     release = asyncio.Event()
 

@@ -46,10 +46,9 @@ class Runtime:
     turns: TurnRegistry
     # queues a consolidation job when a committed session is over budget (Consolidator)
     maybe_consolidate: Callable[[Session], Awaitable[Any]] = field(default=lambda _s: _noop())
-    # confirms controls for running entries against their streams, then cancels (AgentLoop)
-    confirm: Callable[[dict[str, tuple[str, str]]], Awaitable[None]] = field(
-        default=lambda _r: _noop()
-    )
+    # looks for a control's marker after K's running entry, then cancels (AgentLoop's
+    # Controls: in the pass that looks again when Redis failed it)
+    look: Callable[[str], None] = field(default=lambda _k: None)
     services: Services | None = None  # subagents and schedules (worker.jobs)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
@@ -129,7 +128,12 @@ class Runtime:
         """Run ``coro`` in the background, keeping a reference until it is done."""
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("background task failed: %s", type(exc).__name__)
 
     @property
     def worker_id(self) -> str:

@@ -59,6 +59,14 @@ class Controls:
         # A private session is forgotten (and its owner record dropped) when its holder
         # reaches the discard marker: exactly in stream order, under its lease.
 
+    def look(self, key: str) -> None:
+        """Look for a marker after K's running entry: a control heard while nothing ran
+        here raced its selection. In the confirming pass, which looks again when Redis
+        failed it (a look of its own was lost with its error, and the control with it)."""
+        self._marked.add(key)
+        self._wake.set()
+        self._ensure_task()
+
     def _by_marker(
         self, running: dict[str, tuple[str, str]], target: str, op: str, marker: str
     ) -> dict[str, tuple[str, str]]:

@@ -293,8 +293,7 @@ class SessionHolder(EntryPolicy):
         if self.slot is None:
             self.slot = turns.begin(self.key, entry.member, entry.entry_id)
             if turns.take_recent(entry.member, self.key):  # a control raced the selection
-                running = {self.key: (entry.member, entry.entry_id)}
-                self.rt.spawn(self.rt.confirm(running))
+                self.rt.look(self.key)
         try:
             return await work
         except TurnAbortedError:

@@ -101,7 +101,7 @@ class AgentLoop:
         self.rt.maybe_consolidate = lambda s: self.consolidator.maybe_consolidate_by_tokens(s)
         self.controls = Controls(self.rt)
         self.acquirer = Acquirer(self.rt)
-        self.rt.confirm = self.controls.confirm_and_cancel
+        self.rt.look = self.controls.look
         self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.subagents = Subagents(self.rt, self.tools)
         self.schedules = Schedules(self.rt)
