@@ -278,6 +278,41 @@ async def test_a_worker_that_heard_the_stop_never_starts_an_older_subagent(redis
     await heard.jobs.aclose()
 
 
+async def test_the_spawners_unregistration_survives_a_redis_blip(redis) -> None:  # type: ignore[no-untyped-def]
+    """A stop reaches the worker that spawned a subagent not started yet; its look at the
+    registrations fails once (a blip). It used to log a warning and give up: the
+    registration stayed and the subagent ran later, its result answered after the
+    user's stop. The look is tried again."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from bus_redis import ControlMessage, RedisBus
+    from worker import AgentLoop
+
+    spawner = AgentLoop(RedisBus(redis), ScriptedProvider(handler=Model()))
+    store = spawner.subagents.store
+    await redis.set(K.lease("web:b"), "n|w", px=10_000)
+    doc = {"id": "s1", "session": "web:b", "channel": "web", "chat_id": "b", "scope": "web/u",
+           "label": "s1", "task": "t", "after": "100-0"}  # fmt: skip
+    assert await store.add("web:b", "n|w", "web:b", "s1", json.dumps(doc), limit=3,
+                           channel_limit=8, scope="web/u", scope_limit=2) == 1  # fmt: skip
+    real, failed = store.of_session, []
+
+    async def of_session(session: str) -> Any:
+        if not failed:
+            failed.append(session)
+            raise RedisConnectionError("Connection reset by peer")
+        return await real(session)
+
+    store.of_session = of_session  # type: ignore[method-assign]
+    spawner.subagents.aborts.remember("web:b")
+    spawner.subagents.on_control(ControlMessage(op="stop", session_key="web:b", marker="200-0"))
+    while spawner.rt.background:
+        await asyncio.gather(*spawner.rt.background)
+    assert failed == ["web:b"]
+    assert await real("web:b") == {}, "the blip left the stopped session's subagent registered"
+    await spawner.jobs.aclose()
+
+
 async def test_an_interrupt_that_drops_the_spawns_tool_round_takes_the_subagent_with_it(  # type: ignore[no-untyped-def]
     redis, make_loop
 ) -> None:

@@ -4,7 +4,8 @@ the control over pub/sub (its marker id says where it stands in the session's st
 cancels the ones it runs (they unregister themselves) and remembers it, so a job of that
 session starting or finishing later here drops itself (``stopped_after``); the worker
 that spawned them also unregisters those not started yet (one task for all controls: a
-flood of controls for a session costs one look, not a task each).
+flood of controls for a session costs one look, not a task each; a look Redis failed is
+tried again, ``ABORT_TRIES`` times in about 3 s).
 
 Memory is bounded per channel: the sessions spawned for here and the latest aborting
 control heard of each are LRUs of ``SPAWNED_HERE_MAX`` per channel, so one channel's flood
@@ -30,6 +31,7 @@ from worker.runtime.context import Runtime
 log = logging.getLogger(__name__)
 ABORTING = ("stop", "discard", "delete", "new")
 SPAWNED_HERE_MAX = 10_000  # sessions this worker remembers having spawned for, per channel
+ABORT_TRIES = 5  # looks at a session's registrations while Redis fails them (~3 s in all)
 
 Running = dict[str, dict[str, tuple["asyncio.Task[str]", dict[str, Any]]]]
 
@@ -83,25 +85,35 @@ class Aborts:
                 self.rt.spawn(self._abort_all())
 
     async def _abort_all(self) -> None:
+        failed: dict[str, int] = {}  # session -> looks Redis failed (a blip: looked again)
         try:
             while self._to_abort:
                 session = next(iter(self._to_abort))
-                await self._abort(session, self._to_abort.pop(session))
+                at = self._to_abort.pop(session)
+                try:
+                    await self._abort(session, at)
+                    failed.pop(session, None)
+                except RedisError as exc:
+                    tries = failed[session] = failed.get(session, 0) + 1
+                    if tries >= ABORT_TRIES:
+                        failed.pop(session)
+                        log.warning("subagents of %s not unregistered: %s", safe(session),
+                                    type(exc).__name__)  # fmt: skip
+                        continue
+                    self._to_abort[session] = max(at, self._to_abort.get(session, (0, 0)))
+                    await asyncio.sleep(0.1 * 2**tries)
         finally:
             self._aborting = False
 
     async def _abort(self, session: str, at: tuple[int, int]) -> None:
         """Unregister the session's subagents spawned before the control at ``at``."""
-        try:
-            for sid, raw in (await self.store.of_session(session)).items():
-                try:
-                    after = parse_stream_id(str(json.loads(raw).get("after") or "0-0"))
-                except (ValueError, AttributeError):
-                    after = (0, 0)
-                if after < at:
-                    await self.store.drop(session, sid)
-        except RedisError as exc:
-            log.warning("subagents of %s not unregistered: %s", safe(session), type(exc).__name__)
+        for sid, raw in (await self.store.of_session(session)).items():
+            try:
+                after = parse_stream_id(str(json.loads(raw).get("after") or "0-0"))
+            except (ValueError, AttributeError):
+                after = (0, 0)
+            if after < at:
+                await self.store.drop(session, sid)
 
 
 def _lru(table: dict[Any, Any], key: Any, value: Any) -> None:
