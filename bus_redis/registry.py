@@ -301,20 +301,23 @@ class Registry:
 
     # --- workers --------------------------------------------------------------------
     async def heartbeat(
-        self, worker_id: str, info: dict[str, str], ttl_ms: int, *, mode: str = ""
-    ) -> None:
+        self, worker_id: str, info: dict[str, str], ttl_ms: int, *, mode: str = "", claim: str = ""
+    ) -> tuple[str, str] | None:
         """The worker's record; with ``mode``, the deployment's mode is set again where it
         is missing (a Redis restarted without persistence forgot it, and a worker of
         another mode must still be refused at its start). Stamped with Redis's clock:
-        workers on hosts whose clocks differ are judged alike."""
-        now_ms = await server_ms(self.redis)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            if mode:
-                pipe.set(self.keys.mode, mode, nx=True)
-            pipe.zadd(self.keys.workers, {worker_id: now_ms})
-            pipe.hset(self.keys.worker_info(worker_id), mapping=info)
-            pipe.pexpire(self.keys.worker_info(worker_id), ttl_ms)
-            await pipe.execute()
+        workers on hosts whose clocks differ are judged alike. With ``claim`` (the one
+        this process took the id with), nothing is written when another process claimed
+        the id since: its ``(host, pid)`` is returned (``heartbeat.lua``)."""
+        keys = [self.keys.worker_info(worker_id), self.keys.workers, self.keys.mode]
+        args: list[str | int] = [worker_id, claim, ttl_ms, mode]
+        for field, value in info.items():
+            args += [field, value]
+        reply = await self.bus.scripts.call("heartbeat", keys, args)
+        if reply == 1:
+            return None
+        host, pid = texts(reply)
+        return host, pid
 
     async def declared_liveness(self, worker_id: str) -> int:
         """The ``AGENT_LIVENESS_MS`` a worker's heartbeat declares (0: none known)."""

@@ -44,6 +44,7 @@ SCRIPT_NAMES = (
     "hint",
     "beat",
     "claim",
+    "heartbeat",
     "dead",
     "takeover",
     "journal",

@@ -102,4 +102,23 @@ async def no_leftovers(redis: aioredis.Redis, keys: list[str]) -> None:
         lengths = [await redis.xlen(k.inbound(key)) for key in keys]
         return not any(lengths)
 
-    await until(clean, timeout_s=15)
+    try:
+        await until(clean, timeout_s=15)
+    except AssertionError:
+        left = {
+            n: await redis.type(n)
+            for key in keys
+            for n in (k.lease(key), k.pending(key), k.journal(key), k.inbound(key))
+            if await redis.exists(n)
+        }
+        detail = {
+            n: (
+                await redis.xrange(n)
+                if t == "stream"
+                else await redis.get(n)
+                if t == "string"
+                else t
+            )
+            for n, t in left.items()
+        }
+        raise AssertionError(f"left behind: {detail}") from None

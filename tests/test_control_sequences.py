@@ -16,9 +16,12 @@ timing, the README's rules hold (README: Stop, discard or delete; Double texting
   ``new``, each once, in the order sent, every one of them that was answered among them;
 - nothing is left behind (lease, pending set, journal, queued entry).
 
-With two workers on stored chats, a plan may restart a worker: gracefully, or, on the real
-server, as a kill -9 leaves it (its connections cut, through a proxy, before its tasks are
-cancelled: nothing of its shutdown reaches Redis); the survivor takes its turns over.
+With two workers, a plan may restart a worker: gracefully, or, on the real server, as a
+kill -9 leaves it (its connections cut, through a proxy, before its tasks are cancelled:
+nothing of its shutdown reaches Redis). The survivor takes a stored chat's turns over; a
+private session owned by that worker ends (README: its worker gone): what was sent before
+may have no answer of its own (the unsolicited ``session_lost`` ends it) or a
+``session_lost`` one, and what is sent after gets ``session_not_active``.
 
 Waits are on answers only: after a control (or an interrupt) the test waits for the
 answers of the held turns it must cut before it releases anything."""
@@ -39,7 +42,7 @@ import redis.asyncio as aioredis
 from helpers import ScriptedProvider
 from replies import collect, no_leftovers, open_private, until
 
-from bus_redis import FrontendClient, InboundMessage, OutboundMessage, RedisBus
+from bus_redis import FrontendClient, InboundMessage, Keys, OutboundMessage, RedisBus
 from worker import AgentLoop, LoopConfig
 from worker.agent.providers import LLMResponse
 
@@ -47,6 +50,7 @@ CONTROLS = ("stop", "discard", "delete", "new")
 ENDS_PRIVATE = ("discard", "delete", "new")
 WIPES = ("delete", "new")
 FOLLOWUPS = (None, "queue", "inject", "interrupt", "interrupt")
+K = Keys()
 SEEDS = int(os.environ.get("SEQ_SEEDS", "6"))  # (more, to hunt: SEQ_SEEDS=200)
 
 Op = tuple[str, Any]
@@ -127,6 +131,11 @@ class Run:
     sent: list[Sent] = field(default_factory=list)
     got: dict[str, list[OutboundMessage]] = field(default_factory=dict)
     stored: dict[str, Any] = field(default_factory=dict)
+    ends: list[int] = field(default_factory=list)  # restarts that ended the private session
+
+    def lost(self, s: Sent) -> bool:
+        """Whether the private session's worker went after ``s`` was sent."""
+        return any(e > s.n for e in self.ends)
 
     def later(self, s: Sent) -> list[Op]:
         return self.ops[s.n + 1 :]
@@ -134,12 +143,13 @@ class Run:
     def wiped(self, s: Sent) -> bool:
         """Whether a later marker may take its answer (never a cancelled one)."""
         ends = WIPES + (ENDS_PRIVATE if self.private else ())
-        return any(op == "control" and arg in ends for op, arg in self.later(s))
+        return self.lost(s) or any(op == "control" and arg in ends for op, arg in self.later(s))
 
     def ended_before(self, n: int) -> bool:
         """A private session's message after its end: ``session_not_active``."""
         earlier = self.ops[:n]
-        return self.private and any(op == "control" and a in ENDS_PRIVATE for op, a in earlier)
+        ended = any(op == "control" and a in ENDS_PRIVATE for op, a in earlier)
+        return self.private and (ended or any(e < n for e in self.ends))
 
 
 class Cuttable:
@@ -216,12 +226,17 @@ class Scene:
         self.proxies[id(loop)] = proxy
         return loop
 
+    def victim(self, i: int, crash: bool) -> int:
+        """The worker a restart takes: ``i``; for a crash, the one running a turn, if
+        one is (its turn must be taken over)."""
+        if crash:
+            i = next((j for j, loop in enumerate(self.loops) if loop.active_tasks), i)
+        return i
+
     async def restart(self, i: int, *, crash: bool = False) -> None:
         """A graceful stop of worker ``i`` (its turns cut, run again by the other), or
         its crash (``crash``: Redis sees it as a kill -9 leaves it), and a new worker in
         its place."""
-        if crash:  # the one running a turn, if one is: its turn must be taken over
-            i = next((j for j, loop in enumerate(self.loops) if loop.active_tasks), i)
         proxy = self.proxies.get(id(self.loops[i]))
         if crash and proxy is not None:
             proxy.cut()  # nothing it does from now on reaches Redis
@@ -251,6 +266,10 @@ async def _run(
         followup_mode=mode,  # type: ignore[arg-type]
         unified_session=unified,
         shutdown_grace_s=0.05,  # (a held turn is cut by a restart and runs elsewhere)
+        # a killed owner's private session ends when its record runs out (the owners'
+        # sweep, each tick: a third of the lease): 3 s here, not 15
+        lock_ttl_ms=2_000,
+        owner_ttl_ms=3_000,
     )
     probe = redis_factory()  # (the real server's port: its workers may be killed)
     real = not isinstance(probe, fakeredis.FakeAsyncRedis)
@@ -284,11 +303,8 @@ async def _run(
                 await _cut(client, held, arg)  # (covered by its marker)
             elif op == "running":
                 await _some_turn_held(client, model, run.sent)
-            elif op == "restart" and workers == 2 and not private:
-                # (a kill -9 or a graceful stop: drawn apart from the plan, whose seeds
-                # stay as they were)
-                crash = random.Random(f"crash-{seed}-{n}").random() < 0.5
-                await scene.restart(arg, crash=crash)
+            elif op == "restart" and workers == 2:
+                await _restart(scene, run, client.redis, key, (seed, n, arg))
             elif op == "release":
                 model.release_all()
         model.release_all()
@@ -302,6 +318,23 @@ async def _run(
         await scene.stop()
         await client.aclose()
     return run
+
+
+async def _restart(
+    scene: Scene, run: Run, redis: aioredis.Redis, key: str, at: tuple[int, int, int]
+) -> None:
+    """The plan's restart ``n`` of worker ``i``: a kill -9 or a graceful stop, drawn apart
+    from the plan (whose seeds stay as they were); a private session its worker owned
+    ends with it."""
+    seed, n, i = at
+    crash = random.Random(f"crash-{seed}-{n}").random() < 0.5
+    i = scene.victim(i, crash)
+    owner = await redis.hget(K.owner(key), "worker") if run.private else None
+    if owner == scene.loops[i].rt.worker_id:
+        run.ends.append(n)
+        for s in run.sent:  # (no control cuts them: they are lost)
+            s.held = False
+    await scene.restart(i, crash=crash)
 
 
 async def _cut(client: FrontendClient, held: list[Sent], by: str) -> None:
@@ -336,6 +369,10 @@ def _check_answers(run: Run, where: str) -> None:
         if not terminals:
             continue
         ev, later = terminals[0], run.later(s)
+        if ev.code == "session_lost":
+            assert run.lost(s), f"{s.id} lost, yet its session's worker stayed; {where}"
+        if run.lost(s) and ev.code in ("session_lost", "session_not_active"):
+            continue  # (or read after the end: not active)
         controlled = any(op == "control" for op, _ in later)
         interrupted = any(op == "send" and arg[1] == "interrupt" for op, arg in later)
         if ev.code == "cancelled":

@@ -51,6 +51,9 @@ class Runtime:
     look: Callable[[str], None] = field(default=lambda _k: None)
     services: Services | None = None  # subagents and schedules (worker.jobs)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    claim: str = ""  # what this process claimed its worker id with (check_can_serve)
+    # the id was claimed by another process (host, pid) while this one was stopped
+    on_id_taken: Callable[[str, str], None] = field(default=lambda _h, _p: None)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     # more to do when Redis is another server than before (the liveness watch's streak)
     on_new_server: list[Callable[[], None]] = field(default_factory=list)

@@ -47,7 +47,11 @@ from worker.runtime.holder import SessionHolder
 from worker.runtime.inflight import TurnRegistry
 from worker.runtime.liveness import Liveness
 from worker.runtime.maintenance import Maintenance
-from worker.runtime.registration import check_can_serve, end_former_private
+from worker.runtime.registration import (
+    WorkerConflictError,
+    check_can_serve,
+    end_former_private,
+)
 from worker.runtime.subscription import ControlListener
 
 log = logging.getLogger(__name__)
@@ -102,6 +106,7 @@ class AgentLoop:
         self.controls = Controls(self.rt)
         self.acquirer = Acquirer(self.rt)
         self.rt.look = self.controls.look
+        self.rt.on_id_taken = self._on_id_taken
         self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.subagents = Subagents(self.rt, self.tools)
         self.schedules = Schedules(self.rt)
@@ -112,6 +117,7 @@ class AgentLoop:
         self._serving: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
+        self._id_taken: tuple[str, str] | None = None  # (host, pid) that claimed our id
         self._consumer: asyncio.Task[None] | None = None
         self._listener: ControlListener | None = None
         self._streams: list[str] = []
@@ -183,12 +189,21 @@ class AgentLoop:
     # --- the worker ------------------------------------------------------------------
     async def run(self) -> None:
         """Consume until :meth:`stop` (also one called before this began); then drain
-        within the grace period. The loop may run again after."""
+        within the grace period. The loop may run again after. Raises
+        ``WorkerConflictError`` when it stopped because another process claimed its id."""
+        self._id_taken = None
         try:
             await self._run()
         finally:
             self._stopping.clear()
             self.rt.turns.stopping = False
+        if self._id_taken is not None:
+            host, pid = self._id_taken
+            raise WorkerConflictError(
+                f"worker id {self.worker_id!r} was claimed by pid {pid} on {host} while this "
+                "process was stopped; it stopped serving: give each worker its own "
+                "AGENT_WORKER_ID"
+            )
 
     async def _run(self) -> None:
         listener = self._listener = ControlListener(
@@ -222,15 +237,16 @@ class AgentLoop:
             await asyncio.gather(*background, return_exceptions=True)
             await self.controls.close()
             await self.rt.jobs.aclose()
-            await self.maintenance.leave()
-            with contextlib.suppress(RedisError, OSError):
-                await self.rt.registry.sweeps.forget_dead(self.worker_id)
+            if self._id_taken is None:  # (else what names the id is the other process's)
+                await self.maintenance.leave()
+                with contextlib.suppress(RedisError, OSError):
+                    await self.rt.registry.sweeps.forget_dead(self.worker_id)
             await self.bus.aclose()
             log.info("worker %s stopped", safe(self.worker_id))
 
     async def _start(self) -> None:
         """What a start writes, each step safe to run again."""
-        await check_can_serve(
+        self.rt.claim = await check_can_serve(
             self.bus,
             self.worker_id,
             unified=self.config.unified_session,
@@ -271,6 +287,18 @@ class AgentLoop:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def _on_id_taken(self, host: str, pid: str) -> None:
+        """Another process claimed this worker's id while this one was stopped (past its
+        record's life): this one stops, leaving what names the id alone (the other's)."""
+        if self._id_taken is None:
+            log.error(
+                "worker id %s was claimed by pid %s on %s while this process was stopped: "
+                "stopping (give each worker its own AGENT_WORKER_ID)",
+                safe(self.worker_id), safe(pid), safe(host),
+            )  # fmt: skip
+        self._id_taken = (host, pid)
+        self.stop()
 
     def stop(self) -> None:
         """Request a graceful stop (idempotent; safe from a signal handler)."""

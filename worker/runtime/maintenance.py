@@ -176,10 +176,12 @@ class Maintenance:
             "liveness_ms": str(rt.config.liveness_ms),
             **{name: str(count) for name, count in rt.turns.metrics.items()},
         }
-        await rt.registry.heartbeat(
-            rt.worker_id, info, ttl_ms=rt.bus.lock_ttl_ms * 3,
+        taken = await rt.registry.heartbeat(
+            rt.worker_id, info, ttl_ms=rt.bus.lock_ttl_ms * 3, claim=rt.claim,
             mode=mode_of(unified=rt.config.unified_session, single_owner=rt.config.single_owner),
         )  # fmt: skip
+        if taken is not None:
+            rt.on_id_taken(*taken)
 
     async def observe_queues(self) -> None:
         """The age of the oldest notification not yet taken, over the served channels'

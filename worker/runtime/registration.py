@@ -82,7 +82,10 @@ def mode_of(*, unified: bool, single_owner: bool) -> str:
 
 async def check_can_serve(
     bus: RedisBus, worker_id: str, *, unified: bool, single_owner: bool = False
-) -> None:
+) -> str:
+    """Refuses (``WorkerConflictError``) a start beside a live worker of this id or of
+    another mode; else claims the id: the claim returned is what this process's
+    heartbeats check (``heartbeat.lua``)."""
     await check_redis(bus)
     info = {
         text(k): text(v)
@@ -110,11 +113,13 @@ async def check_can_serve(
     # started at the same moment read no live record either
     keys = [bus.keys.worker_info(worker_id), bus.keys.workers]
     ttl_ms = 3 * bus.lock_ttl_ms
-    args = [worker_id, info.get("claim", ""), fresh_nonce(), *me, ttl_ms, now_ms]
+    claim = fresh_nonce()
+    args = [worker_id, info.get("claim", ""), claim, *me, ttl_ms, now_ms]
     claimed = await bus.scripts.call("claim", keys, args)
     if claimed != 1:
         host, pid = texts(claimed)
         raise _in_use(worker_id, host, pid)
+    return claim
 
 
 async def end_former_private(registry: Registry, worker_id: str, channels: Iterable[str]) -> None:
