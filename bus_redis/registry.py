@@ -205,12 +205,16 @@ class Registry:
 
     async def owned_by(self, worker_id: str, channels: Iterable[str]) -> list[tuple[str, str]]:
         """``(key, registry member)`` of the private sessions whose owner record names
-        ``worker_id`` (a former life's, at a start under the same id), read 1,000 at a
-        time: a channel's registry holds at most its workers' private session caps."""
-        found: list[tuple[str, str]] = []
+        ``worker_id`` (a former life's, at a start under the same id), read about 1,000 at
+        a time: a channel's registry holds at most its workers' private session caps. By
+        ``ZSCAN``, which returns every member there from start to end whatever others add
+        or remove meanwhile (paging by rank skipped one when a member before it went)."""
+        found: dict[str, str] = {}
         for channel in channels:
-            owners, start = self.keys.owners(channel), 0
-            while batch := texts(await self.redis.zrange(owners, start, start + 999)):
+            owners, cursor = self.keys.owners(channel), 0
+            while True:
+                cursor, page = await self.redis.zscan(owners, cursor, count=1000)
+                batch = [text(member) for member, _ in page]
                 keys = [_member_key(member) for member in batch]
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for key in keys:
@@ -218,9 +222,10 @@ class Registry:
                     holders = await pipe.execute()
                 for key, member, holder in zip(keys, batch, holders, strict=True):
                     if key and text(holder) == worker_id:
-                        found.append((key, member))
-                start += len(batch)
-        return found
+                        found[member] = key  # (a member may come twice)
+                if not int(cursor):
+                    break
+        return [(key, member) for member, key in found.items()]
 
     async def report_owner_lost(self, member: str, event_json: str) -> bool:
         key = json.loads(member)[0]

@@ -87,6 +87,7 @@ async def test_every_script_runs(redis: aioredis.Redis) -> None:
         "tidy": ([*stream[:3], k.lease(K), k.owner(K), k.queued("web")], [K]),
         "beat": ([k.alive], ["w"]),
         "claim": ([k.worker_info("w"), k.workers], ["w", "", "n", "h", 1, 1000, 1]),
+        "heartbeat": ([k.worker_info("w"), k.workers, k.mode], ["w", "n", 1000, "per-session", "pid", "1"]),
         "dead": ([k.alive], [1000, 16, 60000]),
         "takeover": ([k.lease(K), k.leases("web"), k.ready("web"), k.alive],
                      ["n|w", K, 100, "w", 800]),

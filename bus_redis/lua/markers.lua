@@ -2,7 +2,9 @@
 -- confirming a stop / discard / delete it heard over pub/sub), read in bounded steps.
 -- KEYS[1] inbound stream S  KEYS[2] attempts S  KEYS[3] control hint S
 -- ARGV[1] id of the running entry  ARGV[2] where the last call stopped ('' first call)
--- returns {op} ('' when no marker is queued) or {'again', resume id}: MARKER_SCAN entries
+-- returns {op} ('' when no marker is queued; interrupt markers are passed over: an
+-- interrupt is carried out only after its scope check, interrupts.py) or {'again', resume
+-- id}: MARKER_SCAN entries
 -- (or SCAN_BYTES) were read without an answer: call again. When every entry of S comes
 -- after or is the running entry (the usual case: it is the oldest), the memos in the
 -- attempts hash are used and advanced, so each entry is read once however many controls
@@ -20,14 +22,14 @@ if not id_less(ARGV[1], first[1]) and first[1] ~= ARGV[1] then
     local e = entry_after(s[1], from)
     if not e then return {''} end
     local op = field(e[2], 'control')
-    if op then return {op} end
+    if op and op ~= 'interrupt' then return {op} end  -- (an interrupt: its scope decides)
     read, bytes, from = read + 1, bytes + entry_bytes(e), e[1]
   end
   return {'again', from}
 end
 if first[1] ~= ARGV[1] then  -- the running entry is gone: every queued entry is after it
   local op = field(first[2], 'control')
-  if op then return {op} end
+  if op and op ~= 'interrupt' then return {op} end
 end
 local op = covering_op(s, first[1])
 if op == nil then return {'again', ''} end

@@ -4,7 +4,8 @@ the control over pub/sub (its marker id says where it stands in the session's st
 cancels the ones it runs (they unregister themselves) and remembers it, so a job of that
 session starting or finishing later here drops itself (``stopped_after``); the worker
 that spawned them also unregisters those not started yet (one task for all controls: a
-flood of controls for a session costs one look, not a task each; a look Redis failed is
+flood of controls for a session costs one look, not a task each, and the channels take
+turns, so one channel's flood of stops holds back no other's; a look Redis failed is
 tried again, ``ABORT_TRIES`` times in about 3 s).
 
 Memory is bounded per channel: the sessions spawned for here and the latest aborting
@@ -48,9 +49,10 @@ class Aborts:
         self.spawned_here: dict[str, dict[str, None]] = {}
         # channel -> session -> its latest aborting control heard
         self.stopped: dict[str, dict[str, tuple[int, int]]] = {}
-        # sessions whose registrations a control ends, looked at by one task (bounded by
-        # spawned_here)
-        self._to_abort: dict[str, tuple[int, int]] = {}
+        # channel -> sessions whose registrations a control ends, looked at by one task,
+        # the channels in turn (one channel's flood holds back no other's stop), bounded
+        # by spawned_here
+        self._to_abort: dict[str, dict[str, tuple[int, int]]] = {}
         self._aborting = False
 
     def remember(self, session: str) -> None:
@@ -79,29 +81,37 @@ class Aborts:
                 self.aborted.add(sid)
                 task.cancel()
         if session in self.spawned_here.get(channel_of(session), {}):  # the ones not started yet
-            self._to_abort[session] = max(at, self._to_abort.get(session, (0, 0)))
+            self._queue(session, at)
             if not self._aborting:
                 self._aborting = True
                 self.rt.spawn(self._abort_all())
+
+    def _queue(self, session: str, at: tuple[int, int]) -> None:
+        queued = self._to_abort.setdefault(channel_of(session), {})
+        queued[session] = max(at, queued.get(session, (0, 0)))
 
     async def _abort_all(self) -> None:
         failed: dict[str, int] = {}  # session -> looks Redis failed (a blip: looked again)
         try:
             while self._to_abort:
-                session = next(iter(self._to_abort))
-                at = self._to_abort.pop(session)
-                try:
-                    await self._abort(session, at)
-                    failed.pop(session, None)
-                except RedisError as exc:
-                    tries = failed[session] = failed.get(session, 0) + 1
-                    if tries >= ABORT_TRIES:
-                        failed.pop(session)
-                        log.warning("subagents of %s not unregistered: %s", safe(session),
-                                    type(exc).__name__)  # fmt: skip
-                        continue
-                    self._to_abort[session] = max(at, self._to_abort.get(session, (0, 0)))
-                    await asyncio.sleep(0.1 * 2**tries)
+                for channel in list(self._to_abort):  # one session of each channel in turn
+                    queued = self._to_abort[channel]
+                    session = next(iter(queued))
+                    at = queued.pop(session)
+                    if not queued:
+                        del self._to_abort[channel]
+                    try:
+                        await self._abort(session, at)
+                        failed.pop(session, None)
+                    except RedisError as exc:
+                        tries = failed[session] = failed.get(session, 0) + 1
+                        if tries >= ABORT_TRIES:
+                            failed.pop(session)
+                            log.warning("subagents of %s not unregistered: %s", safe(session),
+                                        type(exc).__name__)  # fmt: skip
+                            continue
+                        self._queue(session, at)
+                        await asyncio.sleep(0.1 * 2**tries)
         finally:
             self._aborting = False
 

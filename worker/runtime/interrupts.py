@@ -57,9 +57,11 @@ class Interrupts:
         # K -> (S, entry id, earliest marker heard, latest marker heard, interrupts heard)
         self._waiting: dict[str, Heard] = {}
         self._loading: dict[str, Heard] = {}  # ... its scope not known
-        # K -> (entry id, latest marker read for it): a marker published again is not
-        # read again (a pub/sub flood of one interrupt costs no read each)
-        self._checked: dict[str, tuple[str, str]] = {}
+        # K -> (entry id, earliest and latest marker read for it): a marker between them,
+        # published again, is not read again (a pub/sub flood of one interrupt costs no
+        # read each); an earlier one is (its walk never went there: a replica's PUBLISH
+        # may come after a later marker's)
+        self._checked: dict[str, tuple[str, str, str]] = {}
         self._task: asyncio.Task[None] | None = None
         rt.turns.on_scope = self._scope_known
         rt.turns.on_end = self._turn_ended
@@ -69,7 +71,12 @@ class Interrupts:
         message after a marker heard is known to be one its session takes."""
         self._prune_loading()
         checked = self._checked.get(key)
-        if checked and checked[0] == entry_id and not self._after(marker, checked[1]):
+        if (
+            checked
+            and checked[0] == entry_id
+            and not self._after(checked[1], marker)
+            and not self._after(marker, checked[2])
+        ):
             self._refused(key, 1, "a marker already looked at")  # (read already)
             return
         self._add(self._waiting, key, (member, entry_id, marker, marker, 1))
@@ -154,11 +161,18 @@ class Interrupts:
                     self._scope_known(key)
                 continue
             if not isinstance(payloads, BaseException):
-                self._checked[key] = (entry_id, latest)
+                self._read(key, entry_id, waiting[2], latest)
             if self._carried(member, scope, payloads):
                 self._apply(key, member, entry_id, "interrupt")
             else:
                 self._refused(key, heard, "no message of the session's scope follows a marker")
+
+    def _read(self, key: str, entry_id: str, earliest: str, latest: str) -> None:
+        old = self._checked.get(key)
+        if old is not None and old[0] == entry_id:
+            earliest = min(old[1], earliest, key=parse_stream_id)
+            latest = max(old[2], latest, key=parse_stream_id)
+        self._checked[key] = (entry_id, earliest, latest)
 
     def _scope(self, key: str, entry_id: str) -> str | None:
         """The running turn's session scope; None: not known yet (never the cached

@@ -118,6 +118,7 @@ class AgentLoop:
         self._slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._id_taken: tuple[str, str] | None = None  # (host, pid) that claimed our id
+        self._abandoned: set[str] = set()  # the start's former private sessions, not told yet
         self._consumer: asyncio.Task[None] | None = None
         self._listener: ControlListener | None = None
         self._streams: list[str] = []
@@ -266,7 +267,9 @@ class AgentLoop:
             self._served_channels(), self.worker_id, dead_after_ms=None
         )  # ... and the jobs it ran, and its private sessions end (told as lost)
         await self._rerun_left(self.worker_id, self._served_channels())
-        await end_former_private(self.rt.registry, self.worker_id, self._served_channels())
+        await end_former_private(
+            self.rt.registry, self.worker_id, self._served_channels(), self._abandoned
+        )
 
     async def _rerun_left(self, worker: str, channels: set[str]) -> None:
         """What worker ``worker`` (dead, or this one's former life) left running in

@@ -122,12 +122,20 @@ async def check_can_serve(
     return claim
 
 
-async def end_former_private(registry: Registry, worker_id: str, channels: Iterable[str]) -> None:
+async def end_former_private(
+    registry: Registry, worker_id: str, channels: Iterable[str], abandoned: set[str]
+) -> None:
     """A start under an id a killed worker had: that former life's private sessions end
     now, as at a shutdown (the record dropped, the frontend told ``session_lost``). Their
     records name this id, so they would never look dead, and this life would serve their
     keys as its own: a durable answer on the key, then the loss report when the record
-    ran out deleting it with the private session's events (a helper's attack, stop 51)."""
+    ran out deleting it with the private session's events (a helper's attack, stop 51).
+    ``abandoned`` (the start's own, kept across its retries): registry members whose
+    record was dropped and whose loss is not told yet; a retried start finds them there,
+    their records gone (a second reading, stop 52)."""
     for key, member in await registry.owned_by(worker_id, channels):
         await registry.abandon_owner(key, worker_id)
+        abandoned.add(member)
+    for member in sorted(abandoned):
         await registry.report_owner_lost(member, lost_event(member))
+        abandoned.discard(member)
