@@ -35,13 +35,17 @@ from bus_redis.aio import still_wanted
 from bus_redis.codec import fields, parse_stream_id, text
 from bus_redis.keys import Keys
 from bus_redis.pulse import PulseWatch
-from gateway.subscription import HubEvent, Subscription
+from gateway.subscription import HubEvent, Subscription, event_size
 
 log = logging.getLogger(__name__)
 
 # events one subscriber's catch-up reads at a time: it holds them while its client takes
 # the first, so a slow client behind long answers holds a few, never hundreds
 CATCH_UP_COUNT = 16
+# catch-up reads in flight at once per process: what they read is in memory until it is
+# cut to the subscriber's budget (64 streams of one user catching up at once read 64 x 16
+# long answers together)
+CATCH_UP_READS = 4
 
 
 class TooManyStreamsError(Exception):
@@ -210,6 +214,7 @@ class EventHub:
         self._readers = [_Reader(self, r, f"{wake_key}:{i}") for i, r in enumerate(readers)]
         self.stopping = False
         self.reads = 0  # blocking reads issued (bench)
+        self._catching_up = asyncio.Semaphore(CATCH_UP_READS)
 
     @property
     def open_streams(self) -> int:
@@ -311,17 +316,32 @@ class EventHub:
             return "0-0"
         return text(last[0][0]) if last else "0-0"
 
-    async def read_after(self, stream: str, cursor: str) -> tuple[list[HubEvent], str]:
-        """The next few events after ``cursor`` (``CATCH_UP_COUNT`` entries at most), and
-        the id of the last entry read ('' none): entries that are no event are passed
-        over, so a catch-up reads on past them (it stopped there, as if caught up)."""
-        try:
-            reply = await self.redis.xread({stream: cursor}, count=CATCH_UP_COUNT)
-        except ResponseError:
-            return [], ""
-        batches = [batch for _s, batch in reply or [] if batch]
-        last = text(batches[-1][-1][0]) if batches else ""
-        return [ev for batch in batches for ev in _decode(batch)], last
+    async def read_after(
+        self, stream: str, cursor: str, count: int = CATCH_UP_COUNT, budget: int = 0
+    ) -> tuple[list[HubEvent], str]:
+        """The next ``count`` events after ``cursor`` at most, and the id of the last
+        entry taken ('' none): entries that are no event are passed over, so a catch-up
+        reads on past them (it stopped there, as if caught up). With ``budget``, the events
+        past that many bytes (the first one is always taken) are left for the next read,
+        not held. ``CATCH_UP_READS`` run at once."""
+        async with self._catching_up:
+            try:
+                reply = await self.redis.xread({stream: cursor}, count=count)
+            except ResponseError:
+                return [], ""
+            entries = [entry for _s, batch in reply or [] for entry in batch]
+            del reply
+            taken: list[HubEvent] = []
+            last, held = "", 0
+            for entry in entries:
+                decoded = _decode([entry])
+                size = sum(event_size(ev) for ev in decoded)
+                if budget and taken and held + size > budget:
+                    break
+                taken += decoded
+                held += size
+                last = text(entry[0])
+            return taken, last
 
 
 def _decode(batch: list[Any]) -> list[HubEvent]:

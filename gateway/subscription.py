@@ -16,6 +16,12 @@ from bus_redis.aio import still_wanted
 
 BUFFER_MAX = 256  # entries buffered per subscriber before it re-reads from Redis instead
 BUFFER_BYTES = 1 << 20  # ... or bytes of their text (long answers, a reader that stalls)
+# a catch-up read takes this many bytes of events (by the largest one seen on the stream,
+# 16 at most) and holds no more than that beyond the first: answers that copy a message's
+# metadata are up to a payload each, and 16 of them read and held by each of a user's 64
+# stalled streams were 250 MiB (a helper's attack, stop 52); its first read takes one
+CATCH_UP_BYTES = 256 << 10
+CATCH_UP_MAX = 16
 
 
 class Source(Protocol):
@@ -23,7 +29,9 @@ class Source(Protocol):
 
     async def first_id(self, stream: str) -> str | None: ...
 
-    async def read_after(self, stream: str, cursor: str) -> tuple[list[HubEvent], str]: ...
+    async def read_after(
+        self, stream: str, cursor: str, count: int = ..., budget: int = ...
+    ) -> tuple[list[HubEvent], str]: ...
 
 
 def id_key(entry_id: str) -> tuple[int, int]:
@@ -54,6 +62,7 @@ class Subscription:
     missed_from: str = ""  # set when the buffer overflowed
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     buffered_bytes: int = 0  # of the buffered events' text
+    largest: int = 0  # bytes of the largest event a catch-up read here (0: none yet)
 
     def push(self, ev: HubEvent) -> None:
         size = event_size(ev)
@@ -67,6 +76,12 @@ class Subscription:
             self.buffer.append(ev)
             self.buffered_bytes += size
         self.wake.set()
+
+    def _count(self) -> int:
+        """Events the next catch-up read takes: about ``CATCH_UP_BYTES`` of them."""
+        if not self.largest:
+            return 1
+        return max(1, min(CATCH_UP_MAX, CATCH_UP_BYTES // self.largest))
 
     def _drop(self) -> None:
         self.buffer.clear()
@@ -88,8 +103,11 @@ class Subscription:
                     still_wanted()
                     if first is None or id_key(first) > id_key(missed):
                         yield HubEvent("gap", self.cursor)
-                events, last = await self.hub.read_after(self.stream, self.cursor)
+                events, last = await self.hub.read_after(
+                    self.stream, self.cursor, self._count(), CATCH_UP_BYTES
+                )
                 still_wanted()
+                self.largest = max([self.largest, *(event_size(ev) for ev in events)])
                 for ev in events:
                     self.cursor = ev.entry_id
                     yield ev

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -98,8 +99,8 @@ async def test_a_resume_holds_a_few_events_at_a_time_not_the_whole_backlog(redis
         read: list[int] = []
         read_after = hub.read_after
 
-        async def counted(stream: str, cursor: str) -> tuple[list[HubEvent], str]:
-            events, last = await read_after(stream, cursor)
+        async def counted(stream: str, cursor: str, *a: Any) -> tuple[list[HubEvent], str]:
+            events, last = await read_after(stream, cursor, *a)
             read.append(len(events))
             return events, last
 
@@ -115,6 +116,43 @@ async def test_a_resume_holds_a_few_events_at_a_time_not_the_whole_backlog(redis
                     assert sum(read) <= CATCH_UP_COUNT < 100
             await events.aclose()
     assert got == ids
+
+
+async def test_a_resume_behind_long_answers_holds_about_a_quarter_mib(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    """A catch-up read took 16 events whatever their size and held them while its client
+    took the first: answers that copy a message's metadata are up to a payload each, and a
+    user's 64 stalled streams held 250 MiB for 5 MB written (a helper's attack, stop 52).
+    Now a read holds ``CATCH_UP_BYTES`` beyond its first event, however the events are
+    ordered (a short one first, as if the stream's events were short); all of them still
+    come, in order."""
+    from gateway.subscription import CATCH_UP_BYTES, event_size
+
+    r = redis_factory()
+    ids = [await _add(r, "web:big", 0)]  # a short one first
+    for n in range(1, 40):
+        doc = OutboundMessage(type="message", channel="web", chat_id="big", session_key="web:big",
+                              reply_to=f"m{n}", content="y" * 100_000)  # fmt: skip
+        ids.append(str(await r.xadd(K.out("web:big"), {"payload": doc.model_dump_json()})))
+    async with _hub(redis_factory) as hub:
+        held: list[int] = []
+        read_after = hub.read_after
+
+        async def measured(stream: str, cursor: str, *a: Any) -> tuple[list[HubEvent], str]:
+            events, last = await read_after(stream, cursor, *a)
+            held.append(sum(event_size(ev) for ev in events))
+            return events, last
+
+        hub.read_after = measured  # type: ignore[method-assign]
+        got: list[str] = []
+        async with hub.subscribe("web:big", "0") as sub:
+            events = sub.events(0.05)
+            while len(got) < len(ids):
+                ev = await asyncio.wait_for(anext(events), 10)
+                if ev is not None:
+                    got.append(ev.entry_id)
+            await events.aclose()
+    assert got == ids
+    assert max(held) <= CATCH_UP_BYTES + 100_000, f"a catch-up read held {max(held)} bytes"
 
 
 async def test_a_resume_reads_on_past_entries_that_are_no_event(redis_factory) -> None:  # type: ignore[no-untyped-def]
