@@ -89,10 +89,11 @@ class Authenticator:
             return None
         return User(found)
 
-    async def charge(self, user: User) -> None:
-        """One request of ``user``'s (gateway.ratelimit): waits for its token, or raises
-        HTTP 429 with Retry-After (after waiting too)."""
-        if not await self.rate.wait(user.hash):
+    async def charge(self, user: User, cost: float = 1.0) -> None:
+        """One request of ``user``'s (gateway.ratelimit; ``cost`` tokens, a large body's
+        more): waits for its tokens, or raises HTTP 429 with Retry-After (after waiting
+        too)."""
+        if not await self.rate.wait(user.hash, cost):
             raise HTTPException(
                 429,
                 f"too many requests: {self.rate.rate:g} a second at most, "

@@ -7,6 +7,8 @@ import asyncio
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.charge import charge_rest, refuse
+
 
 class BodyLimit:
     """Every request body is read here, whole, before a route sees it: at most ``limit``
@@ -40,6 +42,10 @@ class BodyLimit:
             return
         if len(body) > self.limit:
             await self._refuse(scope, receive, send, 413, f"request body over {self.limit} bytes")
+            return
+        refused = await charge_rest(scope, len(body))  # (sent in chunks: charged by size now)
+        if refused is not None:
+            await refuse(refused, scope, receive, send)
             return
         sent = False
 

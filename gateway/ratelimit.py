@@ -52,10 +52,11 @@ class UserRate:
         # user -> (tokens, at); below 0: tokens reserved by waiting requests. LRU order.
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    async def wait(self, user: str) -> bool:
-        """Wait for one of ``user``'s tokens: True once it is there (at once, or after up
-        to ``max_delay_s``); False, after ``max_delay_s``, when none would come by then."""
-        delay = self.admit(user)
+    async def wait(self, user: str, cost: float = 1.0) -> bool:
+        """Wait for ``cost`` of ``user``'s tokens (one a request; more for a large body):
+        True once they are there (at once, or after up to ``max_delay_s``); False, after
+        ``max_delay_s``, when they would not be there by then."""
+        delay = self.admit(user, cost)
         if delay is None:  # a half to a whole max_delay_s: refusals due at once spread out
             await self.sleep(self.max_delay_s * (0.5 + random.random() / 2))
             return False
@@ -63,20 +64,22 @@ class UserRate:
             await self.sleep(delay)
         return True
 
-    def admit(self, user: str) -> float | None:
-        """The seconds until ``user``'s next token (0: now), reserved for the caller; None
-        when it is further off than ``max_delay_s`` (nothing reserved)."""
+    def admit(self, user: str, cost: float = 1.0) -> float | None:
+        """The seconds until ``user`` has ``cost`` tokens (0: now; at most ``burst``),
+        reserved for the caller; None when that is further off than ``max_delay_s``
+        (nothing reserved)."""
         if self.rate <= 0:
             return 0.0
+        cost = max(1.0, min(cost, float(self.burst)))
         now = self.clock()
         tokens, at = self._level(user, now)
         self._buckets.pop(user, None)  # put back last: the most recently used
-        delay: float | None = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+        delay: float | None = 0.0 if tokens >= cost else (cost - tokens) / self.rate
         if delay is not None and delay > self.max_delay_s:
             delay = None
         # (most recent last; the time never goes back, so a clock stepped back and then
         # forward gives no free refill)
-        self._buckets[user] = (tokens - 1 if delay is not None else tokens, max(at, now))
+        self._buckets[user] = (tokens - cost if delay is not None else tokens, max(at, now))
         if len(self._buckets) > self.max_users:
             self._prune(now)
         return delay

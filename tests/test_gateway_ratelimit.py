@@ -61,6 +61,17 @@ def test_a_bucket_admits_its_burst_then_its_rate_then_refuses() -> None:
     assert UserRate(0, 1, clock=clock).admit("a") == 0  # rate 0: no limit
 
 
+def test_a_costly_request_takes_its_tokens_never_more_than_the_burst() -> None:
+    clock = Clock()
+    rate = UserRate(10, 20, clock=clock, max_delay_s=1)
+    assert rate.admit("a", 17) == 0  # a 1 MiB body: 3 tokens left
+    assert rate.admit("a", 17) is None  # 1.4 s off: refused, nothing reserved
+    assert rate.admit("a", 3) == 0
+    assert rate.admit("a", 5) == pytest.approx(0.5)  # reserved: 0.5 s of refill
+    small = UserRate(1, 5, clock=clock, max_delay_s=1)
+    assert small.admit("b", 17) == 0  # never more than the burst: else never admitted
+
+
 async def test_a_request_waits_for_its_token_or_for_the_refusal() -> None:
     clock = Clock()
     rate = UserRate(1, 1, clock=clock, sleep=clock.sleep, max_delay_s=1)
@@ -171,6 +182,50 @@ async def test_a_user_past_the_rate_waits_or_gets_429_before_any_redis_work(
         assert await redis.xlen(inbound) == 4
         # a request without credentials is 401, as before, and takes no one's token
         assert (await http.get("/api/sessions")).status_code == 401
+
+
+async def test_a_large_body_costs_a_token_for_each_64_kib_sent_whole_or_in_chunks(
+    redis_factory,
+) -> None:  # type: ignore[no-untyped-def]
+    """Parsing a body costs the event loop in proportion to its size: a rate counted in
+    requests let one user keep a replica's core busy with 1 MiB bodies (a helper's attack,
+    stop 52). A body costs a token more per 64 KiB: by its Content-Length before it is
+    read, or, sent in chunks without one, once it has been read (before any parsing)."""
+    async with _gateway(redis_factory, user_rate=1, user_burst=12) as (http, gw):
+        clock = Clock()
+        gw.auth.rate.clock, gw.auth.rate.sleep = clock, clock.sleep  # type: ignore[method-assign]
+        sid = (await http.post("/api/sessions", json={}, headers=ALICE)).json()["id"]
+        body = json.dumps({"content": "q", "metadata": {"pad": "x" * (200 << 10)}}).encode()
+
+        def left() -> float:  # Alice's tokens (the clock stands still: no refill)
+            [(tokens, _)] = gw.auth.rate._buckets.values()
+            return tokens
+
+        before = left()
+        r = await http.post(f"/api/sessions/{sid}/messages", content=body,
+                            headers={**ALICE, "Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 202, r.text
+        assert before - left() == 1 + len(body) // (64 << 10)  # 4 tokens
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for at in range(0, len(body), 50_000):
+                yield body[at : at + 50_000]
+
+        before = left()
+        r = await http.post(f"/api/sessions/{sid}/messages", content=chunks(),
+                            headers={**ALICE, "Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 202, r.text
+        assert before - left() == 1 + len(body) // (64 << 10)
+        # past the bucket: refused before the body is parsed, nothing sent
+        before_len = await redis_factory().xlen(Keys().inbound(f"web:{sid}"))
+        headers = {**ALICE, "Content-Type": "application/json"}
+        answers = [
+            await http.post(f"/api/sessions/{sid}/messages", content=body, headers=headers)
+            for _ in range(3)
+        ]
+        assert 429 in [a.status_code for a in answers]
+        sent = await redis_factory().xlen(Keys().inbound(f"web:{sid}")) - before_len
+        assert sent == sum(a.status_code == 202 for a in answers)
 
 
 async def test_many_requests_at_once_admit_the_burst_and_what_comes_within_a_second(
