@@ -1,4 +1,5 @@
-"""Hostile users behind the gateway, round 9: what the earlier hostile tests do not cover.
+"""Hostile users behind the gateway, round 9 (a helper's attack, stop 52; the three
+failing tests failed before their fixes): what the earlier hostile tests do not cover.
 
 Real processes where it matters (an ``agent-gateway`` and an ``agent-worker run`` on a
 redis-server the test starts, under their generated ACL users, a local fake LLM:

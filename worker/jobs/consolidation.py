@@ -49,7 +49,7 @@ class Consolidator:
         # the jobs running here, for a survivor should this worker die
         self.running = RunningJobs(rt.bus, rt.worker_id, ttl_ms=RUNNING_TTL_MS)
         self._busy: collections.Counter[str] = collections.Counter()  # channel -> running
-        self._folding: set[str] = set()  # scopes a job of this worker folds into now
+        self._folding: set[str] = set()  # scopes (and quota owners) a job here folds for now
 
     def _job_id(self, key: str) -> str:
         return f"{self.rt.bus.keys.prefix}:{JOB_NAME}:{key}"
@@ -179,16 +179,21 @@ class Consolidator:
                 log.info("consolidation of %s left: a private session holds its key", safe(key))
                 return None  # (the stored session's next commit queues it again)
             scope = snapshot.scope
-            if scope in self._folding:  # one memory, one fold here at a time: another
-                log.info("consolidation of %s put off: its scope folds", safe(key))
-                raise _ScopeBusyError  # would be made again from the memory that one writes
-            self._folding.add(scope)
+            # one memory, one fold here at a time (another would be made again from the
+            # memory that one writes); and one a user: a bot's end users are scopes of
+            # their own that count as the bot's (its quota), and four of them held the
+            # channel's whole share (a helper's attack, stop 52)
+            busy = {scope, snapshot.share_owner}
+            if busy & self._folding:
+                log.info("consolidation of %s put off: its scope or user folds", safe(key))
+                raise _ScopeBusyError
+            self._folding |= busy
             try:
                 cap = max(budget, MIN_PART_TOKENS) * 4  # characters (a row over a part)
                 folded = await fold(self.rt, scope, part, max_chars=cap)
                 result = await self._commit(snapshot, at, at + len(part), folded)
             finally:
-                self._folding.discard(scope)
+                self._folding -= busy
             if result == "ok":
                 return at + len(part), end
             if result != "memory_moved":
