@@ -201,3 +201,67 @@ async def test_one_users_long_chats_take_one_fold_not_the_channels_share(
     finally:
         model.release.set()
         await loop.jobs.aclose()
+
+
+# --- a bot's end users and the channel's consolidation share (a helper's attack, stop 52) ----------------------------------
+
+
+async def test_a_bots_end_users_do_not_take_the_channels_whole_consolidation_share(
+    redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promise (README, ``AGENT_CONSOLIDATIONS_PER_CHANNEL``): a worker runs 4
+    consolidations of a channel at once, "of which one folds into a given scope's
+    memory ... so one channel's long sessions never take every job slot, nor one user's
+    long chats the channel's share". Behind the gateway every OpenAI ``user`` field is a
+    scope of its own (``user-<h>-oa-<digest>``, quota the caller's ``user-<h>``), and the
+    fold bound is kept per *scope*, never per quota: one gateway user (a bot) whose
+    four end users have long chats holds all 4 of the channel's folds, and another
+    gateway user's consolidation is put off for as long as they run (README: the quota
+    keeps a bot's end users to "the caller's one share" for schedules and subagents
+    only). The messages are exactly those ``Gateway.message`` writes for the two users."""
+    from helpers import ScriptedProvider
+    from replies import wait_until_async
+
+    import worker.jobs.consolidation as consolidation_module
+    from bus_redis import InboundMessage, RedisBus
+    from gateway.auth import User
+    from gateway.chats import end_user_digest
+    from worker import AgentLoop
+
+    monkeypatch.setattr(consolidation_module, "AGAIN_AFTER_S", 0.05)  # (not 30 s)
+    model = Model()
+    folds: list[str] = []
+
+    async def recorded(**kw: Any) -> Any:
+        if kw.get("tools") is None and "Summarise" in kw["messages"][0]["content"]:
+            folds.append(json.dumps(kw["messages"]))
+        return await model(**kw)
+
+    bot, other = User("bot"), User("carol")
+    loop = AgentLoop(RedisBus(redis), ScriptedProvider(handler=recorded), config=LOW)
+    try:
+        for end_user in ("e1", "e2", "e3", "e4", "e5"):  # the bot's end users' chats
+            digest = end_user_digest(end_user)
+            for n in range(5):
+                await loop.process_message(InboundMessage(
+                    channel="web", sender_id=bot.id, chat_id=f"{bot.hash}-oa-{digest}",
+                    content=f"{end_user} fact {n} " * 12,
+                    scope=f"user-{bot.hash}-oa-{digest}", quota=f"user-{bot.hash}",
+                ))  # fmt: skip
+        for n in range(5):  # another gateway user's chat, last
+            await loop.process_message(InboundMessage(
+                channel="web", sender_id=other.id, chat_id=f"{other.hash}-{'ab' * 12}",
+                content=f"carol {n} " * 12, scope=f"user-{other.hash}",
+            ))  # fmt: skip
+
+        async def others_fold() -> bool:
+            return any("carol 0" in f for f in folds)
+
+        assert await wait_until_async(others_fold, timeout_s=10), (
+            f"{model.folding} folds of one gateway user's end users run at once "
+            f"(the channel's share: {LOW.consolidations_per_channel}); the other user's "
+            f"consolidation was put off behind them"
+        )
+    finally:
+        model.release.set()
+        await loop.jobs.aclose()

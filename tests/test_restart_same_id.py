@@ -104,3 +104,43 @@ async def _has_reply(redis, stream: str, reply_to: str) -> bool:  # type: ignore
 
 async def _has_code(redis, stream: str, code: str) -> bool:  # type: ignore[no-untyped-def]
     return any(_doc(f).get("code") == code for _, f in await redis.xrange(stream))
+
+
+async def test_a_worker_whose_id_another_claimed_stops_its_tick_and_leaves_the_id_alone(  # type: ignore[no-untyped-def]
+    redis,
+) -> None:
+    """Another process claimed this worker's id while it was stopped (SIGSTOP past its
+    record, ``tests/test_kill_chaos.py``): its heartbeat finds the claim another's and it
+    stops. The tick that found it went on (closing idle private sessions, renewing or
+    dropping owner records, all by the id: the other's now) and later ticks ran during
+    the drain (a second reading, stop 52); then the stop deregistered the id. Now no step
+    runs after the heartbeat that found it, no later tick runs, and the id's record,
+    inbox and beat are left to the other process; ``run()`` raises the conflict."""
+    import asyncio
+
+    from bus_redis import Keys, RedisBus
+    from worker import AgentLoop, LoopConfig
+    from worker.agent.providers import EchoProvider
+    from worker.runtime.registration import WorkerConflictError
+
+    k = Keys()
+    loop = AgentLoop(RedisBus(redis), EchoProvider(), config=LoopConfig(worker_id="twin"))
+    task = asyncio.create_task(loop.run())
+    await until(lambda: bool(loop.rt.claim))
+    steps: list[str] = []
+
+    async def close_idle() -> None:
+        steps.append("close_idle")
+
+    loop.maintenance.close_idle = close_idle  # type: ignore[method-assign]
+    await redis.hset(k.worker_info("twin"), mapping={"claim": "other", "host": "h2", "pid": "9"})
+    await redis.xadd(k.inbox("twin"), {"session": "web:x"})  # (the other's inbox)
+    await loop.maintenance.tick()
+    assert steps == [], "a step ran after the heartbeat found the id another's"
+    with pytest.raises(WorkerConflictError, match="claimed by pid 9 on h2"):
+        await asyncio.wait_for(task, 15)
+    await loop.maintenance.tick()  # (none runs any more)
+    assert steps == []
+    info = await redis.hgetall(k.worker_info("twin"))
+    assert (info.get("claim"), info.get("pid")) == ("other", "9")
+    assert await redis.exists(k.inbox("twin"))

@@ -54,6 +54,7 @@ class Aborts:
         # by spawned_here
         self._to_abort: dict[str, dict[str, tuple[int, int]]] = {}
         self._aborting = False
+        self._failed: dict[str, int] = {}  # session -> looks Redis failed in a row
 
     def remember(self, session: str) -> None:
         """This worker spawned a subagent for ``session``."""
@@ -82,16 +83,15 @@ class Aborts:
                 task.cancel()
         if session in self.spawned_here.get(channel_of(session), {}):  # the ones not started yet
             self._queue(session, at)
-            if not self._aborting:
-                self._aborting = True
-                self.rt.spawn(self._abort_all())
 
     def _queue(self, session: str, at: tuple[int, int]) -> None:
         queued = self._to_abort.setdefault(channel_of(session), {})
         queued[session] = max(at, queued.get(session, (0, 0)))
+        if not self._aborting:
+            self._aborting = True
+            self.rt.spawn(self._abort_all())
 
     async def _abort_all(self) -> None:
-        failed: dict[str, int] = {}  # session -> looks Redis failed (a blip: looked again)
         try:
             while self._to_abort:
                 for channel in list(self._to_abort):  # one session of each channel in turn
@@ -102,18 +102,22 @@ class Aborts:
                         del self._to_abort[channel]
                     try:
                         await self._abort(session, at)
-                        failed.pop(session, None)
+                        self._failed.pop(session, None)
                     except RedisError as exc:
-                        tries = failed[session] = failed.get(session, 0) + 1
-                        if tries >= ABORT_TRIES:
-                            failed.pop(session)
-                            log.warning("subagents of %s not unregistered: %s", safe(session),
-                                        type(exc).__name__)  # fmt: skip
-                            continue
-                        self._queue(session, at)
-                        await asyncio.sleep(0.1 * 2**tries)
+                        self._again(session, at, exc)
         finally:
             self._aborting = False
+
+    def _again(self, session: str, at: tuple[int, int], exc: RedisError) -> None:
+        """A look Redis failed (a blip): queued again a moment later, the others going on
+        meanwhile; given up after ``ABORT_TRIES``."""
+        tries = self._failed[session] = self._failed.get(session, 0) + 1
+        if tries >= ABORT_TRIES:
+            self._failed.pop(session)
+            log.warning("subagents of %s not unregistered: %s", safe(session),
+                        type(exc).__name__)  # fmt: skip
+            return
+        asyncio.get_running_loop().call_later(0.1 * 2**tries, self._queue, session, at)
 
     async def _abort(self, session: str, at: tuple[int, int]) -> None:
         """Unregister the session's subagents spawned before the control at ``at``."""

@@ -35,13 +35,14 @@ from collections.abc import Callable
 from typing import Any
 
 from bus_redis import InboundMessage, MessageRejectedError, decode_inbound
-from bus_redis.codec import parse_stream_id, safe
+from bus_redis.codec import parse_stream_id, safe, text
 from worker.runtime.context import Runtime
 from worker.runtime.scopes import foreign
 
 log = logging.getLogger(__name__)
 Heard = tuple[str, str, str, str, int]  # (S, entry id, earliest marker, latest marker, count)
 SCAN = 64  # stream entries read per running turn and pass, from its earliest marker heard
+READ_STRETCHES = 16  # stretches of a stream remembered as read, per running turn
 
 
 class Interrupts:
@@ -57,11 +58,12 @@ class Interrupts:
         # K -> (S, entry id, earliest marker heard, latest marker heard, interrupts heard)
         self._waiting: dict[str, Heard] = {}
         self._loading: dict[str, Heard] = {}  # ... its scope not known
-        # K -> (entry id, earliest and latest marker read for it): a marker between them,
+        # K -> (entry id, the stretches of S read for it: from a pass's earliest marker
+        # to the entry its walk reached, and each pass's latest marker): a marker in one,
         # published again, is not read again (a pub/sub flood of one interrupt costs no
-        # read each); an earlier one is (its walk never went there: a replica's PUBLISH
-        # may come after a later marker's)
-        self._checked: dict[str, tuple[str, str, str]] = {}
+        # read each); any other is (a replica's PUBLISH may come after a later marker's,
+        # its marker written after a walk that ended before it: second readings, stop 52)
+        self._checked: dict[str, tuple[str, list[tuple[str, str]]]] = {}
         self._task: asyncio.Task[None] | None = None
         rt.turns.on_scope = self._scope_known
         rt.turns.on_end = self._turn_ended
@@ -74,9 +76,9 @@ class Interrupts:
         if (
             checked
             and checked[0] == entry_id
-            and not self._after(checked[1], marker)
-            and not self._after(marker, checked[2])
-        ):
+            and any(not self._after(lo, marker) and not self._after(marker, hi)
+                    for lo, hi in checked[1])
+        ):  # fmt: skip
             self._refused(key, 1, "a marker already looked at")  # (read already)
             return
         self._add(self._waiting, key, (member, entry_id, marker, marker, 1))
@@ -160,19 +162,21 @@ class Interrupts:
                 if rt.turns.scope(key, entry_id):  # (it loaded meanwhile)
                     self._scope_known(key)
                 continue
-            if not isinstance(payloads, BaseException):
-                self._read(key, entry_id, waiting[2], latest)
+            if not isinstance(payloads, BaseException) and isinstance(payloads, list):
+                reached, payloads = text(payloads[0]) if payloads else "", payloads[1:]
+                self._read(key, entry_id, (waiting[2], reached), (latest, latest))
             if self._carried(member, scope, payloads):
                 self._apply(key, member, entry_id, "interrupt")
             else:
                 self._refused(key, heard, "no message of the session's scope follows a marker")
 
-    def _read(self, key: str, entry_id: str, earliest: str, latest: str) -> None:
+    def _read(self, key: str, entry_id: str, *stretches: tuple[str, str]) -> None:
+        """A pass read these stretches of S for K's running entry (a walk that reached
+        nothing read nothing from its marker on). The newest ``READ_STRETCHES`` are kept."""
         old = self._checked.get(key)
-        if old is not None and old[0] == entry_id:
-            earliest = min(old[1], earliest, key=parse_stream_id)
-            latest = max(old[2], latest, key=parse_stream_id)
-        self._checked[key] = (entry_id, earliest, latest)
+        kept = list(old[1]) if old is not None and old[0] == entry_id else []
+        kept += [(lo, hi) for lo, hi in stretches if hi and not self._after(lo, hi)]
+        self._checked[key] = (entry_id, kept[-READ_STRETCHES:])
 
     def _scope(self, key: str, entry_id: str) -> str | None:
         """The running turn's session scope; None: not known yet (never the cached

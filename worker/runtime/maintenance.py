@@ -59,6 +59,9 @@ class Maintenance:
         self.channels: set[str] = set()
         self.started_ms = int(time.time() * 1000)
         self.ticks = 0
+        # another process claimed this worker's id (heartbeat.lua): no step runs any more,
+        # as what names the id is the other's (its private sessions' records, its inbox)
+        self.id_taken = False
 
     @property
     def every_s(self) -> float:
@@ -86,6 +89,8 @@ class Maintenance:
 
     async def tick(self) -> None:
         rt = self.rt
+        if self.id_taken:
+            return
         self.ticks += 1
         if self.ticks % POLICY_CHECK_TICKS == 0:
             policy = await eviction_policy(rt.bus)
@@ -120,6 +125,8 @@ class Maintenance:
                 raise
             except Exception:
                 log.exception("maintenance step failed: %s", name)
+            if self.id_taken:  # (the heartbeat found it: the rest is not this one's)
+                return
 
     async def _leases(self) -> None:
         rt = self.rt
@@ -181,6 +188,7 @@ class Maintenance:
             mode=mode_of(unified=rt.config.unified_session, single_owner=rt.config.single_owner),
         )  # fmt: skip
         if taken is not None:
+            self.id_taken = True
             rt.on_id_taken(*taken)
 
     async def observe_queues(self) -> None:
