@@ -143,7 +143,7 @@ class Gateway:
         self._user_streams[user.hash] += 1
         self.metrics.streams_open.inc()
         try:
-            async with self.hub.subscribe(chat.session_key, after) as sub:
+            async with self.hub.subscribe(chat.session_key, after, user.hash) as sub:
                 yield sub
         finally:
             self.metrics.streams_open.dec()

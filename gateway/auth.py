@@ -100,7 +100,7 @@ class Authenticator:
                 f"{self.rate.burst} at once",
                 {
                     "Retry-After": str(
-                        min(3600, max(1, math.ceil(self.rate.retry_after_s(user.hash))))
+                        min(3600, max(1, math.ceil(self.rate.retry_after_s(user.hash, cost))))
                     )
                 },
             )

@@ -43,7 +43,7 @@ class BodyLimit:
         if len(body) > self.limit:
             await self._refuse(scope, receive, send, 413, f"request body over {self.limit} bytes")
             return
-        refused = await charge_rest(scope, len(body))  # (sent in chunks: charged by size now)
+        refused = await charge_rest(scope, body)  # (in chunks, or many values: the rest now)
         if refused is not None:
             await refuse(refused, scope, receive, send)
             return

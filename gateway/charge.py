@@ -10,12 +10,15 @@ authentication then takes the user found here (``scope["state"]``; one found by 
 ticket only where the route accepts tickets) and does not charge it again; a request without credentials goes on to the route's 401 (it costs no
 Redis work; a flood of them is for the reverse proxy in front, docs/SECURITY.md).
 
-A body costs a token more for each ``BODY_COST_BYTES`` (a 1 MiB body: 17): parsing and
-checking a body costs the event loop in proportion to its size, and one user sending 1 MiB
+A body costs a token more for each ``BODY_COST_BYTES`` (a 1 MiB body: 17), or for each
+``BODY_COST_VALUES`` JSON values in it when that is more (at most the burst): parsing and
+checking a body costs the event loop by the values in it, and one user sending 1 MiB
 bodies of 70,000 tiny metadata entries at 10 a second, within a rate counted in requests,
-kept a core busy and another user's p50 went from 0.6 to ~100 ms (a helper's attack,
-stop 52). By its Content-Length here; a body sent in chunks, without one, pays the rest
-once read (``BodyLimit``, before the route parses it).
+kept a core busy and another user's p50 went from 0.6 to ~100 ms; 349,000 empty lists in
+1 MiB cost 450 ms each (helpers' attacks, stop 52). By its Content-Length here, before
+it is read; once read (``BodyLimit``, before the route parses it) the rest: a body sent
+in chunks without one, and one of many small values (counted by its ``[``, ``{`` and
+``,``, a scan of the bytes).
 """
 
 from __future__ import annotations
@@ -27,24 +30,28 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 FREE = ("/livez", "/readyz", "/metrics", "/favicon.ico")  # no credentials, no Redis work
 BODY_COST_BYTES = 64 << 10  # a body costs a token more for each of these
+BODY_COST_VALUES = 4096  # ... or of these JSON values (~5 ms of parsing), when more
 
 
-def body_cost(size: int) -> int:
-    """The tokens a request with a body of ``size`` bytes costs."""
-    return 1 + max(0, size) // BODY_COST_BYTES
+def body_cost(size: int, values: int = 0) -> int:
+    """The tokens a request with a body of ``size`` bytes (``values`` JSON values) costs."""
+    return 1 + max(max(0, size) // BODY_COST_BYTES, values // BODY_COST_VALUES)
 
 
-async def charge_rest(scope: Scope, size: int) -> HTTPException | None:
-    """A body read whole, of ``size`` bytes: what the request was not charged for yet
-    (it was sent in chunks, without a Content-Length); the 429 to answer, if refused."""
+async def charge_rest(scope: Scope, body: bytes) -> HTTPException | None:
+    """A body read whole: what the request was not charged for yet (it was sent in
+    chunks, without a Content-Length, or it holds many small values); the 429 to answer,
+    if refused."""
     state = scope.get("state") or {}
     charged = state.get("charged")
     if charged is None:
         return None
-    extra = body_cost(size) - body_cost(state.get("charged_bytes", 0))
+    values = body.count(b"[") + body.count(b"{") + body.count(b",")
+    cost = body_cost(len(body), values)
+    extra = cost - state.get("charged_cost", 1)
     if extra <= 0:
         return None
-    state["charged_bytes"] = size
+    state["charged_cost"] = cost
     try:
         await scope["app"].state.gw.auth.charge(charged[0], extra)
     except HTTPException as exc:
@@ -72,13 +79,14 @@ class Charge:
         if user is not None:
             length = dict(scope.get("headers") or []).get(b"content-length", b"")
             size = int(length) if length.isdigit() else 0  # (over the limit: BodyLimit's)
+            cost = body_cost(size)
             try:
-                await auth.charge(user, body_cost(size))
+                await auth.charge(user, cost)
             except HTTPException as exc:
                 await refuse(exc, scope, receive, send)
                 return
             state = scope.setdefault("state", {})
-            state["charged"], state["charged_bytes"] = (user, by_ticket), size
+            state["charged"], state["charged_cost"] = (user, by_ticket), cost
         await self.app(scope, receive, send)
 
 

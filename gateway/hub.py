@@ -44,8 +44,10 @@ log = logging.getLogger(__name__)
 CATCH_UP_COUNT = 16
 # catch-up reads in flight at once per process: what they read is in memory until it is
 # cut to the subscriber's budget (64 streams of one user catching up at once read 64 x 16
-# long answers together)
+# long answers together); and per user, so that one user's many resumes leave the others
+# theirs (60 of one user's made another's resume of 300 short events take 5-7 s)
 CATCH_UP_READS = 4
+CATCH_UP_READS_PER_USER = 1
 
 
 class TooManyStreamsError(Exception):
@@ -215,6 +217,9 @@ class EventHub:
         self.stopping = False
         self.reads = 0  # blocking reads issued (bench)
         self._catching_up = asyncio.Semaphore(CATCH_UP_READS)
+        # user -> (their catch-up reads' semaphore, reads holding or waiting for it): an
+        # entry only while in use
+        self._users_catching_up: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
 
     @property
     def open_streams(self) -> int:
@@ -253,16 +258,19 @@ class EventHub:
         return stream in self._reader(stream).streams or self.open_streams < self.max_streams
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, session_key: str, after: str) -> AsyncIterator[Subscription]:
+    async def subscribe(
+        self, session_key: str, after: str, owner: str = ""
+    ) -> AsyncIterator[Subscription]:
         """Follow ``session_key``'s events after ``after`` (an entry id, ``0`` for
-        everything kept, ``$`` for new ones only)."""
+        everything kept, ``$`` for new ones only), for ``owner`` (a user: whose share of
+        catch-up reads it takes)."""
         stream = self.keys.out(session_key)
         if not self.has_room(session_key):
             raise TooManyStreamsError(f"{self.max_streams} event streams open")
         last = await self.last_id(stream)
         cursor, gap = await self._start_point(stream, after, last)
         still_wanted()
-        sub = Subscription(self, stream, cursor, gap)
+        sub = Subscription(self, stream, cursor, gap, owner=owner)
         if not self.has_room(session_key):  # others took the room while we read Redis
             raise TooManyStreamsError(f"{self.max_streams} event streams open")
         reader = self._reader(stream)
@@ -316,15 +324,39 @@ class EventHub:
             return "0-0"
         return text(last[0][0]) if last else "0-0"
 
+    @contextlib.asynccontextmanager
+    async def _turn(self, owner: str) -> AsyncIterator[None]:
+        """A catch-up read's turn: ``CATCH_UP_READS_PER_USER`` of ``owner``'s at once (its
+        semaphore kept while anyone holds or waits for it), ``CATCH_UP_READS`` in all."""
+        share = self._users_catching_up.get(owner)
+        if share is None:
+            share = (asyncio.Semaphore(CATCH_UP_READS_PER_USER), [0])
+            self._users_catching_up[owner] = share
+        semaphore, users = share
+        users[0] += 1
+        try:
+            async with semaphore, self._catching_up:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._users_catching_up[owner]
+
     async def read_after(
-        self, stream: str, cursor: str, count: int = CATCH_UP_COUNT, budget: int = 0
+        self,
+        stream: str,
+        cursor: str,
+        count: int = CATCH_UP_COUNT,
+        budget: int = 0,
+        owner: str = "",
     ) -> tuple[list[HubEvent], str]:
         """The next ``count`` events after ``cursor`` at most, and the id of the last
         entry taken ('' none): entries that are no event are passed over, so a catch-up
         reads on past them (it stopped there, as if caught up). With ``budget``, the events
         past that many bytes (the first one is always taken) are left for the next read,
-        not held. ``CATCH_UP_READS`` run at once."""
-        async with self._catching_up:
+        not held. ``CATCH_UP_READS`` run at once, ``CATCH_UP_READS_PER_USER`` of a user's
+        (``owner``)."""
+        async with self._turn(owner):
             try:
                 reply = await self.redis.xread({stream: cursor}, count=count)
             except ResponseError:

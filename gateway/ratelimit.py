@@ -84,12 +84,13 @@ class UserRate:
             self._prune(now)
         return delay
 
-    def retry_after_s(self, user: str) -> float:
-        """When asking again may get a token without waiting (for ``Retry-After``)."""
+    def retry_after_s(self, user: str, cost: float = 1.0) -> float:
+        """When asking again may get ``cost`` tokens without waiting (``Retry-After``)."""
         if self.rate <= 0:
             return 0.0
+        cost = max(1.0, min(cost, float(self.burst)))
         tokens, _ = self._level(user, self.clock())
-        return max(0.0, (1 - tokens) / self.rate)
+        return max(0.0, (cost - tokens) / self.rate)
 
     def _level(self, user: str, now: float) -> tuple[float, float]:
         """``user``'s tokens now (refilled since, up to the burst) and the bucket's time;

@@ -30,7 +30,7 @@ class Source(Protocol):
     async def first_id(self, stream: str) -> str | None: ...
 
     async def read_after(
-        self, stream: str, cursor: str, count: int = ..., budget: int = ...
+        self, stream: str, cursor: str, count: int = ..., budget: int = ..., owner: str = ...
     ) -> tuple[list[HubEvent], str]: ...
 
 
@@ -63,6 +63,7 @@ class Subscription:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     buffered_bytes: int = 0  # of the buffered events' text
     largest: int = 0  # bytes of the largest event a catch-up read here (0: none yet)
+    owner: str = ""  # the user following (a share of catch-up reads each)
 
     def push(self, ev: HubEvent) -> None:
         size = event_size(ev)
@@ -104,7 +105,7 @@ class Subscription:
                     if first is None or id_key(first) > id_key(missed):
                         yield HubEvent("gap", self.cursor)
                 events, last = await self.hub.read_after(
-                    self.stream, self.cursor, self._count(), CATCH_UP_BYTES
+                    self.stream, self.cursor, self._count(), CATCH_UP_BYTES, self.owner
                 )
                 still_wanted()
                 self.largest = max([self.largest, *(event_size(ev) for ev in events)])
