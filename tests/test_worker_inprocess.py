@@ -378,3 +378,41 @@ async def test_a_stop_before_the_loop_began_is_kept_and_it_runs_again_after(
     assert reply.content == "again"
     loop.stop()
     await asyncio.wait_for(task, 10)
+
+
+async def test_an_in_process_turn_is_stopped_by_a_marker_of_the_millisecond_it_began(  # type: ignore[no-untyped-def]
+    redis, make_loop, monkeypatch
+) -> None:
+    """``process_message`` runs under an id made of the clock, meant to come before any
+    control published from then on. It was ``<ms>-0``: a marker written in that same
+    millisecond (``<ms>-0`` too) was taken for one before the turn and the stop was lost
+    (a second reading's test failed so under load, stop 52)."""
+    import time
+    from types import SimpleNamespace
+    from typing import Any
+
+    from bus_redis import ControlMessage
+    from worker.runtime import direct
+
+    holding = asyncio.Event()
+
+    async def handler(**_kw: Any) -> LLMResponse:
+        holding.set()
+        await asyncio.Event().wait()  # held until cancelled
+        raise AssertionError("unreachable")
+
+    loop = make_loop(ScriptedProvider(handler=handler))
+    ms = int(time.time() * 1000) + 60_000  # (a millisecond no entry of the stream has yet)
+    monkeypatch.setattr(direct, "time", SimpleNamespace(time=lambda: ms / 1000))  # (its own)
+    msg = InboundMessage(id="t", channel="web", sender_id="u", chat_id="ms", content="hi")
+    turn = asyncio.create_task(loop.process_message(msg))
+    await asyncio.wait_for(holding.wait(), 10)
+    marker = await redis.xadd(Keys().inbound("web:ms"), {"control": "stop"}, id=f"{ms}-0")
+    loop.on_control(ControlMessage(op="stop", session_key="web:ms", marker=str(marker)))
+    try:
+        reply = await asyncio.wait_for(turn, 10)
+    except TimeoutError:
+        turn.cancel()
+        raise AssertionError("the stop of the turn's own millisecond was ignored") from None
+    assert reply is not None
+    assert reply.code == "cancelled"
