@@ -6,7 +6,7 @@ that item 7 of issue 15 (failover in a second) rests on; each step is bounded pe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from redis.asyncio import Redis
 
@@ -58,13 +58,15 @@ class Takeovers:
         *,
         dead_after_ms: int | None,
         limit: int = LEASES_LOOKED_AT,
+        keep: Collection[str] = (),
     ) -> list[str]:
         """Re-notify, at once, the keys whose lease ``dead`` holds in ``channels`` (its
         liveness beat stopped for ``dead_after_ms``, judged again in the script; None: the
         caller is ``dead`` itself, starting): its leases are deleted so any worker acquires
         them with a new nonce. Reads at most ``limit`` lease-registry members per channel:
         leases are held only while served, so a registry is as large as what workers
-        serve, not as what frontends wrote."""
+        serve, not as what frontends wrote. ``keep``: lease values left alone (the
+        caller's own, held now)."""
         done: list[str] = []
         for channel in channels:
             registry = self.keys.leases(channel)
@@ -75,7 +77,7 @@ class Takeovers:
             held = [
                 (k, text(v))
                 for k, v in zip(members, values, strict=True)
-                if v is not None and text(v).partition("|")[2] == dead
+                if v is not None and text(v).partition("|")[2] == dead and text(v) not in keep
             ]
             silent = "" if dead_after_ms is None else dead_after_ms
             for key, value in held:

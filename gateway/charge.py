@@ -23,6 +23,8 @@ in chunks without one, and one of many small values (counted by its ``[``, ``{``
 
 from __future__ import annotations
 
+import re
+
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
@@ -33,9 +35,23 @@ BODY_COST_BYTES = 64 << 10  # a body costs a token more for each of these
 BODY_COST_VALUES = 4096  # ... or of these JSON values (~5 ms of parsing), when more
 
 
+_STRINGS = re.compile(rb'"(?:[^"\\]+|\\.)*"')  # a JSON string (what is in it is no value)
+
+
 def body_cost(size: int, values: int = 0) -> int:
     """The tokens a request with a body of ``size`` bytes (``values`` JSON values) costs."""
     return 1 + max(max(0, size) // BODY_COST_BYTES, values // BODY_COST_VALUES)
+
+
+def json_values(body: bytes) -> int:
+    """About how many JSON values ``body`` holds: its ``[``, ``{`` and ``,`` outside strings
+    (a text full of commas is one value; its strings are taken out only when the commas
+    are many: a scan at C speed, ~2 ms for 1 MiB of values)."""
+    count = body.count(b"[") + body.count(b"{") + body.count(b",")
+    if count < BODY_COST_VALUES:
+        return count
+    bare = _STRINGS.sub(b'""', body)
+    return bare.count(b"[") + bare.count(b"{") + bare.count(b",")
 
 
 async def charge_rest(scope: Scope, body: bytes) -> HTTPException | None:
@@ -46,15 +62,18 @@ async def charge_rest(scope: Scope, body: bytes) -> HTTPException | None:
     charged = state.get("charged")
     if charged is None:
         return None
-    values = body.count(b"[") + body.count(b"{") + body.count(b",")
-    cost = body_cost(len(body), values)
-    extra = cost - state.get("charged_cost", 1)
+    auth = scope["app"].state.gw.auth
+    first = state.get("charged_cost", 1)
+    # the whole request costs at most the burst: else it would never be admitted
+    cost = min(body_cost(len(body), json_values(body)), max(first, auth.rate.burst))
+    extra = cost - first
     if extra <= 0:
         return None
     state["charged_cost"] = cost
     try:
-        await scope["app"].state.gw.auth.charge(charged[0], extra)
+        await auth.charge(charged[0], extra)
     except HTTPException as exc:
+        auth.rate.refund(charged[0].hash, first)  # (asked again, it pays again)
         return exc
     return None
 

@@ -84,6 +84,14 @@ class UserRate:
             self._prune(now)
         return delay
 
+    def refund(self, user: str, tokens: float) -> None:
+        """Tokens taken for a request that was refused after all (the rest of its cost
+        could not be had): given back, up to the burst."""
+        if self.rate <= 0 or user not in self._buckets:
+            return
+        level, at = self._level(user, self.clock())
+        self._buckets[user] = (min(float(self.burst), level + tokens), max(at, self.clock()))
+
     def retry_after_s(self, user: str, cost: float = 1.0) -> float:
         """When asking again may get ``cost`` tokens without waiting (``Retry-After``)."""
         if self.rate <= 0:

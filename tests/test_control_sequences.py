@@ -40,6 +40,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
+from proxies import RedisProxy
 from replies import collect, no_leftovers, open_private, until
 
 from bus_redis import FrontendClient, InboundMessage, Keys, OutboundMessage, RedisBus
@@ -152,50 +153,6 @@ class Run:
         return self.private and (ended or any(e < n for e in self.ends))
 
 
-class Cuttable:
-    """A TCP proxy between one worker and the real server; ``cut()`` drops its
-    connections and refuses new ones, so Redis sees the worker as a kill -9 leaves it."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.writers: list[asyncio.StreamWriter] = []
-        self.server: asyncio.AbstractServer | None = None
-        self.dead = False
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.dead:
-            writer.transport.abort()
-            return
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.port)
-        self.writers += [writer, up_w]
-        if self.dead:  # (cut while this connection was being made)
-            self.cut()
-            return
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
-
-    def cut(self) -> None:
-        self.dead = True
-        if self.server is not None:
-            self.server.close()
-        for writer in self.writers:
-            writer.transport.abort()
-
-
 @dataclass
 class Scene:
     """The workers, the model and the frontend of one run."""
@@ -206,7 +163,7 @@ class Scene:
     loops: list[AgentLoop] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     upstream: int = 0  # the real server's port (0: fakeredis, no kill -9)
-    proxies: dict[int, Cuttable] = field(default_factory=dict)  # id(loop) -> its proxy
+    proxies: dict[int, RedisProxy] = field(default_factory=dict)  # id(loop) -> its proxy
     clients: list[aioredis.Redis] = field(default_factory=list)
 
     async def start(self, workers: int) -> None:
@@ -219,7 +176,7 @@ class Scene:
         config = self.config.model_copy(update={"worker_id": f"w-{uuid.uuid4().hex[:8]}"})
         if not self.upstream:
             return AgentLoop(RedisBus(self.redis_factory()), provider, config=config)
-        proxy = Cuttable(self.upstream)
+        proxy = RedisProxy(self.upstream)
         redis = aioredis.from_url(await proxy.start(), decode_responses=True)
         self.clients.append(redis)
         loop = AgentLoop(RedisBus(redis), provider, config=config)

@@ -13,7 +13,6 @@ No sleep synchronises anything: waits poll a condition with a deadline.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,24 +22,11 @@ from typing import Any
 import httpx
 import pytest
 from stacks import ALICE, ALICE_TOKEN, BOB, Stack, running_stack
+from test_gateway_users_round9 import _cpu_s, _streams_open, padded_chat
 
 pytestmark = [pytest.mark.frontend]
 
 MiB = 1 << 20
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 # --- 1. the body's cost: tokens by bytes, work by shape ---------------------------------------
@@ -321,7 +307,6 @@ def test_one_users_sixty_catch_ups_leave_another_users_resume_its_share(
     reads waits behind ~60 of hers). (Without the semaphore it is about as slow -- the
     core is hers -- and the Redis pool runs dry: the bound is right, its share is not.)
     Bound asserted: Bob's resume within 1 s."""
-    from test_gateway_users_round9 import _streams_open
 
     from bus_redis import OutboundMessage
     from bus_redis.keys import Keys
@@ -330,16 +315,7 @@ def test_one_users_sixty_catch_ups_leave_another_users_resume_its_share(
     gw = st.gateways[0]
     pad = "x" * 240_000
     with httpx.Client(base_url=gw.url, timeout=30) as http:
-        sid = http.post("/api/sessions", json={}, headers=ALICE).json()["id"]
-        r = http.post(f"/api/sessions/{sid}/messages?wait=20",
-                      json={"content": "hi", "client_id": "m0"}, headers=ALICE)  # fmt: skip
-        assert r.status_code == 200, r.text
-        cursor = r.json()["event"]["id"]
-        for _ in range(20):
-            r = http.post(f"/api/sessions/{sid}/messages?wait=20",
-                          json={"content": "hi", "client_id": "m0", "metadata": {"pad": pad}},
-                          headers=ALICE)  # fmt: skip
-            assert r.status_code == 200, r.text
+        sid, cursor = padded_chat(http, pad)
         bobs = http.post("/api/sessions", json={}, headers=BOB).json()["id"]
         session = f"web:{bobs}"
         for i in range(300):  # Bob's chat: 300 short events, as a worker adds them

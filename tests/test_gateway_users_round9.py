@@ -37,6 +37,24 @@ def _rss(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def padded_chat(http: httpx.Client, pad: str, times: int = 20) -> tuple[str, str]:
+    """Alice's chat answered once, then ``times`` re-sends of that message's client id with
+    ``pad`` as metadata, each answered as a duplicate that copies it back (no model call):
+    the chat's id and the cursor before those answers."""
+    sid = http.post("/api/sessions", json={}, headers=ALICE).json()["id"]
+    r = http.post(f"/api/sessions/{sid}/messages?wait=20",
+                  json={"content": "hi", "client_id": "m0"}, headers=ALICE)  # fmt: skip
+    assert r.status_code == 200, r.text
+    cursor = r.json()["event"]["id"]
+    for _ in range(times):
+        r = http.post(f"/api/sessions/{sid}/messages?wait=20",
+                      json={"content": "hi", "client_id": "m0", "metadata": {"pad": pad}},
+                      headers=ALICE)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert len(r.json()["event"]["metadata"].get("pad", "")) == len(pad)  # echoed
+    return sid, cursor
+
+
 def _streams_open(base: str) -> float:
     body = httpx.get(f"{base}/metrics", timeout=5).text
     for line in body.splitlines():
@@ -87,17 +105,7 @@ def test_stalled_event_streams_do_not_hold_sixty_four_copies_of_what_a_user_wrot
     gw = stack.gateways[0]
     pad = "x" * 240_000
     with httpx.Client(base_url=gw.url, timeout=30) as http:
-        sid = http.post("/api/sessions", json={}, headers=ALICE).json()["id"]
-        r = http.post(f"/api/sessions/{sid}/messages?wait=20",
-                      json={"content": "hi", "client_id": "m0"}, headers=ALICE)  # fmt: skip
-        assert r.status_code == 200, r.text
-        cursor = r.json()["event"]["id"]
-        for _ in range(20):
-            r = http.post(f"/api/sessions/{sid}/messages?wait=20",
-                          json={"content": "hi", "client_id": "m0", "metadata": {"pad": pad}},
-                          headers=ALICE)  # fmt: skip
-            assert r.status_code == 200, r.text
-            assert len(r.json()["event"]["metadata"].get("pad", "")) == len(pad)  # echoed
+        sid, cursor = padded_chat(http, pad)
         before = _rss(gw.proc.pid)
         socks = [
             _stalled_sse(gw.port, f"/api/sessions/{sid}/events?after={cursor}", ALICE_TOKEN)

@@ -14,14 +14,13 @@ import asyncio
 import contextlib
 import json
 import signal
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from replies import channel_events, collect, no_leftovers, until
-from workers import WorkerProcess
+from workers import WorkerProcess, crash_env
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 
@@ -153,53 +152,6 @@ async def test_a_stopped_worker_woken_beside_the_twin_that_took_its_id_leaves_pr
 # --- 2. a worker stopped in the middle of a tool call, woken after the takeover --------
 
 
-def _self_stop_env(tmp_path: Path, target: str, when: str, match: str) -> dict[str, str]:
-    """Worker environment whose ``sitecustomize`` wraps ``target`` (``module:Class.method``,
-    a coroutine function) so that the process stops itself (SIGSTOP, every thread: the
-    liveness beat too) just before or just after the first call whose arguments' repr
-    contains ``match``: a kill -STOP that lands exactly mid tool call. SIGCONT wakes it."""
-    site = tmp_path / "stopsite"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(
-        textwrap.dedent(
-            """
-            import functools, importlib, os, signal
-            _spec = os.environ.get("STOP_AT", "")
-            if _spec:
-                _mod, _attr = _spec.split(":")
-                _when = os.environ.get("STOP_WHEN", "before")
-                _match = os.environ.get("STOP_MATCH", "")
-                _obj = importlib.import_module(_mod)
-                _parts = _attr.split(".")
-                for _p in _parts[:-1]:
-                    _obj = getattr(_obj, _p)
-                _orig = getattr(_obj, _parts[-1])
-                _done = []
-
-                @functools.wraps(_orig)
-                async def _stopping(*args, **kwargs):
-                    hit = not _done and _match in repr((args, kwargs))
-                    if hit:
-                        _done.append(1)
-                    if hit and _when == "before":
-                        os.kill(os.getpid(), signal.SIGSTOP)
-                    result = await _orig(*args, **kwargs)
-                    if hit and _when == "after":
-                        os.kill(os.getpid(), signal.SIGSTOP)
-                    return result
-
-                setattr(_obj, _parts[-1], _stopping)
-            """
-        )
-    )
-    return {
-        "PYTHONPATH": f"{site}:{Path(__file__).resolve().parents[1]}",
-        "STOP_AT": target,
-        "STOP_WHEN": when,
-        "STOP_MATCH": match,
-    }
-
-
 def _stopped(proc: WorkerProcess) -> bool:
     """The process is in state T (stopped by a signal)."""
     try:
@@ -251,8 +203,8 @@ async def test_a_worker_stopped_mid_tool_call_and_woken_after_the_takeover_write
     chat = f"st-{tag}"
     key = f"web:{chat}"
     text = TOOL_CASES[tool].replace("TAG", tag)
-    env = _self_stop_env(
-        tmp_path, "worker.agent.tools.base:ToolRegistry.execute", when, f"'{tool}'"
+    env = crash_env(
+        tmp_path, "worker.agent.tools.base:ToolRegistry.execute", when, f"'{tool}'", how="stop"
     )
     zombie = _worker(redis_server.url, "zombie", fake_llm, env)
     survivor: WorkerProcess | None = None
@@ -806,7 +758,7 @@ async def test_a_worker_stopped_mid_new_and_woken_after_the_takeover_folds_once(
     goes on with the step with its old lease. README: the fold is fenced, under the lease.
     Expected: the memory holds the fold once, the history is the new conversation only,
     and the woken worker's late write changes neither."""
-    env = _self_stop_env(tmp_path, target, "before", "")
+    env = crash_env(tmp_path, target, "before", "", how="stop")
     zombie = _worker(redis_server.url, "zn", fake_llm, env)
     survivor: WorkerProcess | None = None
     try:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from proxies import RedisProxy
 from replies import channel_events, collect, until
 from servers import RedisServer
 
@@ -246,42 +247,6 @@ async def test_a_consolidation_of_a_killed_worker_runs_again_without_arqs_job_ti
     )
 
 
-class _GatedProxy:
-    """A TCP proxy to a redis-server whose forwarding the test can hold (a gate): what
-    one worker sends and receives waits while it is closed."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.open = asyncio.Event()
-        self.open.set()
-        self.server: asyncio.AbstractServer | None = None
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.port)
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    await self.open.wait()
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
-
-    async def close(self) -> None:
-        self.open.set()
-        if self.server is not None:
-            self.server.close()
-
-
 async def test_a_stalled_holder_whose_lease_was_taken_calls_no_model(
     real_redis, redis_server, spawn_workers, fake_llm
 ) -> None:  # type: ignore[no-untyped-def]
@@ -294,7 +259,7 @@ async def test_a_stalled_holder_whose_lease_was_taken_calls_no_model(
     second model call is not. w0 talks to Redis through a gated proxy, held while it
     wakes, so that its renewal's answer cannot come first (without the gate the two race:
     2 of 3 runs overlapped)."""
-    proxy = _GatedProxy(redis_server.port)
+    proxy = RedisProxy(redis_server.port)
     url = await proxy.start()
     try:
         stall = {**FAST, "AGENT_FAULT_POINTS": "stall:before_model", "AGENT_FAULT_STALL_S": "5"}

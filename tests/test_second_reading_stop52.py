@@ -9,47 +9,13 @@ import signal
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 from replies import channel_events, collect, until
+from test_kill_chaos import _beats_since, _m, _terminals, _worker
 from workers import WorkerProcess
 
 from bus_redis import FrontendClient, InboundMessage, Keys
 
 K = Keys()
-FAST = {
-    "AGENT_LOCK_TTL_MS": "1000",
-    "AGENT_OWNER_TTL_MS": "1500",
-    "AGENT_SWEEP_INTERVAL_MS": "500",
-    "AGENT_CHANNELS": "web",
-}
-
-
-def _m(chat: str, mid: str, text: str, **kw: Any) -> InboundMessage:
-    return InboundMessage(id=mid, channel="web", sender_id="u", chat_id=chat, content=text, **kw)
-
-
-def _worker(url: str, worker_id: str, llm: Any, env: dict[str, str] | None = None) -> WorkerProcess:
-    return WorkerProcess(
-        url,
-        worker_id=worker_id,
-        env={
-            "AGENT_PROVIDER": "openai",
-            "AGENT_MODEL": "fake-model",
-            "OPENAI_BASE_URL": llm.base_url,
-            "OPENAI_API_KEY": "test",
-            **FAST,
-            **(env or {}),
-        },
-    )
-
-
-async def _beats_since(redis: aioredis.Redis, worker_id: str, after_ms: float) -> bool:
-    seen = await redis.zscore(K.workers, worker_id)
-    return seen is not None and float(seen) > after_ms
-
-
-def _terminals(got: dict[str, list[Any]], mid: str) -> list[Any]:
-    return [ev for ev in got.get(mid, []) if ev.is_terminal]
 
 
 # --- 1. the woken twin's stop -------------------------------------------------------------

@@ -64,17 +64,20 @@ class WorkerProcess:
         self.log_path.unlink(missing_ok=True)
 
 
-def crash_env(tmp_path: Path, target: str, when: str = "after", match: str = "") -> dict[str, str]:
+def crash_env(
+    tmp_path: Path, target: str, when: str = "after", match: str = "", *, how: str = "exit"
+) -> dict[str, str]:
     """Worker environment whose ``sitecustomize`` wraps ``target``
     (``module:Class.method``, a coroutine function) so that the process exits 137 (as
     under kill -9) just before or just after the first call whose arguments' repr
-    contains ``match``."""
+    contains ``match``; ``how="stop"``: it stops itself instead (SIGSTOP, every thread:
+    the liveness beat too), once, and SIGCONT wakes it (a kill -STOP mid call)."""
     site = tmp_path / "crashsite"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(
         textwrap.dedent(
             """
-            import functools, importlib, os
+            import functools, importlib, os, signal
             _spec = os.environ.get("CRASH_AT", "")
             if _spec:
                 _mod, _attr = _spec.split(":")
@@ -86,14 +89,25 @@ def crash_env(tmp_path: Path, target: str, when: str = "after", match: str = "")
                     _obj = getattr(_obj, _p)
                 _orig = getattr(_obj, _parts[-1])
 
+                _how = os.environ.get("CRASH_HOW", "exit")
+                _done = []
+
+                def _act():
+                    if _how == "stop":
+                        os.kill(os.getpid(), signal.SIGSTOP)
+                    else:
+                        os._exit(137)
+
                 @functools.wraps(_orig)
                 async def _crashing(*args, **kwargs):
-                    hit = _match in repr((args, kwargs))
-                    if hit and _when == "before":
-                        os._exit(137)
-                    result = await _orig(*args, **kwargs)
+                    hit = not _done and _match in repr((args, kwargs))
                     if hit:
-                        os._exit(137)
+                        _done.append(1)
+                    if hit and _when == "before":
+                        _act()
+                    result = await _orig(*args, **kwargs)
+                    if hit and _when == "after":
+                        _act()
                     return result
 
                 setattr(_obj, _parts[-1], _crashing)
@@ -105,4 +119,5 @@ def crash_env(tmp_path: Path, target: str, when: str = "after", match: str = "")
         "CRASH_AT": target,
         "CRASH_WHEN": when,
         "CRASH_MATCH": match,
+        "CRASH_HOW": how,
     }

@@ -45,7 +45,9 @@ class Lease:
 
     def start(self) -> Lease:
         self.active = True
-        _renewals(self.bus).add(self, time.monotonic() + self.every_s)
+        renewals = _renewals(self.bus)
+        renewals.held.add(self)
+        renewals.add(self, time.monotonic() + self.every_s)
         return self
 
     async def stop(self) -> None:
@@ -54,6 +56,7 @@ class Lease:
         Until its due time the schedule still names this lease: it lets go of its holder."""
         self.active = False
         self._on_lost = _nothing
+        _renewals(self.bus).held.discard(self)
 
     def holds(self) -> bool:
         """Whether the lease is still ours as far as this worker can tell: not lost, and
@@ -109,6 +112,7 @@ class Renewals:
         self._due: collections.deque[tuple[float, Lease]] = collections.deque()
         self._task: asyncio.Task[None] | None = None
         self._renewing: set[asyncio.Task[None]] = set()
+        self.held: weakref.WeakSet[Lease] = weakref.WeakSet()  # started and not stopped
 
     def add(self, lease: Lease, due: float) -> None:
         loop = asyncio.get_running_loop()
@@ -146,3 +150,10 @@ def _renewals(bus: RedisBus) -> Renewals:
     if found is None:
         found = _BY_BUS[bus] = Renewals(bus.lock_ttl_ms)
     return found
+
+
+def held_tokens(bus: RedisBus) -> set[str]:
+    """The lease values (``nonce|worker``) this process holds on ``bus`` now: a start's
+    hand-over of its id's former leases must leave them (an in-process turn that runs as
+    the loop starts; README: Embedding)."""
+    return {lease.token for lease in list(_renewals(bus).held) if not lease.lost}

@@ -45,6 +45,7 @@ from worker.runtime.direct import process_message
 from worker.runtime.faults import crash_point
 from worker.runtime.holder import SessionHolder
 from worker.runtime.inflight import TurnRegistry
+from worker.runtime.lease import held_tokens
 from worker.runtime.liveness import Liveness
 from worker.runtime.maintenance import Maintenance
 from worker.runtime.registration import (
@@ -264,8 +265,10 @@ class AgentLoop:
         # leases still held under this worker id are a former life's (killed, restarted
         # under the same id before anyone noticed): hand them over at once
         await self.rt.registry.sweeps.takeover(
-            self._served_channels(), self.worker_id, dead_after_ms=None
-        )  # ... and the jobs it ran, and its private sessions end (told as lost)
+            self._served_channels(), self.worker_id, dead_after_ms=None,
+            keep=held_tokens(self.bus),  # (an in-process turn running now: this life's)
+        )  # fmt: skip
+        # ... and the jobs it ran, and its private sessions end (told as lost)
         await self._rerun_left(self.worker_id, self._served_channels())
         await end_former_private(
             self.rt.registry, self.worker_id, self._served_channels(), self._abandoned
