@@ -58,6 +58,16 @@ async def _beats_since(redis: aioredis.Redis, worker_id: str, after_ms: float) -
     return seen is not None and float(seen) > after_ms
 
 
+def _close(procs: dict[str, WorkerProcess | None]) -> None:
+    """Each worker woken (it may be stopped), its log's end printed (shown when the test
+    failed), and closed."""
+    for name, proc in procs.items():
+        if proc is not None:
+            proc.signal(signal.SIGCONT)
+            print(f"----- {name} -----\n" + proc.log()[-3000:])
+            proc.close()
+
+
 def _terminals(got: dict[str, list[Any]], mid: str) -> list[Any]:
     return [ev for ev in got.get(mid, []) if ev.is_terminal]
 
@@ -141,12 +151,7 @@ async def test_a_stopped_worker_woken_beside_the_twin_that_took_its_id_leaves_pr
         assert "was claimed by pid" in old.log()
         assert new.proc.poll() is None
     finally:
-        print("----- old twin -----\n" + old.log()[-3000:])
-        old.signal(signal.SIGCONT)
-        old.close()
-        if new is not None:
-            print("----- new twin -----\n" + new.log()[-3000:])
-            new.close()
+        _close({"old twin": old, "new twin": new})
 
 
 # --- 2. a worker stopped in the middle of a tool call, woken after the takeover --------
@@ -245,12 +250,7 @@ async def test_a_worker_stopped_mid_tool_call_and_woken_after_the_takeover_write
             assert answer.metadata.get("resumed") == {"unknown_effects": [tool]}
         await no_leftovers(real_redis, [key])
     finally:
-        zombie.signal(signal.SIGCONT)
-        print("----- zombie -----\n" + zombie.log()[-3000:])
-        zombie.close()
-        if survivor is not None:
-            print("----- survivor -----\n" + survivor.log()[-3000:])
-            survivor.close()
+        _close({"zombie": zombie, "survivor": survivor})
 
 
 # --- 3. a Redis restart (AOF, ACL file) under a gateway's open streams and waits --------
@@ -635,12 +635,7 @@ async def test_a_stopped_worker_woken_beside_the_twin_that_took_its_id_writes_no
         ]
         await no_leftovers(real_redis, ["web:dt"])
     finally:
-        old.signal(signal.SIGCONT)
-        print("----- old twin -----\n" + old.log()[-3000:])
-        old.close()
-        if new is not None:
-            print("----- new twin -----\n" + new.log()[-3000:])
-            new.close()
+        _close({"old twin": old, "new twin": new})
 
 
 async def test_two_workers_started_at_once_under_one_id_leave_one_serving(
@@ -733,13 +728,7 @@ async def test_a_private_session_reported_lost_at_a_twins_start_is_not_revived_b
         assert len(fake_llm.requests) == asked
         assert revived is None
     finally:
-        old.signal(signal.SIGCONT)
-        print("----- old twin -----\n" + old.log()[-3000:])
-        old.close()
-        if new is not None:
-            new.signal(signal.SIGCONT)
-            print("----- new twin -----\n" + new.log()[-3000:])
-            new.close()
+        _close({"old twin": old, "new twin": new})
 
 
 @pytest.mark.parametrize(
@@ -785,9 +774,4 @@ async def test_a_worker_stopped_mid_new_and_woken_after_the_takeover_folds_once(
         assert await real_redis.xlen(K.memory_history("web/sender:u")) == 1
         await no_leftovers(real_redis, ["web:nw"])
     finally:
-        zombie.signal(signal.SIGCONT)
-        print("----- zombie -----\n" + zombie.log()[-3000:])
-        zombie.close()
-        if survivor is not None:
-            print("----- survivor -----\n" + survivor.log()[-3000:])
-            survivor.close()
+        _close({"zombie": zombie, "survivor": survivor})

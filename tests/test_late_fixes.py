@@ -151,7 +151,9 @@ async def test_cancelled_catch_up_readers_leave_no_share_behind_and_the_rest_pro
         events, _ = await hub.read_after(stream, ids[after], 16, 0, owner)
         return owner, [ev.entry_id for ev in events]
 
-    plan = [("a", rnd.randrange(19)) for _ in range(24)] + [("b", rnd.randrange(19)) for _ in range(8)]
+    plan = [("a", rnd.randrange(19)) for _ in range(24)] + [
+        ("b", rnd.randrange(19)) for _ in range(8)
+    ]
     rnd.shuffle(plan)
     tasks = [asyncio.create_task(read(o, a)) for o, a in plan]
     for _ in range(5):
@@ -168,7 +170,9 @@ async def test_cancelled_catch_up_readers_leave_no_share_behind_and_the_rest_pro
             continue
         assert not isinstance(result, BaseException), result
         assert result == (owner, ids[after + 1 : after + 17])
-    assert peak["a"] <= 1 and peak["b"] <= 1 and peak["all"] <= 4, peak
+    assert peak["a"] <= 1, peak
+    assert peak["b"] <= 1, peak
+    assert peak["all"] <= 4, peak
     assert hub._users_catching_up == {}
     current.set("a")
     events, _ = await asyncio.wait_for(hub.read_after(stream, ids[0], 16, 0, "a"), 5)
@@ -236,7 +240,8 @@ async def test_a_stop_found_in_the_stream_by_markers_lua_cancels_an_in_process_t
     except TimeoutError:
         turn.cancel()
         raise AssertionError("a stop found by markers.lua was ignored") from None
-    assert reply is not None and reply.code == "cancelled"
+    assert reply is not None
+    assert reply.code == "cancelled"
 
 
 async def test_a_stop_sent_after_an_in_process_turn_began_cancels_it_whatever_the_hosts_clock(
@@ -251,7 +256,7 @@ async def test_a_stop_sent_after_an_in_process_turn_began_cancels_it_whatever_th
     window is the skew.)"""
     from bus_redis import FrontendClient
 
-    loop, turn = await _in_process_turn(make_loop, monkeypatch, 1.0)
+    _loop, turn = await _in_process_turn(make_loop, monkeypatch, 1.0)
     await FrontendClient(redis).stop("web:ms")
     try:
         reply = await asyncio.wait_for(turn, 5)
@@ -261,7 +266,8 @@ async def test_a_stop_sent_after_an_in_process_turn_began_cancels_it_whatever_th
             "a stop sent while the in-process turn ran was ignored (the worker's clock is "
             "1 s ahead of Redis's)"
         ) from None
-    assert reply is not None and reply.code == "cancelled"
+    assert reply is not None
+    assert reply.code == "cancelled"
 
 
 async def test_an_in_process_turn_running_as_the_loop_starts_keeps_its_lease(
@@ -293,10 +299,8 @@ async def test_an_in_process_turn_running_as_the_loop_starts_keeps_its_lease(
     ended = turn.exception() if turn.done() and not turn.cancelled() else None
     turn.cancel()
     await asyncio.gather(turn, return_exceptions=True)
-    assert now == held and ended is None, (
-        f"the in-process turn's lease was {held!r}, once the loop started {now!r}; "
-        f"the turn ended with {ended!r}"
-    )
+    assert now == held, f"the in-process turn's lease was {held!r}, once the loop started {now!r}"
+    assert ended is None, f"the turn ended with {ended!r}"
 
 
 # --- 4. id_taken: a healthy worker is not stopped ----------------------------------------

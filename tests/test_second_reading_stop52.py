@@ -6,11 +6,11 @@ by ZSCAN, and ``channels remove``'s refusal."""
 from __future__ import annotations
 
 import signal
-from typing import Any
 
 import pytest
 from replies import channel_events, collect, until
-from test_kill_chaos import _beats_since, _m, _terminals, _worker
+from test_kill_chaos import _beats_since, _close, _m, _terminals, _worker
+from test_second_reading_stop51 import _held_publish
 from workers import WorkerProcess
 
 from bus_redis import FrontendClient, InboundMessage, Keys
@@ -97,12 +97,7 @@ async def test_a_woken_twin_leaves_the_private_session_its_twin_serves_on_the_ke
             f"{lost_after}, next message answered {answers}"
         )
     finally:
-        old.signal(signal.SIGCONT)
-        print("----- old twin -----\n" + old.log()[-3000:])
-        old.close()
-        if new is not None:
-            print("----- new twin -----\n" + new.log()[-3000:])
-            new.close()
+        _close({"old twin": old, "new twin": new})
 
 
 # --- 3. the interrupt memo as a range ------------------------------------------------------
@@ -135,14 +130,7 @@ async def test_the_owners_interrupt_between_two_foreign_ones_read_in_two_passes_
             return _refused(loop) >= n
 
         await until(lambda: refused(1), timeout_s=10)
-        slow = FrontendClient(redis_factory())
-        held: list[tuple[Any, Any]] = []
-
-        async def hold(channel: Any, data: Any) -> int:
-            held.append((channel, data))
-            return 0
-
-        slow.redis.publish = hold  # type: ignore[method-assign]
+        slow, held = await _held_publish(redis_factory)
         await slow.send(
             InboundMessage(id="a1", content="stop", followup="interrupt", channel="web",
                            chat_id="a", sender_id="alice")
