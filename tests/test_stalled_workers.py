@@ -88,7 +88,7 @@ async def test_a_redis_restart_takes_no_lease_from_a_worker_that_beats_again(
     every other worker's last beat is from before the outage, so each is "silent" for the
     whole outage and its leases are taken over (``liveness.py`` looks only at whether the
     judge's own beat lands again, not at whether the others had time to beat since). Here
-    the holder is descheduled (SIGSTOP) for less than one liveness limit (800 ms) from the
+    the holder is descheduled (SIGSTOP) for less than one liveness limit (3 s here) from the
     moment Redis answers again: by the contract it is alive ("a lease whose holder still
     beats is never taken over"; "after Redis itself stalled every beat is old, and nobody
     is dead"), yet its turn is taken and run a second time. Without the SIGSTOP the same
@@ -97,8 +97,12 @@ async def test_a_redis_restart_takes_no_lease_from_a_worker_that_beats_again(
     from servers import RedisServer
 
     server = RedisServer(aof=True).start()
+    # a liveness limit of 3 s (not 0.8): the holder's silence from the moment Redis is up
+    # must stay under it however slowly a loaded box lets the judge beat again (a CI run
+    # took 1.5 s), and the outage longer than it
+    liveness = {"AGENT_LIVENESS_MS": "3000"}
     try:
-        workers = {w.worker_id: w for w in spawn_workers(2, url=server.url)}
+        workers = {w.worker_id: w for w in spawn_workers(2, url=server.url, env=liveness)}
         redis = aioredis.from_url(server.url, decode_responses=True)
         for w in workers:
             await until(lambda w=w: _beats(redis, w), timeout_s=20)
@@ -114,7 +118,7 @@ async def test_a_redis_restart_takes_no_lease_from_a_worker_that_beats_again(
 
         server.stop()
         holder.signal(signal.SIGSTOP)
-        await asyncio.sleep(1.5)  # the outage itself (not a wait for anything)
+        await asyncio.sleep(3.5)  # the outage itself (not a wait for anything)
         server.start()  # same port, same AOF: the lease is still there
         loop = asyncio.get_running_loop()
         up = loop.time()
@@ -125,13 +129,13 @@ async def test_a_redis_restart_takes_no_lease_from_a_worker_that_beats_again(
 
         await until(judge_beats_again, timeout_s=5)
 
-        async def taken() -> bool:  # a bounded look: at most until 500 ms after Redis is up
-            return await redis.get(lease) != before or loop.time() - up > 0.5
+        async def taken() -> bool:  # a bounded look: at most until 2 s after Redis is up
+            return await redis.get(lease) != before or loop.time() - up > 2.0
 
         await until(taken, timeout_s=5)
         seen = await redis.get(lease)
         holder.signal(signal.SIGCONT)
-        assert loop.time() - up < 0.8  # the holder was silent less than one liveness limit
+        assert loop.time() - up < 3.0  # the holder was silent less than one liveness limit
         fake_llm.release()
         got = await collect(FrontendClient(redis), "web", {mid}, timeout_s=30)
 
