@@ -22,7 +22,9 @@ def register(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> Non
         "run",
         help="run a worker (SIGTERM drains and exits 0)",
         description="Run one worker: consume the shared ready queue until SIGTERM/SIGINT, "
-        "then finish running turns within AGENT_SHUTDOWN_GRACE_S and release every lease.",
+        "then finish running turns within AGENT_SHUTDOWN_GRACE_S and release every lease. "
+        "Exits 2 when its AGENT_WORKER_ID is in use by a live worker at start, or was "
+        "claimed by another process while this one was stopped (SIGSTOP).",
         epilog=_settings_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
