@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 from stacks import ALICE, ALICE_TOKEN, BOB, Stack, running_stack
+from test_gateway_api import ALICE as ALICE_IN_PROCESS
+from test_gateway_ratelimit import Clock, _gateway
 from test_gateway_users_round9 import _cpu_s, _streams_open, padded_chat
 
 pytestmark = [pytest.mark.frontend]
@@ -236,8 +238,6 @@ async def test_a_large_body_refused_is_told_when_it_would_pass_not_when_one_toke
     each refusal also holding her connection half a second to a second (its 429 then
     closes it). A client that obeys the header should be admitted when it asks again
     (or be told a time that admits it)."""
-    from test_gateway_api import ALICE as ALICE_IN_PROCESS
-    from test_gateway_ratelimit import Clock, _gateway
 
     async with _gateway(redis_factory, user_rate=2, user_burst=100) as (http, gw):
         clock = Clock()

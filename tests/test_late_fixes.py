@@ -11,6 +11,9 @@ import json
 from typing import Any
 
 import pytest
+from inprocess import cancelled, in_process_turn
+from test_gateway_api import ALICE
+from test_gateway_ratelimit import Clock, _gateway
 
 # --- 1. a body's cost, charged in two parts ---------------------------------------------
 
@@ -40,8 +43,6 @@ async def test_a_message_costing_more_than_the_burst_is_admitted_on_a_full_bucke
     ``Retry-After: 2``. She waits that (her bucket full again) and sends it again: the
     same, for ever -- an honest message that can never be sent (had it been charged at
     once, capped at 10, a full bucket admits it)."""
-    from test_gateway_api import ALICE
-    from test_gateway_ratelimit import Clock, _gateway
 
     async with _gateway(redis_factory, user_rate=1, user_burst=10) as (http, gw):
         clock = Clock()
@@ -74,8 +75,6 @@ async def test_the_commas_in_a_messages_text_are_not_charged_as_json_values(
     numbers (~50,000 commas) -- the same bytes, one string to parse; 8 such pastes in a
     row empty an honest user's bucket (and at a stricter rate one can never be sent:
     the test above)."""
-    from test_gateway_api import ALICE
-    from test_gateway_ratelimit import Clock, _gateway
 
     async with _gateway(redis_factory) as (http, gw):
         clock = Clock()
@@ -183,41 +182,8 @@ async def test_cancelled_catch_up_readers_leave_no_share_behind_and_the_rest_pro
 # --- 3. the in-process turn's id (ms-1)-(2**64-1) ------------------------------------------
 
 
-async def _in_process_turn(
-    make_loop: Any, monkeypatch: Any, ahead_s: float, *, started: bool = True
-) -> Any:
-    """An in-process turn held until cancelled, its clock ``ahead_s`` before Redis's;
-    begun once the loop is started (its control subscription made), or at once."""
-    import time
-    from types import SimpleNamespace
-
-    from helpers import ScriptedProvider
-
-    from bus_redis import InboundMessage
-    from worker.agent.providers import LLMResponse
-    from worker.runtime import direct
-
-    holding = asyncio.Event()
-
-    async def handler(**_kw: Any) -> LLMResponse:
-        holding.set()
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    loop = make_loop(ScriptedProvider(handler=handler))
-    if started:
-        async with asyncio.timeout(10):
-            while loop._consumer is None:  # (created once the start is done)
-                await asyncio.sleep(0.01)
-    monkeypatch.setattr(direct, "time", SimpleNamespace(time=lambda: time.time() + ahead_s))
-    msg = InboundMessage(id="t", channel="web", sender_id="u", chat_id="ms", content="hi")
-    turn = asyncio.create_task(loop.process_message(msg))
-    await asyncio.wait_for(holding.wait(), 10)
-    return loop, turn
-
-
 @pytest.mark.parametrize("older", [False, True])
-async def test_a_stop_found_in_the_stream_by_markers_lua_cancels_an_in_process_turn(
+async def test_a_stop_found_in_the_stream_by_markers_lua_cancels_anin_process_turn(
     redis: Any, make_loop: Any, monkeypatch: Any, older: bool
 ) -> None:
     """Held: a stop heard without its marker's id (``markers.lua`` reads the stream from
@@ -229,19 +195,13 @@ async def test_a_stop_found_in_the_stream_by_markers_lua_cancels_an_in_process_t
     keys = Keys()
     if older:
         await redis.xadd(keys.inbound("web:ms"), {"control": "stop"}, id="1-0")
-    loop, turn = await _in_process_turn(make_loop, monkeypatch, 0.0)
+    loop, turn = await in_process_turn(make_loop, monkeypatch, 0.0)
     client = FrontendClient(redis)
     async with redis.pipeline(transaction=True) as pipe:
         client.queue_control(pipe, "stop", "web:ms")
         await pipe.execute()
     loop.on_control(ControlMessage(op="stop", session_key="web:ms", marker=None))
-    try:
-        reply = await asyncio.wait_for(turn, 10)
-    except TimeoutError:
-        turn.cancel()
-        raise AssertionError("a stop found by markers.lua was ignored") from None
-    assert reply is not None
-    assert reply.code == "cancelled"
+    await cancelled(turn, "a stop found by markers.lua was ignored")
 
 
 async def test_a_stop_sent_after_an_in_process_turn_began_cancels_it_whatever_the_hosts_clock(
@@ -256,18 +216,10 @@ async def test_a_stop_sent_after_an_in_process_turn_began_cancels_it_whatever_th
     window is the skew.)"""
     from bus_redis import FrontendClient
 
-    _loop, turn = await _in_process_turn(make_loop, monkeypatch, 1.0)
+    _loop, turn = await in_process_turn(make_loop, monkeypatch, 1.0)
     await FrontendClient(redis).stop("web:ms")
-    try:
-        reply = await asyncio.wait_for(turn, 5)
-    except TimeoutError:
-        turn.cancel()
-        raise AssertionError(
-            "a stop sent while the in-process turn ran was ignored (the worker's clock is "
-            "1 s ahead of Redis's)"
-        ) from None
-    assert reply is not None
-    assert reply.code == "cancelled"
+    why = "a stop sent while the in-process turn ran was ignored (the host's clock 1 s ahead)"
+    await cancelled(turn, why)
 
 
 async def test_an_in_process_turn_running_as_the_loop_starts_keeps_its_lease(
@@ -283,7 +235,7 @@ async def test_an_in_process_turn_running_as_the_loop_starts_keeps_its_lease(
     ``TurnAbortedError`` instead of the reply."""
     from bus_redis import Keys
 
-    loop, turn = await _in_process_turn(make_loop, monkeypatch, 0.0, started=False)
+    loop, turn = await in_process_turn(make_loop, monkeypatch, 0.0, started=False)
     lease = Keys().lease("web:ms")
     held = await redis.get(lease)
     assert held is not None

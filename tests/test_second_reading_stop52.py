@@ -9,6 +9,7 @@ import signal
 
 import pytest
 from replies import channel_events, collect, until
+from test_interrupt_scope import _alice_working, _cut, _refused
 from test_kill_chaos import _beats_since, _close, _m, _terminals, _worker
 from test_second_reading_stop51 import _held_publish
 from workers import WorkerProcess
@@ -116,7 +117,6 @@ async def test_the_owners_interrupt_between_two_foreign_ones_read_in_two_passes_
     began after it). ARCHITECTURE: "an earlier one is read (stop 52: a replica's PUBLISH
     that came after a later marker's was refused unread)". Expected: her own interrupt
     cuts her turn."""
-    from test_interrupt_scope import _alice_working, _cut, _refused
 
     async with _alice_working(redis_factory) as w:
         loop, client = w.loop, w.client

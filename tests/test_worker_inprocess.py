@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from helpers import ScriptedProvider
+from inprocess import cancelled, in_process_turn
 from replies import collect
 
 from bus_redis import FrontendClient, InboundMessage, Keys, RedisBus
@@ -386,33 +387,14 @@ async def test_an_in_process_turn_is_stopped_by_a_marker_of_the_millisecond_it_b
     """``process_message`` runs under an id made of the clock, meant to come before any
     control published from then on. It was ``<ms>-0``: a marker written in that same
     millisecond (``<ms>-0`` too) was taken for one before the turn and the stop was lost
-    (a second reading's test failed so under load, stop 52)."""
+    (a second reading's test failed so under load, stop 52). Its id is now the last of the
+    millisecond before: a marker of the turn's own millisecond comes after it."""
     import time
-    from types import SimpleNamespace
-    from typing import Any
 
     from bus_redis import ControlMessage
-    from worker.runtime import direct
 
-    holding = asyncio.Event()
-
-    async def handler(**_kw: Any) -> LLMResponse:
-        holding.set()
-        await asyncio.Event().wait()  # held until cancelled
-        raise AssertionError("unreachable")
-
-    loop = make_loop(ScriptedProvider(handler=handler))
     ms = int(time.time() * 1000) + 60_000  # (a millisecond no entry of the stream has yet)
-    monkeypatch.setattr(direct, "time", SimpleNamespace(time=lambda: ms / 1000))  # (its own)
-    msg = InboundMessage(id="t", channel="web", sender_id="u", chat_id="ms", content="hi")
-    turn = asyncio.create_task(loop.process_message(msg))
-    await asyncio.wait_for(holding.wait(), 10)
+    loop, turn = await in_process_turn(make_loop, monkeypatch, 0.0, started=False, now_ms=ms)
     marker = await redis.xadd(Keys().inbound("web:ms"), {"control": "stop"}, id=f"{ms}-0")
     loop.on_control(ControlMessage(op="stop", session_key="web:ms", marker=str(marker)))
-    try:
-        reply = await asyncio.wait_for(turn, 10)
-    except TimeoutError:
-        turn.cancel()
-        raise AssertionError("the stop of the turn's own millisecond was ignored") from None
-    assert reply is not None
-    assert reply.code == "cancelled"
+    await cancelled(turn, "the stop of the turn's own millisecond was ignored")
