@@ -22,12 +22,19 @@ def _m(chat: str, text: str, **kw: Any) -> InboundMessage:
     return InboundMessage(channel="web", sender_id="u", chat_id=chat, content=text, **kw)
 
 
-async def test_a_stop_between_select_and_begin_cancels_the_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+async def _stop_between_select_and_begin(
+    redis_factory: Any, make_loop: Any, prepare: Any = None
+) -> dict[str, list[Any]]:
+    """A held turn of ``web:s`` whose stop is published after its entry was selected and
+    heard before its turn began (nothing ran: noted for it); ``prepare(loop)`` (optional)
+    returns a callback run at that moment. The events of its message, ``m1``."""
+
     async def handler(**_kw: Any) -> LLMResponse:
         await asyncio.Event().wait()  # held until cancelled
         raise AssertionError("unreachable")
 
     loop = make_loop(ScriptedProvider(handler=handler))
+    at_begin = prepare(loop) if prepare is not None else (lambda: None)
     client = FrontendClient(redis_factory())
     delivered = asyncio.Event()
     on_control = loop.on_control
@@ -45,12 +52,17 @@ async def test_a_stop_between_select_and_begin_cancels_the_turn(redis_factory, m
         if isinstance(res, Acquired) and res.step is not None and kw.get("member") == "web:s":
             await client.stop("web:s")  # queued after the selection ...
             await asyncio.wait_for(delivered.wait(), 5)  # ... handled before begin()
+            at_begin()
         return res
 
     loop.bus.acquire = acquire  # type: ignore[method-assign]
     mid = await client.send(_m("s", "hello", id="m1"))
-    got = await collect(client, "web", {mid})
-    assert got[mid][-1].code == "cancelled"
+    return await collect(client, "web", {mid}, timeout_s=10)
+
+
+async def test_a_stop_between_select_and_begin_cancels_the_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
+    got = await _stop_between_select_and_begin(redis_factory, make_loop)
+    assert got["m1"][-1].code == "cancelled"
 
 
 async def test_a_stop_between_select_and_begin_survives_a_failed_confirmation(  # type: ignore[no-untyped-def]
@@ -61,47 +73,25 @@ async def test_a_stop_between_select_and_begin_survives_a_failed_confirmation(  
     the turn ran on. It is now looked at again, as any control's confirmation is."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    async def handler(**_kw: Any) -> LLMResponse:
-        await asyncio.Event().wait()  # held until cancelled
-        raise AssertionError("unreachable")
+    armed, failures = asyncio.Event(), []
 
-    loop = make_loop(ScriptedProvider(handler=handler))
-    client = FrontendClient(redis_factory())
-    delivered = asyncio.Event()
-    on_control = loop.on_control
+    def prepare(loop: Any) -> Any:
+        registry = loop.rt.registry
+        real_step = registry.markers_step
 
-    def spy(control: Any) -> None:
-        on_control(control)
-        delivered.set()
+        async def markers_step(*a: Any, **kw: Any) -> Any:
+            if armed.is_set() and not failures:
+                failures.append(1)
+                raise RedisConnectionError("Connection reset by peer")
+            return await real_step(*a, **kw)
 
-    loop.on_control = spy  # type: ignore[method-assign]
-    registry = loop.rt.registry
-    real_step, armed, failures = registry.markers_step, asyncio.Event(), []
+        registry.markers_step = markers_step
+        return armed.set  # the look begin() starts fails once
 
-    async def markers_step(*a: Any, **kw: Any) -> Any:
-        if armed.is_set() and not failures:
-            failures.append(1)
-            raise RedisConnectionError("Connection reset by peer")
-        return await real_step(*a, **kw)
-
-    registry.markers_step = markers_step  # type: ignore[method-assign]
-    await until(lambda: loop._streams != [])
-    real_acquire = loop.bus.acquire
-
-    async def acquire(*a: Any, **kw: Any) -> Any:
-        res = await real_acquire(*a, **kw)
-        if isinstance(res, Acquired) and res.step is not None and kw.get("member") == "web:s":
-            await client.stop("web:s")
-            await asyncio.wait_for(delivered.wait(), 5)  # noted: nothing ran yet
-            armed.set()  # the look begin() starts fails once
-        return res
-
-    loop.bus.acquire = acquire  # type: ignore[method-assign]
-    mid = await client.send(_m("s", "hello", id="m1"))
-    got = await collect(client, "web", {mid}, timeout_s=10)
+    got = await _stop_between_select_and_begin(redis_factory, make_loop, prepare)
     assert failures, "the confirmation was never tried"
-    assert got.get(mid), "the stop was lost with the failed confirmation: the turn runs on"
-    assert got[mid][-1].code == "cancelled"
+    assert got.get("m1"), "the stop was lost with the failed confirmation: the turn runs on"
+    assert got["m1"][-1].code == "cancelled"
 
 
 async def test_a_late_confirmation_never_cancels_the_next_turn(redis_factory, make_loop) -> None:  # type: ignore[no-untyped-def]
