@@ -293,13 +293,13 @@ async def test_a_claimed_job_that_could_not_be_queued_again_is_claimed_again_lat
     await redis.hset(K.spawned("web:c"), "s3", json.dumps({"state": "queued", "by": "w-x"}))
     jobs = _RefusingJobs(fail=2)
     loop = AgentLoop(bus, ScriptedProvider(), jobs=jobs, config=LoopConfig(worker_id="w1"))
-    await loop._rerun_left("w-dead", {"web"})  # both kinds refused once: logged
+    await loop.leftovers.rerun("w-dead", {"web"})  # both kinds refused once: logged
     assert jobs.orphans == []
     left = await redis.hgetall(K.worker_jobs("w-dead"))
     assert set(left) == {"j1", "j2"}, left
     assert set(await redis.hgetall(K.worker_jobs("w-dead", "subagents"))) == {"j3"}
     assert 0 < await redis.pttl(K.worker_jobs("w-dead")) <= RUNNING_TTL_MS  # (not for ever)
-    await loop._rerun_left("w-dead", {"web"})  # the next look
+    await loop.leftovers.rerun("w-dead", {"web"})  # the next look
     assert sorted(jobs.orphans) == ["j1", "j2", "j3"]
     assert not await redis.exists(K.worker_jobs("w-dead"))
     assert not await redis.exists(K.worker_jobs("w-dead", "subagents"))

@@ -63,9 +63,9 @@ async def test_a_started_subagent_whose_requeue_failed_is_queued_again_at_the_ne
     await redis.zadd(K.subagents("web"), {"web:c": 1})
     jobs = _RefusingJobs(fail=1)
     loop = _loop(redis, jobs)
-    await loop._rerun_left("w-dead", {"web"})  # refused once: logged
+    await loop.leftovers.rerun("w-dead", {"web"})  # refused once: logged
     assert jobs.orphans == []
-    await loop._rerun_left("w-dead", {"web"})  # the next look (the prune of its record)
+    await loop.leftovers.rerun("w-dead", {"web"})  # the next look (the prune of its record)
     spec = json.loads(await redis.hget(K.spawned("web:c"), "s3"))
     assert jobs.orphans == ["agent:subagent:s3"], (
         f"the subagent is never queued again; its registration says {spec.get('state')} "
@@ -104,7 +104,7 @@ async def _taken_by_stalled(real_redis: aioredis.Redis, w0: Any, w1: Any) -> tup
     first = await w1.poll(job_id)
     assert first is not None
     await asyncio.wait_for(stall.stalled.wait(), 10)
-    await w0.loop._rerun_left("w1", {"web"})
+    await w0.loop.leftovers.rerun("w1", {"web"})
     return job_id, (first, stall)
 
 
@@ -183,7 +183,7 @@ async def test_an_older_survivor_queues_a_dead_workers_subagent_again_once(
     job = asyncio.create_task(new.subagents.run_job(session="web:c", sid="s3"))
     try:
         await asyncio.wait_for(held.wait(), 10)
-        # the older survivor's look (7a99514's AgentLoop._rerun_left): its subagents ...
+        # the older survivor's look (7a99514's AgentLoop._rerun_left, now Leftovers.rerun): its subagents ...
         jobs = _RefusingJobs(fail=0)
         old = _loop(redis, jobs, worker_id="w-old")
         job_id = old.subagents._job_id("s3")
@@ -223,7 +223,7 @@ async def test_in_unified_mode_the_prune_claims_what_was_given_back(
     loop = AgentLoop(RedisBus(redis), ScriptedProvider(), jobs=jobs, config=config)
     await loop.maintenance.refresh_channels(discover=False)
     # the liveness watch judged w-dead dead: its look (all served channels) is refused
-    await loop._rerun_left("w-dead", loop._served_channels())
+    await loop.leftovers.rerun("w-dead", loop._served_channels())
     assert await redis.hexists(K.worker_jobs("w-dead"), "agent:consolidate:unified:default")
     await loop.maintenance._prune_workers()  # the next look: the prune of its record
     assert not await redis.zscore(K.workers, "w-dead")  # (pruned)
@@ -249,7 +249,7 @@ async def test_a_former_lifes_job_refused_at_start_is_queued_again_by_a_tick(
     await former.started("agent:consolidate:web:c", "consolidate", "web", kwargs)
     jobs = _RefusingJobs(fail=1)
     loop = _loop(redis, jobs)
-    await loop._rerun_left("w1", {"web"})  # the start's look: refused, given back
+    await loop.leftovers.rerun("w1", {"web"})  # the start's look: refused, given back
     assert jobs.orphans == []
     await loop.maintenance.refresh_channels(discover=True)
     await loop.maintenance.tick()

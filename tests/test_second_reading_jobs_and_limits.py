@@ -45,7 +45,7 @@ async def test_a_queued_subagent_whose_dead_worker_had_taken_its_job_runs_once_t
     remove (the session's slot, and the user's share, held all that time). Expected: a
     'queued' registration of a dead worker is handed over like a 'running' one
     (``jobs.orphaned``: arq's in-progress mark dropped), so the result arrives at once.
-    Here the worker restarted under its id (``_start`` calls ``_rerun_left`` the same way
+    Here the worker restarted under its id (``_start`` calls ``leftovers.rerun`` the same way
     a survivor's liveness watch does)."""
     jobs = ArqJobQueue(redis_server.url, "agent")
     model = Spawner()
@@ -74,7 +74,7 @@ async def test_a_queued_subagent_whose_dead_worker_had_taken_its_job_runs_once_t
         assert taken, "no subagent job was queued"
         assert not await spawn_replies(client, "web:held")
         # what a restart under this id (or a survivor judging it dead) does
-        await loop._rerun_left(loop.worker_id, {"web"})
+        await loop.leftovers.rerun(loop.worker_id, {"web"})
         deadline = asyncio.get_running_loop().time() + 6
         while not await spawn_replies(client, "web:held"):
             if asyncio.get_running_loop().time() > deadline:

@@ -293,7 +293,7 @@ async def test_a_job_taken_by_a_worker_that_died_before_starting_it_runs_again_a
         await asyncio.wait_for(stalled.wait(), 10)
         assert (await _spec(real_redis) or {}).get("state") == "queued"
         assert await w0.poll(job_id) is None  # arq's mark holds it
-        await w0.loop._rerun_left("w1", {"web"})  # w0's liveness watch judged w1 dead
+        await w0.loop.leftovers.rerun("w1", {"web"})  # w0's liveness watch judged w1 dead
         rerun = await w0.poll(job_id)
         assert rerun is not None, "the job w1 took waits out arq's in-progress mark"
         await until(lambda: model.calls == 1, timeout_s=10)  # the re-run, on w0

@@ -32,6 +32,7 @@ from worker.config import LoopConfig
 from worker.jobs import JobQueue
 from worker.jobs.consolidation import JOB_NAME as CONSOLIDATE_JOB
 from worker.jobs.consolidation import Consolidator
+from worker.jobs.leftovers import Leftovers
 from worker.jobs.schedules import JOB_NAME as CRON_JOB
 from worker.jobs.schedules import Schedules
 from worker.jobs.services import BackgroundServices
@@ -48,11 +49,7 @@ from worker.runtime.inflight import TurnRegistry
 from worker.runtime.lease import held_tokens
 from worker.runtime.liveness import Liveness
 from worker.runtime.maintenance import Maintenance
-from worker.runtime.registration import (
-    WorkerConflictError,
-    check_can_serve,
-    end_former_private,
-)
+from worker.runtime.registration import check_can_serve, end_former_private, id_taken
 from worker.runtime.subscription import ControlListener
 
 log = logging.getLogger(__name__)
@@ -110,6 +107,7 @@ class AgentLoop:
         self.rt.on_id_taken = self._on_id_taken
         self.rt.jobs.register(CONSOLIDATE_JOB, self.consolidator.run_job)
         self.subagents = Subagents(self.rt, self.tools)
+        self.leftovers = Leftovers(config.worker_id, self.subagents, self.consolidator)
         self.schedules = Schedules(self.rt)
         self.rt.services = BackgroundServices(self.subagents, self.schedules)
         self.rt.jobs.register(SUBAGENT_JOB, self.subagents.run_job)
@@ -131,8 +129,8 @@ class AgentLoop:
             set_channels=self._set_channels,
             streams=lambda: list(self._streams),
             periodic=self.schedules.sweep,
-            left_by=self._rerun_left,
-            left_here=self._rerun_left_here,
+            left_by=self.leftovers.rerun,
+            left_here=self.leftovers.here,
         )
         self.liveness = Liveness(
             self.rt,
@@ -140,7 +138,7 @@ class AgentLoop:
             channels=self._served_channels,
             streams=lambda: list(self._streams),
             dispatch=self.dispatch,
-            on_dead=self._rerun_left,
+            on_dead=self.leftovers.rerun,
         )
         self.rt.on_new_server.append(self.liveness.new_server)
 
@@ -200,12 +198,7 @@ class AgentLoop:
             self._stopping.clear()
             self.rt.turns.stopping = False
         if self._id_taken is not None:
-            host, pid = self._id_taken
-            raise WorkerConflictError(
-                f"worker id {self.worker_id!r} was claimed by pid {pid} on {host} while this "
-                "process was stopped; it stopped serving: give each worker its own "
-                "AGENT_WORKER_ID"
-            )
+            raise id_taken(self.worker_id, *self._id_taken)
 
     async def _run(self) -> None:
         listener = self._listener = ControlListener(
@@ -269,26 +262,10 @@ class AgentLoop:
             keep=held_tokens(self.bus),  # (an in-process turn running now: this life's)
         )  # fmt: skip
         # ... and the jobs it ran, and its private sessions end (told as lost)
-        await self._rerun_left(self.worker_id, self._served_channels())
+        await self.leftovers.rerun(self.worker_id, self._served_channels())
         await end_former_private(
             self.rt.registry, self.worker_id, self._served_channels(), self._abandoned
         )
-
-    async def _rerun_left(self, worker: str, channels: set[str]) -> None:
-        """What worker ``worker`` (dead, or this one's former life) left running in
-        ``channels`` runs again now: its subagents and consolidations."""
-        for rerun in (self.subagents.rerun_orphans, self.consolidator.rerun_orphans):
-            try:
-                await rerun(worker, channels)
-            except RedisError as exc:  # the next look (tick, prune) tries again
-                log.warning("re-running what %s left failed: %s", safe(worker), type(exc).__name__)
-
-    async def _rerun_left_here(self, channels: set[str]) -> None:
-        """This worker's own entries of running jobs that run nowhere here now run again
-        (``RunningJobs``: a former life's left at start, or one given back after a stall):
-        two ``HGETALL`` a tick."""
-        await self.subagents.orphans.taken(self.worker_id, channels)
-        await self.consolidator.rerun_orphans(self.worker_id, channels)
 
     @property
     def stopping(self) -> bool:

@@ -65,6 +65,15 @@ def _in_use(worker_id: str, host: str | None, pid: str | None) -> WorkerConflict
     )
 
 
+def id_taken(worker_id: str, host: str, pid: str) -> WorkerConflictError:
+    """Another process claimed this worker's id while this one was stopped (SIGSTOP past
+    its record): found by its heartbeat (``heartbeat.lua``), it stopped serving."""
+    return WorkerConflictError(
+        f"worker id {worker_id!r} was claimed by pid {pid} on {host} while this process was "
+        "stopped; it stopped serving: give each worker its own AGENT_WORKER_ID"
+    )
+
+
 def _pid_alive(pid: str) -> bool:
     try:
         os.kill(int(pid), 0)
